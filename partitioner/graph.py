@@ -1,0 +1,117 @@
+"""The traced graph as a networkx DiGraph annotated with shapes, bytes and FLOPs per node.
+
+One vertex per fx node (keyed by node name) carrying:
+  op, target, module (owning module path), position (topological index),
+  shapes, dtypes, out_bytes (bytes of the node's output tensors),
+  param_bytes (parameters and buffers first used here), flops (forward).
+Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import networkx as nx
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["build_graph", "compute_nodes", "owning_module"]
+
+# Nodes that do no work and are dropped from stages (export's guards and metadata asserts).
+_NO_WORK = {"_guards_fn"}
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def owning_module(node: torch.fx.Node) -> str:
+    """Dotted path of the module whose forward produced `node` ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return "" if path.startswith("_empty") else str(path)
+    return ""
+
+
+def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes that run in stages, in topological order: calls, not placeholders/attrs/output."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and n.target not in _NO_WORK
+    ]
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.info: dict[str, dict[str, Any]] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            result = super().run_node(n)
+        tensors = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+        self.info[n.name] = {
+            "shapes": [tuple(t.shape) for t in tensors],
+            "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
+            "out_bytes": sum(_tensor_bytes(t) for t in tensors),
+            "flops": int(counter.get_total_flops()),
+        }
+        return result
+
+
+def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) -> int:
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        tensors = list(module.parameters()) + list(module.buffers())
+    elif node.op == "get_attr":
+        obj = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        tensors = [obj] if isinstance(obj, torch.Tensor) else []
+    else:
+        return 0
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += _tensor_bytes(t)
+    return total
+
+
+def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGraph:
+    """Run `gm` once on `flat_inputs` (no grad, buffers restored) and build the annotated DiGraph."""
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    recorder = _Recorder(gm)
+    try:
+        with torch.no_grad():
+            recorder.run(*flat_inputs)
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(buffers[name])
+
+    graph = nx.DiGraph()
+    seen: set[int] = set()
+    for position, node in enumerate(gm.graph.nodes):
+        info = recorder.info.get(node.name, {"shapes": [], "dtypes": [], "out_bytes": 0, "flops": 0})
+        graph.add_node(
+            node.name,
+            op=node.op,
+            target=str(getattr(node.target, "__name__", node.target)),
+            module=owning_module(node),
+            position=position,
+            param_bytes=_param_bytes(gm, node, seen),
+            **info,
+        )
+        for producer in node.all_input_nodes:
+            graph.add_edge(producer.name, node.name, bytes=graph.nodes[producer.name]["out_bytes"])
+    return graph

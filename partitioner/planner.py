@@ -1,0 +1,223 @@
+"""Split the graph into contiguous stages, one per device, minimizing the slowest stage.
+
+Stage s runs compute nodes [a, b) of the topological order on devices[s]. Its time for one
+micro-batch is forward + backward compute plus moving its boundary tensors both ways:
+
+    T_s(a, b) = C_s[b] - C_s[a] + 2 * (recv_s(R[a, b]) + send_s(S[a, b]))
+
+R[a, b] is the bytes of values made before a and read in [a, b) (skips come straight from
+the stage that made them); S[a, b] the bytes made in [a, b) and read at b or later. A
+dynamic program over (stage, end) finds the split whose largest T_s is smallest, exactly;
+R and S for every (a, b) come from 2-D difference arrays in O(n^2) numpy work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import networkx as nx
+import numpy as np
+import torch
+
+from cost_model.analytic import CostModel
+from partitioner.errors import PartitionError
+from runtime.plan import Plan, StagePlan
+
+__all__ = ["SplitProblem", "plan_pipeline", "solve"]
+
+# Above this many nodes, cuts are only considered every few nodes (memory is O(cuts^2)).
+MAX_CUTS = 3000
+
+
+@dataclass
+class SplitProblem:
+    """The numbers the split needs, with no torch or graph objects."""
+
+    node_times: np.ndarray  # [stages, n] forward+backward seconds of node i on stage s's device
+    producers: np.ndarray  # [v] position of the producing node (-1: a pipeline input)
+    consumers: list[np.ndarray]  # [v] sorted positions reading the value (n: the model output)
+    value_bytes: np.ndarray  # [v]
+    recv_link: np.ndarray  # [stages, 2] (latency s, seconds per byte) into stage s
+    send_link: np.ndarray  # [stages, 2] out of stage s
+
+    @property
+    def n(self) -> int:
+        return int(self.node_times.shape[1])
+
+    @property
+    def stages(self) -> int:
+        return int(self.node_times.shape[0])
+
+    def bytes_in_out(self, a: int, b: int) -> tuple[float, float]:
+        """Reference (slow, direct) recv and send bytes of a stage covering [a, b)."""
+        recv = send = 0.0
+        n = self.n
+        for p, cons, nbytes in zip(self.producers, self.consumers, self.value_bytes):
+            if p < a and any(a <= c < b for c in cons):
+                recv += nbytes
+            last = cons.max() if len(cons) else -1
+            if a <= p < b and (last >= b if last < n else b < n):
+                send += nbytes
+        return recv, send
+
+    def stage_time(self, s: int, a: int, b: int) -> float:
+        """Reference (slow, direct) time of stage s covering [a, b)."""
+        recv, send = self.bytes_in_out(a, b)
+        compute = float(self.node_times[s, a:b].sum())
+        return compute + 2 * (_link(self.recv_link[s], recv) + _link(self.send_link[s], send))
+
+
+def _link(link: np.ndarray, nbytes: Any) -> Any:
+    return np.where(np.asarray(nbytes) > 0, link[0] + link[1] * np.asarray(nbytes), 0.0)
+
+
+def _boundary_bytes(problem: SplitProblem, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """R and S on the grid cuts x cuts via rectangle updates of a 2-D difference array."""
+    k = len(cuts)
+    n = problem.n
+    rows0, rows1, cols0, cols1, weights = [], [], [], [], []
+
+    def rect(r0: int, r1: int, c0: int, c1: int, w: float) -> None:
+        # rows a in [r0, r1], cols b in [c0, c1], in node positions; compress to cut indices.
+        i0, i1 = np.searchsorted(cuts, r0, "left"), np.searchsorted(cuts, r1, "right") - 1
+        j0, j1 = np.searchsorted(cuts, c0, "left"), np.searchsorted(cuts, c1, "right") - 1
+        if i0 <= i1 and j0 <= j1 and w:
+            rows0.append(i0), rows1.append(i1), cols0.append(j0), cols1.append(j1), weights.append(w)
+
+    def build() -> np.ndarray:
+        d = np.zeros((k + 1, k + 1))
+        r0, r1, c0, c1, w = (np.asarray(x) for x in (rows0, rows1, cols0, cols1, weights))
+        if len(w):
+            np.add.at(d, (r0, c0), w)
+            np.add.at(d, (r0, c1 + 1), -w)
+            np.add.at(d, (r1 + 1, c0), -w)
+            np.add.at(d, (r1 + 1, c1 + 1), w)
+        rows0.clear(), rows1.clear(), cols0.clear(), cols1.clear(), weights.clear()
+        return d.cumsum(0).cumsum(1)[:k, :k]
+
+    for p, cons, w in zip(problem.producers, problem.consumers, problem.value_bytes):
+        prev = int(p)
+        for c in cons:
+            if c >= n:
+                break
+            rect(prev + 1, int(c), int(c) + 1, n, float(w))
+            prev = int(c)
+    recv = build()
+    for p, cons, w in zip(problem.producers, problem.consumers, problem.value_bytes):
+        if p < 0 or not len(cons):
+            continue
+        last = int(cons[-1])
+        rect(0, int(p), int(p) + 1, n - 1 if last >= n else last, float(w))
+    send = build()
+    return recv, send
+
+
+def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], float]:
+    """Stage boundaries [0, b1, ..., n] minimizing the largest stage time, and that time."""
+    n, p = problem.n, problem.stages
+    if p > n:
+        raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
+    step = max(1, math.ceil(n / max_cuts))
+    cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n]]))
+    recv, send = _boundary_bytes(problem, cuts)
+    k = len(cuts)
+    valid = cuts[None, :] > cuts[:, None]  # a < b
+    dp = np.full(k, math.inf)
+    dp[0] = 0.0
+    choice = np.zeros((p, k), dtype=np.int64)
+    for s in range(p):
+        prefix = np.concatenate([[0.0], np.cumsum(problem.node_times[s])])[cuts]
+        t = prefix[None, :] - prefix[:, None]
+        t = t + 2 * (_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
+        m = np.where(valid, np.maximum(dp[:, None], t), math.inf)
+        choice[s] = m.argmin(axis=0)
+        dp = m[choice[s], np.arange(k)]
+    bounds = [k - 1]
+    for s in range(p - 1, -1, -1):
+        bounds.append(int(choice[s, bounds[-1]]))
+    return [int(cuts[i]) for i in reversed(bounds)], float(dp[k - 1])
+
+
+def _affine(cost: CostModel, src: torch.device, dst: torch.device) -> tuple[float, float]:
+    """(latency, seconds per byte) of the link, read off two transfer sizes."""
+    one, big = cost.transfer_time(1, src, dst), cost.transfer_time(1 + (1 << 20), src, dst)
+    slope = (big - one) / (1 << 20)
+    return one - slope, slope
+
+
+def make_problem(graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torch.device], cost: CostModel) -> SplitProblem:
+    """Gather per-node times on each stage's device and the values crossing positions."""
+    position = {name: i for i, name in enumerate(order)}
+    n = len(order)
+    per_device = {d: np.array([cost.node_time(graph.nodes[name], d) for name in order]) for d in set(devices)}
+    producers, consumers, sizes = [], [], []
+    for name, attrs in graph.nodes(data=True):
+        if attrs["op"] != "placeholder" and name not in position:
+            continue
+        cons = sorted(
+            {position[u] if u in position else n for u in graph.successors(name) if u in position or graph.nodes[u]["op"] == "output"}
+        )
+        if cons:
+            producers.append(position.get(name, -1))
+            consumers.append(np.array(cons, dtype=np.int64))
+            sizes.append(float(attrs["out_bytes"]))
+    p = len(devices)
+    none = (0.0, 0.0)
+    recv = [none] + [_affine(cost, devices[s - 1], devices[s]) for s in range(1, p)]
+    send = [_affine(cost, devices[s], devices[s + 1]) for s in range(p - 1)] + [none]
+    return SplitProblem(
+        node_times=np.stack([per_device[d] for d in devices]) if n else np.zeros((p, 0)),
+        producers=np.array(producers, dtype=np.int64),
+        consumers=consumers,
+        value_bytes=np.array(sizes),
+        recv_link=np.array(recv),
+        send_link=np.array(send),
+    )
+
+
+def plan_pipeline(
+    graph: nx.DiGraph,
+    order: Sequence[str],
+    devices: Sequence[torch.device],
+    cost: CostModel,
+    micro_batches: int,
+) -> Plan:
+    """The best contiguous split of `order` over `devices`, as a Plan (GPipe schedule)."""
+    problem = make_problem(graph, order, devices, cost)
+    bounds, _ = solve(problem)
+    first_use: dict[str, int] = {}
+    for i, name in enumerate(order):
+        for pred in graph.predecessors(name):
+            if graph.nodes[pred]["op"] == "get_attr":
+                first_use.setdefault(pred, i)
+    stages = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        recv, send = problem.bytes_in_out(a, b)
+        compute = float(problem.node_times[s, a:b].sum())
+        total = problem.stage_time(s, a, b)
+        names = list(order[a:b])
+        params = sum(graph.nodes[x]["param_bytes"] for x in names)
+        params += sum(graph.nodes[x]["param_bytes"] for x, i in first_use.items() if a <= i < b)
+        stages.append(
+            StagePlan(
+                index=s,
+                device=str(devices[s]),
+                nodes=names,
+                predicted_ms=total * 1e3,
+                compute_ms=compute * 1e3,
+                comm_ms=(total - compute) * 1e3,
+                param_bytes=int(params),
+                activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),
+                recv_bytes=int(recv),
+                send_bytes=int(send),
+            )
+        )
+    bottleneck = max(s.predicted_ms for s in stages)
+    return Plan(
+        stages=stages,
+        micro_batches=micro_batches,
+        schedule="gpipe",
+        predicted_step_ms=(micro_batches + len(stages) - 1) * bottleneck,
+    )

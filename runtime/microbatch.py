@@ -1,0 +1,75 @@
+"""Split a batch of inputs into micro-batches along dim 0, and merge outputs back."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["batch_size", "gather", "scatter"]
+
+
+def batch_size(values: Any) -> int:
+    """Size of dim 0 of the first tensor in `values`; the batch every tensor of that size shares.
+
+    Raises:
+        ValueError: no tensor, or the first tensor is a scalar.
+    """
+    tensors = [x for x in pytree.tree_leaves(values) if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise ValueError("the inputs hold no tensor, so there is no batch to split into micro-batches")
+    if tensors[0].dim() == 0:
+        raise ValueError(
+            "the first input tensor is a scalar (shape ()), so it has no batch dimension; "
+            "pass inputs whose dim 0 is the batch"
+        )
+    return int(tensors[0].shape[0])
+
+
+def scatter(values: Sequence[Any], chunks: int) -> list[list[Any]]:
+    """Split every tensor whose dim 0 equals the batch size into `chunks` parts.
+
+    Sizes differ by at most one (10 samples in 4 chunks: 3, 3, 2, 2). Tensors of another
+    size and non-tensors are given whole to every micro-batch.
+    """
+    size = batch_size(values)
+    if not 1 <= chunks <= size:
+        raise ValueError(f"micro_batches={chunks} but the batch has {size} samples; use 1 <= micro_batches <= {size}")
+    if chunks == 1:
+        return [list(values)]
+    leaves, spec = pytree.tree_flatten(list(values))
+    split = [
+        torch.tensor_split(x, chunks) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size else None
+        for x in leaves
+    ]
+    return [
+        pytree.tree_unflatten([x if parts is None else parts[i] for x, parts in zip(leaves, split)], spec)
+        for i in range(chunks)
+    ]
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Concatenate micro-batch outputs leaf by leaf along dim 0, keeping the structure of the first.
+
+    Raises:
+        ValueError: a scalar tensor output (such as a loss) with several micro-batches,
+            which cannot be merged without knowing how it was reduced.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    merged = []
+    for leaves in zip(*(f[0] for f in flat)):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            if first.dim() == 0:
+                raise ValueError(
+                    "the model returns a scalar tensor (a loss?) which cannot be merged across "
+                    f"{len(outputs)} micro-batches; return per-sample values and reduce outside, or use micro_batches=1"
+                )
+            merged.append(torch.cat(leaves, dim=0))
+        else:
+            merged.append(first)
+    return pytree.tree_unflatten(merged, spec)

@@ -1,0 +1,165 @@
+"""Run stages over micro-batches in one process with the GPipe fill-drain schedule.
+
+One worker thread per distinct device runs that device's (micro-batch, stage) tasks in
+clock-tick order; a task waits for the tasks that produce its inputs. With a single
+distinct device the tasks run inline in the caller's thread (no thread hand-offs).
+
+    device 0: 0F0 0F1 0F2                 tick:  0   1   2   3
+    device 1:     1F0 1F1 1F2             dev0: F0  F1  F2
+                                          dev1:     F0  F1  F2
+
+Backward is autograd's: the merged output's graph spans every device, and gradients land
+in the model's own parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from runtime.microbatch import gather, scatter
+from runtime.plan import Plan
+from runtime.schedule import clock_cycles
+from runtime.stage import Stage
+
+__all__ = ["Pipeline"]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != device:
+            return x.to(device, non_blocking=device.type == "cuda")
+        return x
+
+    return pytree.tree_map(move, value)
+
+
+def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class Pipeline(nn.Module):
+    """The partitioned model: call it like the original; `plan` says where everything runs.
+
+    Parameters, `state_dict()` and `load_state_dict()` are the original model's own.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[Stage],
+        plan: Plan,
+        output_node: torch.fx.Node,
+        flatten_inputs: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
+        unflatten_outputs: Callable[[Any], Any],
+        input_names: list[str],
+        constants: Mapping[str, Any],
+    ) -> None:
+        super().__init__()
+        self.stage_modules = nn.ModuleList([s.module for s in stages])
+        self.plan = plan
+        self._model = [model]  # a list so nn.Module does not register it twice
+        self._stages = stages
+        self._output_node = output_node
+        self._flatten = flatten_inputs
+        self._unflatten = unflatten_outputs
+        self._input_names = input_names
+        self._constants = dict(constants)
+        self._devices = list(dict.fromkeys(s.device for s in stages))
+        self._workers: dict[torch.device, ThreadPoolExecutor] = {}
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model[0]
+
+    @property
+    def output_device(self) -> torch.device:
+        return self._stages[-1].device
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace parameters the pipeline holds; use assign=False")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        self.model.train(mode)
+        return super().train(mode)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self._flatten(args, kwargs)
+        chunks = scatter(flat, self.plan.micro_batches)
+        envs = [dict(zip(self._input_names, chunk)) for chunk in chunks]
+        deferring = len(chunks) > 1
+        for stage in self._stages:
+            for bn in stage.deferred_bns:
+                bn.deferring = deferring
+        self._run(envs)
+        if deferring:
+            for stage in self._stages:
+                for bn in stage.deferred_bns:
+                    bn.commit()
+        outputs = [
+            torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env))
+            for env in envs
+        ]
+        return self._unflatten(_to(gather(outputs), self.output_device))
+
+    def _value(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        if node.name in env:
+            return env[node.name]
+        return self._constants[node.name]
+
+    def _tasks(self, chunks: int) -> Iterator[tuple[int, Stage]]:
+        for tick in clock_cycles(chunks, len(self._stages)):
+            for i, j in tick:
+                yield i, self._stages[j]
+
+    def _run_task(self, env: dict[str, Any], stage: Stage, grad: bool) -> None:
+        with torch.set_grad_enabled(grad), _device_context(stage.device):
+            inputs = [_to(env[name], stage.device) for name in stage.inputs]
+            outputs = stage.module(*inputs)
+            env.update(zip(stage.outputs, outputs))
+
+    def _run(self, envs: list[dict[str, Any]]) -> None:
+        grad = torch.is_grad_enabled()
+        if len(self._devices) == 1:
+            for i, stage in self._tasks(len(envs)):
+                self._run_task(envs[i], stage, grad)
+            return
+        producer = {name: s.index for s in self._stages for name in s.outputs}
+        done: dict[tuple[int, int], Future[None]] = {}
+
+        def task(i: int, stage: Stage, waits: list[Future[None]]) -> None:
+            for w in waits:
+                w.result()
+            self._run_task(envs[i], stage, grad)
+
+        for i, stage in self._tasks(len(envs)):
+            waits = [done[(i, producer[n])] for n in stage.inputs if n in producer]
+            worker = self._workers.get(stage.device)
+            if worker is None:
+                worker = self._workers[stage.device] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{stage.device}")
+            done[(i, stage.index)] = worker.submit(task, i, stage, waits)
+        errors = [f.exception() for f in done.values()]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Stop the worker threads (they are also stopped when the pipeline is garbage collected)."""
+        for worker in self._workers.values():
+            worker.shutdown(wait=True)
+        self._workers.clear()
+
+    def __del__(self) -> None:
+        for worker in getattr(self, "_workers", {}).values():
+            worker.shutdown(wait=False)

@@ -1,0 +1,98 @@
+"""The Plan: plain data saying which graph nodes run on which device, and what that should cost.
+
+The planner writes it, the runtime reads it, the visualizer draws it. It holds names and
+numbers only (no tensors, no modules), so it can be saved, edited by hand and loaded back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Plan", "StagePlan"]
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: a contiguous run of graph nodes (topological order) on one device."""
+
+    index: int
+    device: str
+    nodes: list[str]
+    predicted_ms: float = 0.0  # forward + backward of one micro-batch, transfers included
+    compute_ms: float = 0.0
+    comm_ms: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: int = 0  # activations held for backward across all micro-batches in flight
+    recv_bytes: int = 0  # per micro-batch, forward direction
+    send_bytes: int = 0
+
+
+@dataclass
+class Plan:
+    """A placement of a traced model onto devices plus the schedule to run it with."""
+
+    stages: list[StagePlan]
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    predicted_step_ms: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> list[str]:
+        return [s.device for s in self.stages]
+
+    @property
+    def bottleneck_ms(self) -> float:
+        return max((s.predicted_ms for s in self.stages), default=0.0)
+
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> stage index."""
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        stages = [StagePlan(**s) for s in data.pop("stages")]
+        return cls(stages=stages, **data)
+
+    def summary(self) -> str:
+        """The plan as a fixed-width table, one row per stage."""
+        header = ("stage", "device", "nodes", "first .. last node", "pred ms", "comm ms", "params", "activations")
+        rows = [
+            (
+                str(s.index),
+                s.device,
+                str(len(s.nodes)),
+                f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-",
+                f"{s.predicted_ms:.3f}",
+                f"{s.comm_ms:.3f}",
+                _human(s.param_bytes),
+                _human(s.activation_bytes),
+            )
+            for s in self.stages
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        line = "  ".join("{:<%d}" % w for w in widths)
+        out = [line.format(*header), line.format(*("-" * w for w in widths))]
+        out += [line.format(*r) for r in rows]
+        out.append(
+            f"{len(self.stages)} stages, {self.micro_batches} micro-batches, schedule {self.schedule}; "
+            f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
+        )
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"

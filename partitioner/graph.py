@@ -1,7 +1,7 @@
 """The traced graph as a networkx DiGraph annotated with shapes, bytes and FLOPs per node.
 
 One vertex per fx node (keyed by node name) carrying:
-  op, target, module (owning module path), position (topological index),
+  name, op, target, module (owning module path), position (topological index),
   shapes, dtypes, out_bytes (bytes of the node's output tensors),
   param_bytes (parameters and buffers first used here), flops (forward).
 Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
@@ -92,7 +92,7 @@ def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGr
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     recorder = _Recorder(gm)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             recorder.run(*flat_inputs)
     finally:
         with torch.no_grad():
@@ -105,6 +105,7 @@ def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGr
         info = recorder.info.get(node.name, {"shapes": [], "dtypes": [], "out_bytes": 0, "flops": 0})
         graph.add_node(
             node.name,
+            name=node.name,
             op=node.op,
             target=str(getattr(node.target, "__name__", node.target)),
             module=owning_module(node),

@@ -21,7 +21,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from cost_model.analytic import CostModel
+from cost_model.analytic import BACKWARD_FACTOR, CostModel
 from partitioner.errors import PartitionError
 from runtime.plan import Plan, StagePlan
 
@@ -207,6 +207,8 @@ def plan_pipeline(
                 nodes=names,
                 predicted_ms=total * 1e3,
                 compute_ms=compute * 1e3,
+                forward_ms=compute * 1e3 / (1 + BACKWARD_FACTOR),
+                backward_ms=compute * 1e3 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR),
                 comm_ms=(total - compute) * 1e3,
                 param_bytes=int(params),
                 activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),

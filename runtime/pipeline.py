@@ -79,6 +79,11 @@ class Pipeline(nn.Module):
         return self._model[0]
 
     @property
+    def stages(self) -> list[Stage]:
+        """The runnable stages (module, device, input and output value names), in order."""
+        return list(self._stages)
+
+    @property
     def output_device(self) -> torch.device:
         return self._stages[-1].device
 

@@ -22,6 +22,8 @@ class StagePlan:
     nodes: list[str]
     predicted_ms: float = 0.0  # forward + backward of one micro-batch, transfers included
     compute_ms: float = 0.0
+    forward_ms: float = 0.0  # compute_ms split into its forward and backward parts
+    backward_ms: float = 0.0
     comm_ms: float = 0.0
     param_bytes: int = 0
     activation_bytes: int = 0  # activations held for backward across all micro-batches in flight

@@ -29,6 +29,7 @@ def partition(
     micro_batches: int = 1,
     cost_model: CostModel | None = None,
     plan: Plan | None = None,
+    threads: bool | None = None,
 ) -> Pipeline:
     """Split `model` into one pipeline stage per entry of `devices` and return it ready to run.
 
@@ -42,6 +43,7 @@ def partition(
         micro_batches: how many micro-batches each call is split into (GPipe schedule).
         cost_model: what predicts node and transfer times; analytic, measured here, by default.
         plan: a Plan to run as it is (for example one saved with `Plan.to_json`), skipping planning.
+        threads: run stages on worker threads; default only when there are several devices.
 
     Raises:
         TypeError: `model` is not an nn.Module.
@@ -80,7 +82,7 @@ def partition(
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-        return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants)
+        return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, threads)
     except BaseException:
         undo()
         raise

@@ -62,6 +62,8 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self, not_leaves: set[nn.Module]) -> None:
         super().__init__()
         self.not_leaves = not_leaves
+        # Buffers become get_attr nodes (not baked-in constants), so they stay the model's.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m in self.not_leaves:
@@ -111,10 +113,8 @@ def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
             return {0: Dim.AUTO}
         return None
 
-    dynamic_shapes = (
-        tuple(pytree.tree_map(dyn, a) for a in args),
-        {k: pytree.tree_map(dyn, v) for k, v in kwargs.items()},
-    )
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    dynamic_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
     program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
     gm = program.module()
     codegen = gm.graph._codegen

@@ -2,7 +2,8 @@
 
 One worker thread per distinct device runs that device's (micro-batch, stage) tasks in
 clock-tick order; a task waits for the tasks that produce its inputs. With a single
-distinct device the tasks run inline in the caller's thread (no thread hand-offs).
+distinct device the tasks run inline in the caller's thread (no thread hand-offs) unless
+`threads=True` asks for one worker per stage (how the threaded path is tested on CPU).
 
     device 0: 0F0 0F1 0F2                 tick:  0   1   2   3
     device 1:     1F0 1F1 1F2             dev0: F0  F1  F2
@@ -40,6 +41,17 @@ def _to(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(move, value)
 
 
+def _plain(value: Any) -> Any:
+    """fx's immutable_dict / immutable_list as the plain dict / list the model returned."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -60,6 +72,7 @@ class Pipeline(nn.Module):
         unflatten_outputs: Callable[[Any], Any],
         input_names: list[str],
         constants: Mapping[str, Any],
+        threads: bool | None = None,
     ) -> None:
         super().__init__()
         self.stage_modules = nn.ModuleList([s.module for s in stages])
@@ -71,8 +84,11 @@ class Pipeline(nn.Module):
         self._unflatten = unflatten_outputs
         self._input_names = input_names
         self._constants = dict(constants)
-        self._devices = list(dict.fromkeys(s.device for s in stages))
-        self._workers: dict[torch.device, ThreadPoolExecutor] = {}
+        devices = list(dict.fromkeys(s.device for s in stages))
+        self._threaded = len(devices) > 1 if threads is None else threads
+        # Worker key per stage: its device, or its own index when forced to thread on one device.
+        self._worker_of = [s.device if len(devices) > 1 else s.index for s in stages]
+        self._workers: dict[Any, ThreadPoolExecutor] = {}
 
     @property
     def model(self) -> nn.Module:
@@ -113,7 +129,7 @@ class Pipeline(nn.Module):
                 for bn in stage.deferred_bns:
                     bn.commit()
         outputs = [
-            torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env))
+            _plain(torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env)))
             for env in envs
         ]
         return self._unflatten(_to(gather(outputs), self.output_device))
@@ -136,7 +152,7 @@ class Pipeline(nn.Module):
 
     def _run(self, envs: list[dict[str, Any]]) -> None:
         grad = torch.is_grad_enabled()
-        if len(self._devices) == 1:
+        if not self._threaded:
             for i, stage in self._tasks(len(envs)):
                 self._run_task(envs[i], stage, grad)
             return
@@ -150,9 +166,10 @@ class Pipeline(nn.Module):
 
         for i, stage in self._tasks(len(envs)):
             waits = [done[(i, producer[n])] for n in stage.inputs if n in producer]
-            worker = self._workers.get(stage.device)
+            key = self._worker_of[stage.index]
+            worker = self._workers.get(key)
             if worker is None:
-                worker = self._workers[stage.device] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{stage.device}")
+                worker = self._workers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{key}")
             done[(i, stage.index)] = worker.submit(task, i, stage, waits)
         errors = [f.exception() for f in done.values()]
         first = next((e for e in errors if e is not None), None)

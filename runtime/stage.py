@@ -95,11 +95,13 @@ def build_stages(gm: torch.fx.GraphModule, plan: Plan) -> tuple[list[Stage], Cal
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
 
     homes = _homes(gm, stage_of, devices)
-    original = [(t, t.device) for t, _ in homes.values()]
+    original = [(t, t.data, t.grad) for t, _ in homes.values()]
 
     def undo() -> None:
-        for t, dev in original:
-            _move(t, dev)
+        # Restore the very storage each tensor had: lossless whatever device it went to.
+        for t, data, grad in original:
+            t.data = data
+            t.grad = grad
 
     try:
         for t, dev in homes.values():

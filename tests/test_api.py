@@ -1,0 +1,287 @@
+"""partition() end to end: outputs and gradients equal the un-partitioned model's; bad input fails cleanly."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from partitioner import PartitionError, TraceError, partition
+from tests import zoo
+
+pytest.importorskip("transformers")  # the hf_gpt2 case needs it; installed by the test extra
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12))
+
+
+def weighted_loss(out: Any, weights: list[torch.Tensor]) -> torch.Tensor:
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return sum((leaf * w).sum() for leaf, w in zip(leaves, weights))
+
+
+def assert_same_outputs(out: Any, ref: Any) -> None:
+    assert type(out) is type(ref)
+    leaves, spec = pytree.tree_flatten(out)
+    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    assert spec == ref_spec
+    for a, b in zip(leaves, ref_leaves):
+        if isinstance(b, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert rel_err(a, b) < 1e-5
+        else:
+            assert a == b
+
+
+def run_and_compare(name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.ZOO[name]()
+    model.train(train)
+    reference = copy.deepcopy(model)
+    params_before = {id(p) for p in model.parameters()}
+
+    pipe = partition(model, ["cpu"] * stages, example_inputs=args, example_kwargs=kwargs, micro_batches=micro_batches, threads=threads)
+    assert len(pipe.plan.stages) == stages
+    assert {id(p) for p in pipe.parameters()} == params_before
+
+    out = pipe(*args, **kwargs)
+    ref = reference(*args, **kwargs)
+    assert_same_outputs(out, ref)
+
+    weights = [torch.randn_like(x) for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    weighted_loss(out, weights).backward()
+    weighted_loss(ref, weights).backward()
+    ref_params = dict(reference.named_parameters())
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, pname
+        assert rel_err(p.grad, ref_params[pname].grad) < 1e-5, pname
+    assert pipe.state_dict().keys() == reference.state_dict().keys()
+
+
+MODELS_WITHOUT_BN = ["mlp", "tiny_gpt", "inception", "keyword_dict", "hf_gpt2"]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3, 4])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", MODELS_WITHOUT_BN)
+def test_equivalence(name: str, stages: int, micro_batches: int) -> None:
+    run_and_compare(name, stages, micro_batches)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 3, 4])
+def test_batchnorm_eval_mode(stages: int, micro_batches: int) -> None:
+    run_and_compare("rescnn", stages, micro_batches, train=False)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_batchnorm_train_one_micro_batch_is_exact(stages: int) -> None:
+    run_and_compare("rescnn", stages, 1, train=True)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("micro_batches", [3, 4])
+def test_batchnorm_train_deferred_statistics(stages: int, micro_batches: int) -> None:
+    """Train mode, several micro-batches: each is normalized by its own statistics (as the
+    plain model run on each micro-batch); each BatchNorm's running statistics equal one
+    full-batch update over all the inputs it saw in the step."""
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.rescnn()
+    per_chunk, full_batch = copy.deepcopy(model), copy.deepcopy(model)
+    bn_names = [n for n, m in per_chunk.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    stat_refs = {n: copy.deepcopy(per_chunk.get_submodule(n)) for n in bn_names}
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in bn_names}
+    for n in bn_names:
+        per_chunk.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].detach()))
+    pipe = partition(model, ["cpu"] * stages, example_inputs=(x,), micro_batches=micro_batches)
+
+    for _ in range(2):  # twice, so the momentum update compounds
+        out = pipe(x)
+        ref = torch.cat([per_chunk(c) for c in torch.tensor_split(x, micro_batches)])
+        for n in bn_names:
+            stat_refs[n](torch.cat(seen[n]))  # one full-batch update from everything it saw
+            seen[n].clear()
+        full_batch(x)
+    assert rel_err(out, ref) < 1e-5
+    w = torch.randn_like(ref)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    ref_params = dict(per_chunk.named_parameters())
+    for pname, p in model.named_parameters():
+        assert rel_err(p.grad, ref_params[pname].grad) < 1e-5, pname
+    for n in bn_names:
+        mine, expected = model.get_submodule(n), stat_refs[n]
+        assert rel_err(mine.running_mean, expected.running_mean) < 1e-5, n
+        assert rel_err(mine.running_var, expected.running_var) < 1e-5, n
+        assert int(mine.num_batches_tracked) == int(expected.num_batches_tracked) == 2, n
+    # The first BatchNorm sees the raw input, so it matches true full-batch training too.
+    assert rel_err(model.stem[1].running_mean, full_batch.stem[1].running_mean) < 1e-5
+    assert rel_err(model.stem[1].running_var, full_batch.stem[1].running_var) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["mlp", "tiny_gpt", "inception"])
+def test_threaded_workers_match(name: str) -> None:
+    run_and_compare(name, 3, 4, threads=True)
+
+
+def test_tied_weight_stays_one_parameter() -> None:
+    torch.manual_seed(0)
+    model, (idx,), _ = zoo.tiny_gpt()
+    pipe = partition(model, ["cpu"] * 4, example_inputs=(idx,), micro_batches=2)
+    assert model.head.weight is model.tok.weight
+    first, last = pipe.plan.stage_of()[pipe.plan.stages[0].nodes[0]], len(pipe.plan.stages) - 1
+    assert first == 0 and last == 3
+    pipe(idx).sum().backward()
+    assert model.tok.weight.grad is not None and model.head.weight.grad is model.tok.weight.grad
+
+
+def test_optimizer_over_model_parameters_trains() -> None:
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.mlp()
+    reference = copy.deepcopy(model)
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    y = torch.randint(0, 10, (x.shape[0],))
+    for _ in range(3):
+        for net, o in ((pipe, opt), (reference, ref_opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert rel_err(p, q) < 1e-5, n
+    reference.load_state_dict(pipe.state_dict(), strict=True)
+
+
+def test_plan_summary_and_json_round_trip() -> None:
+    model, (x,), _ = zoo.tiny_gpt()
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
+    text = pipe.plan.summary()
+    assert "stage" in text and "cpu" in text and "bottleneck" in text
+    from partitioner import Plan
+
+    again = Plan.from_json(pipe.plan.to_json())
+    assert again == pipe.plan
+    fresh, _, _ = zoo.tiny_gpt()
+    fresh.load_state_dict(model.state_dict())
+    pipe2 = partition(fresh, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, plan=again)
+    assert rel_err(pipe2(x), pipe(x)) < 1e-6
+
+
+# ---- bad input: a clear error, and the model untouched ----
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_untouched(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k].device == v.device and torch.equal(after[k], v), k
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ([], "devices is empty"),
+        (["cuda:7"], "CUDA devices are visible"),
+        (["tpu:0"], "not a device name"),
+        ("cpu", "must be a list"),
+        (["meta"], "meta device"),
+    ],
+)
+def test_bad_devices(devices: Any, message: str) -> None:
+    model, (x,), _ = zoo.rescnn()
+    before = snapshot(model)
+    with pytest.raises(PartitionError, match=message):
+        partition(model, devices, example_inputs=(x,))
+    assert_untouched(model, before)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        partition(lambda x: x, ["cpu"], example_inputs=(torch.ones(2),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("micro_batches", [0, -1, 8, 2.5, True])
+def test_bad_micro_batches(micro_batches: Any) -> None:
+    model, (x,), _ = zoo.rescnn()  # batch of 7
+    before = snapshot(model)
+    with pytest.raises(PartitionError, match="micro_batches"):
+        partition(model, ["cpu"], example_inputs=(x,), micro_batches=micro_batches)
+    assert_untouched(model, before)
+
+
+def test_more_stages_than_nodes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(PartitionError, match="3 stages but the graph has only 2 compute nodes"):
+        partition(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 4),))
+
+
+def test_inputs_without_batch_dimension() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return s * self.w
+
+    with pytest.raises(PartitionError, match="no batch dimension"):
+        partition(Scale(), ["cpu"], example_inputs=(torch.tensor(3.0),))
+    with pytest.raises(PartitionError, match="example_inputs is empty"):
+        partition(Scale(), ["cpu"])
+
+
+def test_untraceable_model_names_module_and_operation() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if h.sum() > 0:
+                return h.relu()
+            return h
+
+    model = DataDependent()
+    before = snapshot(model)
+    with pytest.raises(TraceError) as info:
+        partition(model, ["cpu"], example_inputs=(torch.randn(3, 4),))
+    text = str(info.value)
+    assert "DataDependent" in text and "test_api.py" in text and "in forward" in text
+    assert "torch.fx" in text and "torch.export" in text and "Fix:" in text
+    assert_untouched(model, before)
+
+
+def test_failure_after_placement_restores_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import partitioner.api
+
+    model, (x,), _ = zoo.rescnn()
+    model.train()
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(partitioner.api, "Pipeline", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
+    assert_untouched(model, before)  # shape propagation ran BatchNorm in train mode: restored
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_call_with_too_few_samples_for_micro_batches() -> None:
+    model, (x,), _ = zoo.mlp()
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=4)
+    with pytest.raises(ValueError, match="micro_batches=4 but the batch has 2 samples"):
+        pipe(x[:2])

@@ -1,0 +1,168 @@
+"""Small models with random weights for equivalence tests; each factory returns (model, args, kwargs)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH = 7  # odd on purpose: 3 and 4 micro-batches are uneven (3,2,2 and 2,2,2,1)
+
+Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 5) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(h)))
+
+
+class ResCNN(nn.Module):
+    def __init__(self, channels: int = 8, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.blocks = nn.Sequential(*[ResBlock(channels) for _ in range(blocks)])
+        self.fc = nn.Linear(channels, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT with the LM head's weight tied to the token embedding."""
+
+    def __init__(self, vocab: int = 50, width: int = 32, heads: int = 4, layers: int = 3, seq: int = 12) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.randn(1, seq, width) * 0.02)
+        self.blocks = nn.Sequential(*[Block(width, heads, seq) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+class Inception(nn.Module):
+    """Four parallel branches joined by concat, twice, then a classifier."""
+
+    def __init__(self, cin: int = 4, c: int = 4) -> None:
+        super().__init__()
+        self.b1 = nn.Conv2d(cin, c, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(cin, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(cin, c, 1), nn.ReLU(), nn.Conv2d(c, c, 5, padding=2))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(cin, c, 1))
+        self.mix = nn.Conv2d(4 * c, cin, 1)
+        self.fc = nn.Linear(cin, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1)
+        h = F.relu(self.mix(h)) + x
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class KeywordDict(nn.Module):
+    """Keyword-only inputs, an optional argument left at None, and a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 16)
+        self.ctx = nn.Linear(4, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, *, context: torch.Tensor, scale: torch.Tensor | None = None) -> dict[str, Any]:
+        h = torch.tanh(self.enc(x) + self.ctx(context))
+        if scale is not None:
+            h = h * scale
+        return {"logits": self.out(h), "features": (h, h.sum(-1))}
+
+
+def mlp() -> Case:
+    return MLP(), (torch.randn(BATCH, 32),), {}
+
+
+def rescnn() -> Case:
+    return ResCNN(), (torch.randn(BATCH, 3, 8, 8),), {}
+
+
+def tiny_gpt() -> Case:
+    return TinyGPT(), (torch.randint(0, 50, (BATCH, 12)),), {}
+
+
+def inception() -> Case:
+    return Inception(), (torch.randn(BATCH, 4, 6, 6),), {}
+
+
+def keyword_dict() -> Case:
+    return KeywordDict(), (torch.randn(BATCH, 6),), {"context": torch.randn(BATCH, 4)}
+
+
+def hf_gpt2() -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config), (torch.randint(0, 64, (BATCH, 10)),), {}
+
+
+ZOO: dict[str, Callable[[], Case]] = {
+    "mlp": mlp,
+    "rescnn": rescnn,
+    "tiny_gpt": tiny_gpt,
+    "inception": inception,
+    "keyword_dict": keyword_dict,
+    "hf_gpt2": hf_gpt2,
+}

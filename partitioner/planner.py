@@ -95,7 +95,9 @@ def _boundary_bytes(problem: SplitProblem, cuts: np.ndarray) -> tuple[np.ndarray
             np.add.at(d, (r1 + 1, c0), -w)
             np.add.at(d, (r1 + 1, c1 + 1), w)
         rows0.clear(), rows1.clear(), cols0.clear(), cols1.clear(), weights.clear()
-        return d.cumsum(0).cumsum(1)[:k, :k]
+        np.cumsum(d, axis=0, out=d)
+        np.cumsum(d, axis=1, out=d)
+        return d[:k, :k]
 
     for p, cons, w in zip(problem.producers, problem.consumers, problem.value_bytes):
         prev = int(p)
@@ -116,6 +118,12 @@ def _boundary_bytes(problem: SplitProblem, cuts: np.ndarray) -> tuple[np.ndarray
 
 def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], float]:
     """Stage boundaries [0, b1, ..., n] minimizing the largest stage time, and that time."""
+    bounds, bottleneck, _, _ = _solve(problem, max_cuts)
+    return bounds, bottleneck
+
+
+def _solve(problem: SplitProblem, max_cuts: int) -> tuple[list[int], float, list[float], list[float]]:
+    """solve() plus the recv and send bytes of each chosen stage."""
     n, p = problem.n, problem.stages
     if p > n:
         raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
@@ -123,21 +131,35 @@ def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], f
     cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n]]))
     recv, send = _boundary_bytes(problem, cuts)
     k = len(cuts)
-    valid = cuts[None, :] > cuts[:, None]  # a < b
+    not_after = cuts[None, :] <= cuts[:, None]  # b <= a: no such stage
+    comm_of: dict[tuple[float, ...], np.ndarray] = {}  # one matrix per distinct pair of links
     dp = np.full(k, math.inf)
     dp[0] = 0.0
     choice = np.zeros((p, k), dtype=np.int64)
+    columns = np.arange(k)
     for s in range(p):
+        key = (*problem.recv_link[s], *problem.send_link[s])
+        if key not in comm_of:
+            comm = 2 * (_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
+            comm[not_after] = math.inf
+            comm_of[key] = comm
         prefix = np.concatenate([[0.0], np.cumsum(problem.node_times[s])])[cuts]
-        t = prefix[None, :] - prefix[:, None]
-        t = t + 2 * (_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
-        m = np.where(valid, np.maximum(dp[:, None], t), math.inf)
-        choice[s] = m.argmin(axis=0)
-        dp = m[choice[s], np.arange(k)]
-    bounds = [k - 1]
+        t = comm_of[key] + prefix[None, :]
+        t -= prefix[:, None]
+        np.maximum(t, dp[:, None], out=t)
+        choice[s] = t.argmin(axis=0)
+        dp = t[choice[s], columns]
+    picks = [k - 1]
     for s in range(p - 1, -1, -1):
-        bounds.append(int(choice[s, bounds[-1]]))
-    return [int(cuts[i]) for i in reversed(bounds)], float(dp[k - 1])
+        picks.append(int(choice[s, picks[-1]]))
+    picks.reverse()
+    pairs = list(zip(picks, picks[1:]))
+    return (
+        [int(cuts[i]) for i in picks],
+        float(dp[k - 1]),
+        [float(recv[a, b]) for a, b in pairs],
+        [float(send[a, b]) for a, b in pairs],
+    )
 
 
 def _affine(cost: CostModel, src: torch.device, dst: torch.device) -> tuple[float, float]:
@@ -186,7 +208,7 @@ def plan_pipeline(
 ) -> Plan:
     """The best contiguous split of `order` over `devices`, as a Plan (GPipe schedule)."""
     problem = make_problem(graph, order, devices, cost)
-    bounds, _ = solve(problem)
+    bounds, _, recvs, sends = _solve(problem, MAX_CUTS)
     first_use: dict[str, int] = {}
     for i, name in enumerate(order):
         for pred in graph.predecessors(name):
@@ -194,9 +216,9 @@ def plan_pipeline(
                 first_use.setdefault(pred, i)
     stages = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        recv, send = problem.bytes_in_out(a, b)
+        recv, send = recvs[s], sends[s]
         compute = float(problem.node_times[s, a:b].sum())
-        total = problem.stage_time(s, a, b)
+        total = compute + 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
         names = list(order[a:b])
         params = sum(graph.nodes[x]["param_bytes"] for x in names)
         params += sum(graph.nodes[x]["param_bytes"] for x, i in first_use.items() if a <= i < b)

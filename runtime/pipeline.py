@@ -33,6 +33,11 @@ __all__ = ["Pipeline"]
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=device.type == "cuda")
+    if not isinstance(value, (list, tuple, dict)):
+        return value
+
     def move(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device != device:
             return x.to(device, non_blocking=device.type == "cuda")
@@ -144,25 +149,24 @@ class Pipeline(nn.Module):
             for i, j in tick:
                 yield i, self._stages[j]
 
-    def _run_task(self, env: dict[str, Any], stage: Stage, grad: bool) -> None:
-        with torch.set_grad_enabled(grad), _device_context(stage.device):
-            inputs = [_to(env[name], stage.device) for name in stage.inputs]
-            outputs = stage.module(*inputs)
-            env.update(zip(stage.outputs, outputs))
+    def _run_task(self, env: dict[str, Any], stage: Stage) -> None:
+        inputs = [_to(env[name], stage.device) for name in stage.inputs]
+        env.update(zip(stage.outputs, stage.module(*inputs)))
 
     def _run(self, envs: list[dict[str, Any]]) -> None:
-        grad = torch.is_grad_enabled()
         if not self._threaded:
             for i, stage in self._tasks(len(envs)):
-                self._run_task(envs[i], stage, grad)
+                self._run_task(envs[i], stage)
             return
+        grad = torch.is_grad_enabled()  # thread-local: each worker takes the caller's
         producer = {name: s.index for s in self._stages for name in s.outputs}
         done: dict[tuple[int, int], Future[None]] = {}
 
         def task(i: int, stage: Stage, waits: list[Future[None]]) -> None:
             for w in waits:
                 w.result()
-            self._run_task(envs[i], stage, grad)
+            with torch.set_grad_enabled(grad), _device_context(stage.device):
+                self._run_task(envs[i], stage)
 
         for i, stage in self._tasks(len(envs)):
             waits = [done[(i, producer[n])] for n in stage.inputs if n in producer]

@@ -1,0 +1,141 @@
+"""The split is optimal: its bottleneck equals brute force over every contiguous split."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cost_model.analytic import AnalyticCostModel
+from cost_model.devices import DeviceSpec
+from partitioner.errors import PartitionError
+from partitioner.graph import build_graph, compute_nodes
+from partitioner.planner import SplitProblem, _boundary_bytes, make_problem, plan_pipeline, solve
+from partitioner.trace import trace
+from tests import zoo
+
+
+def random_problem(rng: np.random.Generator, n: int, stages: int) -> SplitProblem:
+    producers, consumers, sizes = [], [], []
+    for p in range(-1, n):
+        later = np.arange(max(p + 1, 0), n + 1)
+        k = int(rng.integers(1, min(3, len(later)) + 1))
+        producers.append(p)
+        consumers.append(np.sort(rng.choice(later, size=k, replace=False)))
+        sizes.append(float(rng.integers(1, 100) * 1e3))
+    links = rng.uniform(0, 1e-4, size=(stages, 2)) * np.array([1.0, 1e-7])
+    return SplitProblem(
+        node_times=rng.uniform(1e-4, 1e-2, size=(stages, n)),
+        producers=np.array(producers),
+        consumers=consumers,
+        value_bytes=np.array(sizes),
+        recv_link=np.vstack([[0.0, 0.0], links[1:]]),
+        send_link=np.vstack([links[:-1], [0.0, 0.0]]),
+    )
+
+
+def brute_force(problem: SplitProblem) -> float:
+    n, p = problem.n, problem.stages
+    best = np.inf
+    for inner in itertools.combinations(range(1, n), p - 1):
+        bounds = (0, *inner, n)
+        best = min(best, max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_boundary_matrices_match_direct_count(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, int(rng.integers(2, 10)), 2)
+    recv, send = _boundary_bytes(problem, np.arange(problem.n + 1))
+    for a in range(problem.n):
+        for b in range(a + 1, problem.n + 1):
+            assert (recv[a, b], send[a, b]) == pytest.approx(problem.bytes_in_out(a, b))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_equals_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    stages = int(rng.integers(1, 5))
+    problem = random_problem(rng, int(rng.integers(stages, 12)), stages)
+    bounds, bottleneck = solve(problem)
+    assert bounds[0] == 0 and bounds[-1] == problem.n and all(a < b for a, b in zip(bounds, bounds[1:]))
+    achieved = max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    assert achieved == pytest.approx(bottleneck, rel=1e-9)
+    assert bottleneck == pytest.approx(brute_force(problem), rel=1e-9)
+
+
+FIXED = DeviceSpec(name="test", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 30)
+
+
+class SlowLinkCost(AnalyticCostModel):
+    """Fixed device rates and a slow link between every pair of stages, so transfers matter."""
+
+    def __init__(self) -> None:
+        super().__init__(measure=lambda d: FIXED)
+
+    def transfer_time(self, nbytes: float, src: torch.device, dst: torch.device) -> float:
+        return 0.0 if nbytes <= 0 else 5e-6 + nbytes / 1e8
+
+
+@pytest.mark.parametrize("name", ["mlp", "inception", "tiny_gpt"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_traced_models_split_equals_brute_force(name: str, stages: int) -> None:
+    model, args, kwargs = zoo.ZOO[name]()
+    traced = trace(model, args, kwargs)
+    graph = build_graph(traced.graph_module, traced.flatten_inputs(args, kwargs))
+    order = [n.name for n in compute_nodes(traced.graph_module)][:14]  # keep brute force small
+    problem = make_problem(graph, order, [torch.device("cpu")] * stages, SlowLinkCost())
+    assert solve(problem)[1] == pytest.approx(brute_force(problem), rel=1e-9)
+
+
+def test_heterogeneous_devices_get_uneven_stages() -> None:
+    problem = SplitProblem(
+        node_times=np.array([[1.0] * 12, [3.0] * 12]),  # stage 1's device is 3x slower
+        producers=np.arange(-1, 12),
+        consumers=[np.array([i + 1]) for i in range(-1, 12)],
+        value_bytes=np.zeros(13),
+        recv_link=np.zeros((2, 2)),
+        send_link=np.zeros((2, 2)),
+    )
+    bounds, bottleneck = solve(problem)
+    assert bounds == [0, 9, 12] and bottleneck == 9.0
+
+
+def test_too_many_stages() -> None:
+    problem = SplitProblem(np.ones((3, 2)), np.array([-1]), [np.array([0])], np.ones(1), np.zeros((3, 2)), np.zeros((3, 2)))
+    with pytest.raises(PartitionError, match="3 stages but the graph has only 2 compute nodes"):
+        solve(problem)
+
+
+def test_plan_covers_every_compute_node_once() -> None:
+    model, args, _ = zoo.tiny_gpt()
+    traced = trace(model, args, {})
+    graph = build_graph(traced.graph_module, traced.flatten_inputs(args, {}))
+    order = [n.name for n in compute_nodes(traced.graph_module)]
+    plan = plan_pipeline(graph, order, [torch.device("cpu")] * 4, SlowLinkCost(), micro_batches=4)
+    assert [n for s in plan.stages for n in s.nodes] == order
+    assert plan.predicted_step_ms == pytest.approx(7 * plan.bottleneck_ms)
+    assert sum(s.param_bytes for s in plan.stages) == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+
+
+def test_large_graph_uses_coarse_cuts_and_stays_fast() -> None:
+    rng = np.random.default_rng(0)
+    n = 6000
+    problem = SplitProblem(
+        node_times=rng.uniform(0, 1, size=(8, n)),
+        producers=np.arange(-1, n),
+        consumers=[np.array([i + 1]) for i in range(-1, n)],
+        value_bytes=np.zeros(n + 1),
+        recv_link=np.zeros((8, 2)),
+        send_link=np.zeros((8, 2)),
+    )
+    start = time.perf_counter()
+    bounds, bottleneck = solve(problem)
+    assert len(bounds) == 9 and time.perf_counter() - start < 60  # a hang guard, not a speed target
+    assert bottleneck <= problem.node_times[0].sum() / 8 * 1.05

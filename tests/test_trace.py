@@ -1,0 +1,76 @@
+"""Tracing: fx first with non-tensor arguments fixed, export as fallback, one clear error when both fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner.errors import TraceError
+from partitioner.trace import trace
+from tests import zoo
+
+
+def test_fx_is_used_where_it_works_and_graph_matches_model() -> None:
+    model, (x,), _ = zoo.mlp()
+    traced = trace(model, (x,))
+    assert traced.method == "fx"
+    assert torch.equal(traced.graph_module(*traced.flatten_inputs((x,), {})), model(x))
+
+
+def test_optional_none_argument_is_fixed_not_traced_as_a_tensor() -> None:
+    model, (x,), kwargs = zoo.keyword_dict()
+    traced = trace(model, (x,), kwargs)
+    assert traced.method == "fx"
+    flat = traced.flatten_inputs((x,), kwargs)
+    assert flat[2] is None  # scale: left at its default, the `if scale is not None` branch not taken
+    out = traced.graph_module(*flat)
+    ref = model(x, **kwargs)
+    assert torch.equal(out["logits"], ref["logits"])
+
+
+def test_tied_modules_are_traced_through_so_the_weight_is_a_get_attr() -> None:
+    model, (idx,), _ = zoo.tiny_gpt()
+    gm = trace(model, (idx,)).graph_module
+    modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    attrs = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert "head" not in modules and "tok" not in modules
+    assert "tok.weight" in attrs
+    assert "blocks.0.qkv" in modules  # untied leaves stay modules
+    assert any(t.endswith("mask") for t in attrs)  # buffers are proxied, not baked constants
+
+
+def test_module_called_twice_is_traced_through() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(self.lin(x)))
+
+    gm = trace(Twice(), (torch.randn(2, 4),)).graph_module
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def test_export_fallback_for_transformers_gpt2() -> None:
+    pytest.importorskip("transformers")
+    model, (idx,), _ = zoo.hf_gpt2()
+    traced = trace(model, (idx,))
+    assert traced.method == "export"
+    assert len(traced.flatten_inputs((idx[:3],), {})) == 1
+    result = traced.graph_module(idx[:3])  # another batch size: the batch dimension is dynamic
+    expected = model(idx[:3])
+    assert type(result) is type(expected)
+    assert torch.allclose(result.logits, expected.logits, atol=1e-6)
+
+
+def test_both_tracers_fail_with_one_error() -> None:
+    class Branchy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.max() > 0:
+                return x * 2
+            return x
+
+    with pytest.raises(TraceError, match=r"cannot trace Branchy:(.|\n)*test_trace.py:\d+ in forward"):
+        trace(Branchy(), (torch.randn(3, 2),))

@@ -1,11 +1,19 @@
-"""Pipeline schedules as data: which (micro-batch, stage) work runs at each clock tick."""
+"""Pipeline schedules as data: per-device ordered lists of forward/backward actions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Sequence
 
-__all__ = ["Action", "clock_cycles", "gpipe"]
+__all__ = [
+    "Action",
+    "clock_cycles",
+    "format_schedule",
+    "gpipe",
+    "interleaved_one_f_one_b",
+    "one_f_one_b",
+    "parse_schedule",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -47,3 +55,108 @@ def gpipe(micro_batches: int, stages: int) -> list[list[Action]]:
         + [Action(s, "B", i) for i in reversed(range(micro_batches))]
         for s in range(stages)
     ]
+
+
+def _check_counts(micro_batches: int, stages: int) -> None:
+    if micro_batches < 1 or stages < 1:
+        raise ValueError(f"need micro_batches >= 1 and stages >= 1, got {micro_batches} and {stages}")
+
+
+def one_f_one_b(micro_batches: int, stages: int) -> list[list[Action]]:
+    """Per-stage action lists for 1F1B (PipeDream-flush): at most p - s micro-batches in flight.
+
+    Stage s runs w = min(p - s, m) warm-up forwards, then alternates one backward and one
+    forward, then drains the remaining backwards:
+
+        m=4, p=3   warm-up    steady: B then F     drain
+        stage 0:   F0 F1 F2   B0 F3                B1 B2 B3
+        stage 1:   F0 F1      B0 F2 B1 F3          B2 B3
+        stage 2:   F0         B0 F1 B1 F2 B2 F3    B3
+
+    Same bubble as GPipe, but stage s holds activations of only min(p - s, m) micro-batches.
+    """
+    _check_counts(micro_batches, stages)
+    lists = []
+    for s in range(stages):
+        warmup = min(stages - s, micro_batches)
+        actions = [Action(s, "F", i) for i in range(warmup)]
+        for i in range(micro_batches - warmup):
+            actions += [Action(s, "B", i), Action(s, "F", warmup + i)]
+        actions += [Action(s, "B", i) for i in range(micro_batches - warmup, micro_batches)]
+        lists.append(actions)
+    return lists
+
+
+def interleaved_one_f_one_b(micro_batches: int, stages: int, virtual_stages: int) -> list[list[Action]]:
+    """Per-device action lists for interleaved 1F1B (Megatron-LM's virtual pipeline).
+
+    `stages` devices each hold `virtual_stages` model stages: device d runs stages
+    d, d + p, ..., d + (v - 1) p, so the model has p * v stages and the bubble shrinks by v.
+    Forwards go through a device's stages in rounds of p micro-batches, backwards in reverse:
+
+        m=4, p=2, v=2 (stages 0 and 2 on device 0, stages 1 and 3 on device 1)
+                   warm-up            steady: F then B                        drain
+        device 0:  0F0 0F1 2F0 2F1    0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1         2B2 2B3 0B2 0B3
+        device 1:  1F0 1F1            3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+
+    Device d starts with min(2 (p - d - 1) + (v - 1) p, m v) warm-up forwards, then alternates
+    one forward and one backward, then drains. With v = 1 this is `one_f_one_b`.
+
+    Raises:
+        ValueError: micro_batches is not a multiple of stages (rounds need p micro-batches).
+    """
+    _check_counts(micro_batches, stages)
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages={virtual_stages}; pass 1 or more model stages per device")
+    if virtual_stages == 1:
+        return one_f_one_b(micro_batches, stages)
+    if micro_batches % stages:
+        raise ValueError(
+            f"interleaved 1F1B runs micro-batches in rounds of {stages} (one per device), but got "
+            f"{micro_batches}; use a multiple of {stages} such as {micro_batches + stages - micro_batches % stages}"
+        )
+    p, v = stages, virtual_stages
+    total = micro_batches * v
+
+    def action(device: int, k: int, kind: Literal["F", "B"]) -> Action:
+        group, rank = divmod(k, p * v)
+        chunk = rank // p if kind == "F" else v - 1 - rank // p
+        return Action(chunk * p + device, kind, group * p + rank % p)
+
+    lists = []
+    for d in range(p):
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, total)
+        actions = [action(d, k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [action(d, warmup + k, "F"), action(d, k, "B")]
+        actions += [action(d, k, "B") for k in range(total - warmup, total)]
+        lists.append(actions)
+    return lists
+
+
+def format_schedule(schedule: Sequence[Sequence[Action]]) -> str:
+    """One line per device, 'd: 0F0 0F1 0B0 ...'; `parse_schedule` reads it back."""
+    return "\n".join(f"{d}: " + " ".join(str(a) for a in actions) for d, actions in enumerate(schedule))
+
+
+def parse_schedule(text: str) -> list[list[Action]]:
+    """Read `format_schedule` text: one line per device, an optional 'd:' prefix, '#' comments.
+
+    Raises:
+        ValueError: a line's prefix is not its device index, or an action does not parse.
+    """
+    lists: list[list[Action]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        prefix, colon, rest = line.partition(":")
+        if colon:
+            if prefix.strip() != str(len(lists)):
+                raise ValueError(
+                    f"line {number} is labelled device {prefix.strip()!r} but is device {len(lists)}; "
+                    "list devices in order 0, 1, 2, ..."
+                )
+            line = rest
+        lists.append([Action.parse(token) for token in line.split()])
+    return lists

@@ -9,7 +9,7 @@ import runtime.stage
 from partitioner.graph import compute_nodes
 from partitioner.trace import trace
 from runtime.plan import Plan, StagePlan
-from runtime.stage import _homes, build_stages
+from runtime.stage import build_stages, tensor_stages
 from tests import zoo
 
 
@@ -30,14 +30,14 @@ def test_skip_goes_straight_to_the_stage_that_reads_it() -> None:
         assert all(name == "x" or name in produced for name in s.inputs)
 
 
-def test_weights_are_homed_on_the_stage_that_owns_them() -> None:
+def test_weights_are_owned_by_the_stage_that_reads_them_first() -> None:
     model, (idx,), _ = zoo.tiny_gpt()
     gm = trace(model, (idx,)).graph_module
     plan = split_plan(gm, ["cpu", "meta"], [0, len(compute_nodes(gm)) // 2, len(compute_nodes(gm))])
-    homes = _homes(gm, plan.stage_of(), [torch.device("cpu"), torch.device("meta")])
-    assert homes[id(model.tok.weight)][1].type == "cpu"  # the tied embedding is read first by stage 0
-    assert homes[id(model.blocks[-1].mlp[0].weight)][1].type == "meta"
-    assert homes[id(model.blocks[0].qkv.weight)][1].type == "cpu"
+    readers = tensor_stages(gm, plan.stage_of())
+    assert readers[id(model.tok.weight)][1] == [0, 1]  # the tied embedding: read by both, owned by 0
+    assert readers[id(model.blocks[-1].mlp[0].weight)][1] == [1]
+    assert readers[id(model.blocks[0].qkv.weight)][1] == [0]
 
 
 def test_tied_weight_read_by_a_later_stage_on_another_device_is_copied_there(monkeypatch: pytest.MonkeyPatch) -> None:

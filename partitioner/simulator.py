@@ -1,0 +1,383 @@
+"""Simulate a schedule on a Plan: each device's timeline of compute, transfers, all-reduce and idle.
+
+The schedule is the data the runtime runs: per device, an ordered list of `Action`s (see
+runtime/schedule.py). A device runs its list in order, one action at a time; an action
+starts once the device is free and its inputs have arrived:
+
+    F(s, i) needs F(s-1, i)'s activations;  B(s, i) needs F(s, i) and B(s+1, i)'s gradients.
+
+Transfers between devices run on the link, overlapping compute (copy streams, isend/irecv);
+each directed link carries one transfer at a time, in the sender's order. After a device's
+last backward of a stage it all-reduces that stage's gradients (data-parallel replicas).
+
+    GPipe, m=2, p=2: forward 1 ms, backward 2 ms, transfer 0.5 ms; one char = 0.5 ms
+    (`Timeline.chart(0.5)`: F forward, B backward, ~ only a transfer, . idle):
+
+    device 0 FFFF~......~BBBBBBBB      F0 F1, send F1 at 2.0, recv B1's gradient at 5.5
+    device 1 ..~FFFFBBBBBBBB~....      recv F0 at 1.0, F0 F1 B1 B0, send B0's gradient at 7.5
+             0   2   4   6   8   10 ms: makespan 10, bubble 1 - 12/20 = 40%
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence, Union
+
+from partitioner.errors import PartitionError
+from runtime.plan import Plan
+from runtime.schedule import Action
+
+__all__ = [
+    "ALLREDUCE",
+    "BACKWARD",
+    "FORWARD",
+    "IDLE",
+    "RECV",
+    "SEND",
+    "DeviceTimeline",
+    "Event",
+    "ScheduleCheck",
+    "ScheduleError",
+    "Timeline",
+    "check_schedule",
+    "simulate",
+]
+
+FORWARD, BACKWARD = "compute-forward", "compute-backward"
+SEND, RECV, ALLREDUCE, IDLE = "send", "recv", "allreduce", "idle"
+
+TransferMs = Callable[[int, int, int], float]
+StageMs = Union[Mapping[int, float], Callable[[int], float]]
+
+
+class ScheduleError(PartitionError):
+    """A schedule misses or repeats actions, or its lists can deadlock; the message lists why."""
+
+
+@dataclass
+class Event:
+    """One interval on a device: compute, a transfer end, an all-reduce or idle (times in ms)."""
+
+    kind: str
+    stage: int  # -1 for idle
+    microbatch: int  # -1 for idle and allreduce
+    start: float
+    end: float
+    peer: int = -1  # the other device of a send or recv
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class DeviceTimeline:
+    """A device's events sorted by start; comm events may overlap compute."""
+
+    device: str
+    stages: list[int]
+    events: list[Event] = field(default_factory=list)
+    busy_ms: float = 0.0  # compute
+    comm_ms: float = 0.0  # send, recv and allreduce, overlapped or not
+    idle_ms: float = 0.0  # nothing at all running
+
+
+@dataclass
+class Timeline:
+    """Per-device timelines of one training step, its makespan and stage occupancy."""
+
+    devices: list[DeviceTimeline]
+    makespan_ms: float
+    peak_in_flight: list[int]  # per stage: most micro-batches forwarded but not yet backwarded
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of device time not computing: 1 - sum(busy) / (devices * makespan)."""
+        if not self.devices or self.makespan_ms <= 0:
+            return 0.0
+        return 1.0 - sum(d.busy_ms for d in self.devices) / (len(self.devices) * self.makespan_ms)
+
+    def chart(self, ms_per_char: float | None = None, width: int = 72) -> str:
+        """A text Gantt chart: F forward, B backward, ~ only transfers or all-reduce, . idle."""
+        scale = ms_per_char or (self.makespan_ms / width if self.makespan_ms > 0 else 1.0)
+        columns = max(1, round(self.makespan_ms / scale))
+        rows = []
+        for d, timeline in enumerate(self.devices):
+            cells = ["."] * columns
+            for e in timeline.events:
+                mark = {FORWARD: "F", BACKWARD: "B", IDLE: None}.get(e.kind, "~")
+                for c in range(int(e.start / scale + 0.5), int(e.end / scale + 0.5)):
+                    if mark and c < columns and (cells[c] == "." or mark != "~"):
+                        cells[c] = mark
+            rows.append(f"device {d} " + "".join(cells))
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        """A table: one row per device, then the makespan and bubble."""
+        lines = [f"{'device':<12} {'stages':<10} {'busy ms':>10} {'comm ms':>10} {'idle ms':>10}"]
+        for d in self.devices:
+            stages = ",".join(map(str, d.stages))
+            lines.append(f"{d.device:<12} {stages:<10} {d.busy_ms:>10.3f} {d.comm_ms:>10.3f} {d.idle_ms:>10.3f}")
+        lines.append(
+            f"makespan {self.makespan_ms:.3f} ms, bubble {self.bubble_fraction:.1%}, "
+            f"peak in-flight per stage {self.peak_in_flight}"
+        )
+        return "\n".join(lines)
+
+
+@dataclass
+class ScheduleCheck:
+    """What `check_schedule` proved about a schedule."""
+
+    stage_device: list[int]  # device index (list) running each stage
+    peak_in_flight: list[int]  # per stage: max forwards done minus backwards done
+    ticks: int  # steps when every ready device runs one action per step
+
+
+def _deps(a: Action, stages: int) -> list[Action]:
+    if a.kind == "F":
+        return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+    deps = [Action(a.stage, "F", a.microbatch)]
+    if a.stage < stages - 1:
+        deps.append(Action(a.stage + 1, "B", a.microbatch))
+    return deps
+
+
+def _consumer(a: Action, stages: int) -> Action | None:
+    """The action on the next stage that reads `a`'s output (activations or gradients)."""
+    if a.kind == "F":
+        return Action(a.stage + 1, "F", a.microbatch) if a.stage < stages - 1 else None
+    return Action(a.stage - 1, "B", a.microbatch) if a.stage > 0 else None
+
+
+def check_schedule(schedule: Sequence[Sequence[Action]], stages: int, micro_batches: int) -> ScheduleCheck:
+    """Prove that `schedule` runs every F and B once per stage and micro-batch and cannot deadlock.
+
+    Args:
+        schedule: per device, the ordered actions it runs.
+        stages: number of pipeline stages (Action.stage is 0 .. stages-1).
+        micro_batches: number of micro-batches (Action.microbatch is 0 .. micro_batches-1).
+
+    Raises:
+        ScheduleError: all problems found, one per line; or, for a deadlock, where each
+            stuck device waits and on what.
+        TypeError: an entry is not an Action.
+    """
+    if stages < 1 or micro_batches < 1:
+        raise ScheduleError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
+    problems: list[str] = []
+    where: dict[Action, tuple[int, int]] = {}
+    devices_of: dict[int, set[int]] = {}
+    for d, actions in enumerate(schedule):
+        for k, a in enumerate(actions):
+            if not isinstance(a, Action):
+                raise TypeError(f"schedule[{d}][{k}] is {a!r}, not an Action; build lists with runtime.schedule")
+            if not (0 <= a.stage < stages and 0 <= a.microbatch < micro_batches and a.kind in ("F", "B")):
+                problems.append(
+                    f"device {d} position {k}: {a} is outside {stages} stages x {micro_batches} micro-batches"
+                )
+                continue
+            if a in where:
+                first = f"device {where[a][0]} position {where[a][1]}"
+                problems.append(f"{a} appears twice: {first} and device {d} position {k}")
+                continue
+            where[a] = (d, k)
+            devices_of.setdefault(a.stage, set()).add(d)
+    kinds: tuple[Literal["F", "B"], ...] = ("F", "B")
+    expected = [Action(s, kind, i) for s in range(stages) for kind in kinds for i in range(micro_batches)]
+    missing = [str(a) for a in expected if a not in where]
+    if missing:
+        more = " ..." if len(missing) > 20 else ""
+        problems.append(f"{len(missing)} actions missing: {' '.join(missing[:20])}{more}")
+    for s, devices in sorted(devices_of.items()):
+        if len(devices) > 1:
+            problems.append(f"stage {s} runs on devices {sorted(devices)}; put all of a stage's actions in one list")
+    if problems:
+        raise ScheduleError("invalid schedule:\n" + "\n".join(f"- {p}" for p in problems))
+
+    done: set[Action] = set()
+    pointer = [0] * len(schedule)
+    ticks = 0
+    while len(done) < len(expected):
+        ready = [
+            d for d, actions in enumerate(schedule)
+            if pointer[d] < len(actions) and all(dep in done for dep in _deps(actions[pointer[d]], stages))
+        ]
+        if not ready:
+            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, stages))
+        for d in ready:
+            done.add(schedule[d][pointer[d]])
+            pointer[d] += 1
+        ticks += 1
+    return ScheduleCheck(
+        stage_device=[next(iter(devices_of[s])) for s in range(stages)],
+        peak_in_flight=_peak_in_flight(schedule, stages),
+        ticks=ticks,
+    )
+
+
+def _deadlock_message(
+    schedule: Sequence[Sequence[Action]],
+    pointer: list[int],
+    done: set[Action],
+    where: Mapping[Action, tuple[int, int]],
+    stages: int,
+) -> str:
+    lines = ["schedule deadlocks; every unfinished device waits on an action that cannot run yet:"]
+    for d, actions in enumerate(schedule):
+        if pointer[d] >= len(actions):
+            continue
+        a = actions[pointer[d]]
+        waits = ", ".join(
+            f"{dep} (device {where[dep][0]} position {where[dep][1]})" for dep in _deps(a, stages) if dep not in done
+        )
+        lines.append(f"- device {d} position {pointer[d]}: {a} needs {waits}")
+    lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after) run first.")
+    return "\n".join(lines)
+
+
+def _peak_in_flight(schedule: Sequence[Sequence[Action]], stages: int) -> list[int]:
+    live, peak = [0] * stages, [0] * stages
+    for actions in schedule:
+        for a in actions:
+            live[a.stage] += 1 if a.kind == "F" else -1
+            peak[a.stage] = max(peak[a.stage], live[a.stage])
+    return peak
+
+
+def _plan_transfer(plan: Plan) -> TransferMs:
+    """Each direction into or out of stage r takes r's share of comm_ms, split by bytes."""
+
+    def transfer(src: int, dst: int, nbytes: int) -> float:
+        stage = plan.stages[max(src, dst)]
+        moved = stage.recv_bytes + stage.send_bytes
+        return stage.comm_ms / 2 * stage.recv_bytes / moved if moved > 0 else 0.0
+
+    return transfer
+
+
+def _per_stage(value: StageMs | None, plan: Plan) -> Callable[[int], float]:
+    if value is None:
+        return lambda s: float(getattr(plan.stages[s], "allreduce_ms", 0.0))
+    if callable(value):
+        return value
+    return lambda s: float(value.get(s, 0.0))
+
+
+def simulate(
+    plan: Plan,
+    schedule: Sequence[Sequence[Action]],
+    *,
+    transfer_ms: TransferMs | None = None,
+    allreduce_ms: StageMs | None = None,
+    micro_batches: int | None = None,
+) -> Timeline:
+    """Run `schedule` on `plan`'s stage times and return every device's timeline.
+
+    Args:
+        plan: stage s computes for `forward_ms` per forward and `backward_ms` per backward.
+        schedule: per device, the ordered actions (e.g. `gpipe(m, p)` or `one_f_one_b(m, p)`).
+        transfer_ms: (src stage, dst stage, bytes) -> ms for the tensors between adjacent
+            stages on different devices; by default each stage's share of `comm_ms`.
+        allreduce_ms: stage -> ms of its gradient all-reduce (mapping or callable); by default
+            a stage's `allreduce_ms` attribute when it has one, else no all-reduce.
+        micro_batches: defaults to `plan.micro_batches`.
+
+    Raises:
+        ScheduleError: the schedule is incomplete, repeats actions or deadlocks.
+    """
+    m = plan.micro_batches if micro_batches is None else micro_batches
+    checked = check_schedule(schedule, len(plan.stages), m)
+    transfer = transfer_ms or _plan_transfer(plan)
+    run = _Run(plan, schedule, checked.stage_device, transfer, _per_stage(allreduce_ms, plan), m)
+    pointer = [0] * len(schedule)
+    remaining = sum(len(actions) for actions in schedule)
+    while remaining:  # terminates: check_schedule proved some device can always move
+        for d, actions in enumerate(schedule):
+            while pointer[d] < len(actions) and run.ready(actions[pointer[d]]):
+                run.execute(d, actions[pointer[d]])
+                pointer[d] += 1
+                remaining -= 1
+    makespan = max((e.end for t in run.timelines for e in t.events), default=0.0)
+    for t in run.timelines:
+        _fill_idle(t, makespan)
+    return Timeline(devices=run.timelines, makespan_ms=makespan, peak_in_flight=checked.peak_in_flight)
+
+
+class _Run:
+    """The state of one simulation: device and link clocks, finish and arrival times."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Sequence[Sequence[Action]],
+        device_of: list[int],
+        transfer: TransferMs,
+        reduce_ms: Callable[[int], float],
+        micro_batches: int,
+    ) -> None:
+        self.plan, self.device_of, self.transfer, self.reduce_ms = plan, device_of, transfer, reduce_ms
+        self.stages = len(plan.stages)
+        self.timelines = [
+            DeviceTimeline(
+                device=plan.stages[actions[0].stage].device if actions else "",
+                stages=sorted({a.stage for a in actions}),
+            )
+            for actions in schedule
+        ]
+        self.finished: dict[Action, float] = {}
+        self.arrival: dict[Action, float] = {}  # when an action's output is on its consumer's device
+        self.free = [0.0] * len(schedule)  # compute
+        self.reduce_free = [0.0] * len(schedule)
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.backwards_left = [micro_batches] * self.stages
+
+    def ready(self, a: Action) -> bool:
+        return all(dep in self.finished for dep in _deps(a, self.stages))
+
+    def execute(self, d: int, a: Action) -> None:
+        """Run `a` on device d as early as its inputs allow, then send its output on."""
+        inputs = [self.finished[x] if self.device_of[x.stage] == d else self.arrival[x] for x in _deps(a, self.stages)]
+        start = max([self.free[d], *inputs])
+        stage = self.plan.stages[a.stage]
+        end = start + (stage.forward_ms if a.kind == "F" else stage.backward_ms)
+        kind = FORWARD if a.kind == "F" else BACKWARD
+        self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
+        self.free[d] = self.finished[a] = self.arrival[a] = end
+        consumer = _consumer(a, self.stages)
+        if consumer is not None and self.device_of[consumer.stage] != d:
+            self._send(d, self.device_of[consumer.stage], a, consumer, end)
+        if a.kind == "B":
+            self.backwards_left[a.stage] -= 1
+            duration = float(self.reduce_ms(a.stage))
+            if self.backwards_left[a.stage] == 0 and duration > 0:
+                t0 = max(end, self.reduce_free[d])
+                self.reduce_free[d] = t0 + duration
+                self.timelines[d].events.append(Event(ALLREDUCE, a.stage, -1, t0, t0 + duration))
+
+    def _send(self, d: int, peer: int, a: Action, consumer: Action, ready: float) -> None:
+        """Move `a`'s output over link d -> peer, after the transfers queued before it."""
+        nbytes = self.plan.stages[max(a.stage, consumer.stage)].recv_bytes
+        duration = float(self.transfer(a.stage, consumer.stage, nbytes))
+        if duration <= 0:
+            return
+        t0 = max(ready, self.link_free.get((d, peer), 0.0))
+        self.arrival[a] = self.link_free[(d, peer)] = t0 + duration
+        self.timelines[d].events.append(Event(SEND, a.stage, a.microbatch, t0, t0 + duration, peer))
+        self.timelines[peer].events.append(Event(RECV, consumer.stage, a.microbatch, t0, t0 + duration, d))
+
+
+def _fill_idle(timeline: DeviceTimeline, makespan: float) -> None:
+    """Add idle events for the gaps where nothing runs and total busy, comm and idle time."""
+    idle: list[Event] = []
+    covered = 0.0
+    for e in sorted(timeline.events, key=lambda e: (e.start, e.end)):
+        if e.start > covered:
+            idle.append(Event(IDLE, -1, -1, covered, e.start))
+        covered = max(covered, e.end)
+    if makespan > covered:
+        idle.append(Event(IDLE, -1, -1, covered, makespan))
+    timeline.busy_ms = sum(e.duration for e in timeline.events if e.kind in (FORWARD, BACKWARD))
+    timeline.comm_ms = sum(e.duration for e in timeline.events if e.kind in (SEND, RECV, ALLREDUCE))
+    timeline.idle_ms = sum(e.duration for e in idle)
+    timeline.events = sorted(timeline.events + idle, key=lambda e: (e.start, e.end))

@@ -1,0 +1,160 @@
+"""Simulator and schedule checker against closed forms and hand-computed timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from partitioner.simulator import (
+    ALLREDUCE,
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    RECV,
+    SEND,
+    Event,
+    ScheduleError,
+    check_schedule,
+    simulate,
+)
+from runtime.plan import Plan, StagePlan
+from runtime.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, parse_schedule
+
+
+def equal_plan(stages: int, micro_batches: int, forward: float = 1.0, backward: float = 2.0) -> Plan:
+    return Plan(
+        stages=[StagePlan(s, f"cuda:{s}", [], forward_ms=forward, backward_ms=backward) for s in range(stages)],
+        micro_batches=micro_batches,
+    )
+
+
+# (p, m, makespan (m + p - 1) * 3 ms, bubble (p - 1) / (m + p - 1))
+GPIPE_CASES = [
+    (1, 3, 9.0, 0.0),
+    (2, 1, 6.0, 1 / 2),
+    (2, 4, 15.0, 1 / 5),
+    (3, 5, 21.0, 2 / 7),
+    (4, 4, 21.0, 3 / 7),
+    (4, 8, 33.0, 3 / 11),
+]
+
+
+@pytest.mark.parametrize("p, m, makespan, bubble", GPIPE_CASES)
+def test_gpipe_bubble_closed_form(p: int, m: int, makespan: float, bubble: float) -> None:
+    timeline = simulate(equal_plan(p, m), gpipe(m, p))
+    assert timeline.makespan_ms == makespan
+    assert timeline.bubble_fraction == pytest.approx(bubble, abs=1e-12)
+    assert [d.busy_ms for d in timeline.devices] == [3.0 * m] * p
+    assert [d.idle_ms for d in timeline.devices] == [makespan - 3.0 * m] * p
+    assert timeline.peak_in_flight == [m] * p
+
+
+@pytest.mark.parametrize("p, m, makespan, bubble", GPIPE_CASES)
+def test_one_f_one_b_same_bubble_as_gpipe(p: int, m: int, makespan: float, bubble: float) -> None:
+    timeline = simulate(equal_plan(p, m), one_f_one_b(m, p))
+    assert timeline.makespan_ms == makespan
+    assert timeline.bubble_fraction == pytest.approx(bubble, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "p, m, peak",
+    [(4, 8, [4, 3, 2, 1]), (4, 2, [2, 2, 2, 1]), (3, 3, [3, 2, 1]), (1, 5, [1])],
+)
+def test_one_f_one_b_in_flight_is_p_minus_s(p: int, m: int, peak: list[int]) -> None:
+    assert check_schedule(one_f_one_b(m, p), p, m).peak_in_flight == peak
+    assert simulate(equal_plan(p, m), one_f_one_b(m, p)).peak_in_flight == peak
+
+
+def test_interleaved_bubble_shrinks_by_v() -> None:
+    # p=2 devices, v=2 stages each of half the work: makespan 3 (m + (p - 1) / v) = 13.5 ms.
+    plan = Plan([StagePlan(s, f"cuda:{s % 2}", [], forward_ms=0.5, backward_ms=1.0) for s in range(4)], micro_batches=4)
+    timeline = simulate(plan, interleaved_one_f_one_b(4, 2, 2))
+    assert timeline.makespan_ms == 13.5
+    assert [d.stages for d in timeline.devices] == [[0, 2], [1, 3]]
+    assert timeline.bubble_fraction == pytest.approx(1 / 9, abs=1e-12)
+
+
+def test_transfers_hand_computed() -> None:
+    # Stage 1 receives 100 bytes; comm_ms=1.0 covers both directions, so each way takes 0.5 ms.
+    plan = equal_plan(2, 2)
+    plan.stages[1].comm_ms, plan.stages[1].recv_bytes = 1.0, 100
+    timeline = simulate(plan, gpipe(2, 2))
+    assert timeline.makespan_ms == 10.0
+    assert timeline.devices[1].events == [
+        Event(IDLE, -1, -1, 0.0, 1.0),
+        Event(RECV, 1, 0, 1.0, 1.5, peer=0),
+        Event(FORWARD, 1, 0, 1.5, 2.5),
+        Event(RECV, 1, 1, 2.0, 2.5, peer=0),
+        Event(FORWARD, 1, 1, 2.5, 3.5),
+        Event(BACKWARD, 1, 1, 3.5, 5.5),
+        Event(SEND, 1, 1, 5.5, 6.0, peer=0),
+        Event(BACKWARD, 1, 0, 5.5, 7.5),
+        Event(SEND, 1, 0, 7.5, 8.0, peer=0),
+        Event(IDLE, -1, -1, 8.0, 10.0),
+    ]
+    assert [(e.kind, e.start, e.end) for e in timeline.devices[0].events if e.kind in (FORWARD, BACKWARD)] == [
+        (FORWARD, 0.0, 1.0),
+        (FORWARD, 1.0, 2.0),
+        (BACKWARD, 6.0, 8.0),
+        (BACKWARD, 8.0, 10.0),
+    ]
+    assert timeline.chart(0.5) == "device 0 FFFF~......~BBBBBBBB\ndevice 1 ..~FFFFBBBBBBBB~...."
+    assert "bubble 40.0%" in timeline.summary()
+
+
+def test_link_carries_one_transfer_at_a_time() -> None:
+    # 2 ms transfers, 1 ms forwards: activations queue on the link at 1-3, 3-5, 5-7.
+    timeline = simulate(equal_plan(2, 3), gpipe(3, 2), transfer_ms=lambda src, dst, nbytes: 2.0)
+    sends = [(e.start, e.end) for e in timeline.devices[0].events if e.kind == SEND]
+    assert sends == [(1.0, 3.0), (3.0, 5.0), (5.0, 7.0)]
+    computes = [(e.kind, e.microbatch, e.start) for e in timeline.devices[1].events if e.kind in (FORWARD, BACKWARD)]
+    assert computes == [
+        (FORWARD, 0, 3.0), (FORWARD, 1, 5.0), (FORWARD, 2, 7.0),
+        (BACKWARD, 2, 8.0), (BACKWARD, 1, 10.0), (BACKWARD, 0, 12.0),
+    ]  # fmt: skip
+    assert timeline.makespan_ms == 18.0
+
+
+def test_allreduce_after_last_backward() -> None:
+    timeline = simulate(equal_plan(2, 2), gpipe(2, 2), allreduce_ms={0: 1.5, 1: 0.5})
+    reduces = [[(e.stage, e.start, e.end) for e in d.events if e.kind == ALLREDUCE] for d in timeline.devices]
+    assert reduces == [[(0, 9.0, 10.5)], [(1, 7.0, 7.5)]]
+    assert timeline.makespan_ms == 10.5
+    assert [d.comm_ms for d in timeline.devices] == [1.5, 0.5]
+
+
+def test_checker_counts_ticks() -> None:
+    assert check_schedule(gpipe(3, 2), 2, 3).ticks == 8  # 2 (m + p - 1)
+    result = check_schedule(one_f_one_b(4, 3), 3, 4)
+    assert (result.ticks, result.stage_device) == (12, [0, 1, 2])
+
+
+def test_checker_rejects_deadlock() -> None:
+    # Device 1 wants 1F1 first, which needs 0F1, which is behind 0B0, which needs 1B0.
+    schedule = parse_schedule("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1")
+    with pytest.raises(ScheduleError, match="deadlocks") as error:
+        check_schedule(schedule, 2, 2)
+    assert "device 0 position 1: 0B0 needs 1B0 (device 1 position 2)" in str(error.value)
+    assert "device 1 position 0: 1F1 needs 0F1 (device 0 position 2)" in str(error.value)
+    with pytest.raises(ScheduleError, match="0B0 needs 0F0"):
+        check_schedule(parse_schedule("0B0 0F0\n1F0 1B0"), 2, 1)
+
+
+def test_checker_rejects_incomplete_and_repeated() -> None:
+    schedule = gpipe(2, 2)
+    schedule[1].pop()  # drop 1B0
+    schedule[0].append(Action(0, "F", 0))
+    schedule[0].append(Action(0, "F", 5))
+    with pytest.raises(ScheduleError) as error:
+        check_schedule(schedule, 2, 2)
+    assert str(error.value) == (
+        "invalid schedule:\n"
+        "- 0F0 appears twice: device 0 position 0 and device 0 position 4\n"
+        "- device 0 position 5: 0F5 is outside 2 stages x 2 micro-batches\n"
+        "- 1 actions missing: 1B0"
+    )
+    with pytest.raises(ScheduleError, match=r"stage 0 runs on devices \[0, 1\]"):
+        check_schedule(parse_schedule("0F0\n0B0"), 1, 1)
+    with pytest.raises(TypeError, match="schedule\\[0\\]\\[0\\] is '0F0', not an Action"):
+        check_schedule([["0F0"]], 1, 1)  # type: ignore[list-item]
+    with pytest.raises(ScheduleError, match="outside 2 stages"):
+        simulate(equal_plan(2, 1), gpipe(1, 3))

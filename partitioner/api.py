@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cost_model.analytic import AnalyticCostModel, CostModel
@@ -13,10 +16,12 @@ from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.planner import plan_pipeline
 from partitioner.trace import trace
+from runtime.distributed import DistributedPipeline
 from runtime.microbatch import scatter
 from runtime.pipeline import Pipeline
 from runtime.plan import Plan
-from runtime.stage import build_stages
+from runtime.schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
+from runtime.stage import build_stages, stage_io
 
 __all__ = ["partition"]
 
@@ -30,7 +35,11 @@ def partition(
     cost_model: CostModel | None = None,
     plan: Plan | None = None,
     threads: bool | None = None,
-) -> Pipeline:
+    schedule: str = "gpipe",
+    replicas: Sequence[int] | None = None,
+    virtual_stages: int = 2,
+    timeout: float = 300.0,
+) -> Pipeline | DistributedPipeline:
     """Split `model` into one pipeline stage per entry of `devices` and return it ready to run.
 
     Args:
@@ -44,6 +53,17 @@ def partition(
         cost_model: what predicts node and transfer times; analytic, measured here, by default.
         plan: a Plan to run as it is (for example one saved with `Plan.to_json`), skipping planning.
         threads: run stages on worker threads; default only when there are several devices.
+        schedule: "gpipe", "1f1b" or "interleaved" (interleaved 1F1B, `virtual_stages` stages
+            per rank). One process runs GPipe (backward is autograd's); the others need
+            several processes.
+        replicas: multi-process only: processes per stage, e.g. [2, 1] puts stage 0 on ranks
+            0 and 1 (taking micro-batches in turn) and stage 1 on rank 2. Default: one each.
+        timeout: multi-process only: seconds to wait for another rank before failing with
+            an error that names it.
+
+    Under torchrun (WORLD_SIZE > 1, or torch.distributed already initialized) `devices`
+    lists the device of every rank, and the result is this rank's DistributedPipeline:
+    train with `pipe.train_step(inputs, targets, loss_fn)` on every rank.
 
     Raises:
         TypeError: `model` is not an nn.Module.
@@ -62,6 +82,18 @@ def partition(
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
+
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise PartitionError(f"schedule={schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
+    if _distributed():
+        return _partition_distributed(
+            model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule, replicas, virtual_stages, timeout
+        )
+    if schedule != "gpipe" or replicas is not None:
+        raise PartitionError(
+            f"schedule={schedule!r} and replicas need one process per stage replica: launch with "
+            "torchrun (or initialize torch.distributed) and call pipe.train_step; one process runs 'gpipe'"
+        )
 
     traced = trace(model, args, kwargs)
     gm = traced.graph_module
@@ -83,6 +115,95 @@ def partition(
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
         return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, threads)
+    except BaseException:
+        undo()
+        raise
+
+
+def _distributed() -> bool:
+    return dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+
+
+def _layout(world: int, schedule: str, replicas: Sequence[int] | None, virtual_stages: int) -> list[list[int]]:
+    """Ranks of each stage: stage by stage for replicas; round robin for interleaved."""
+    if schedule == "interleaved":
+        if replicas is not None and any(r != 1 for r in replicas):
+            raise PartitionError("schedule='interleaved' runs one replica per stage; drop replicas or use '1f1b'")
+        if virtual_stages < 2:
+            raise PartitionError(f"virtual_stages={virtual_stages}; interleaving needs 2 or more stages per rank")
+        return [[s % world] for s in range(world * virtual_stages)]
+    counts = list(replicas) if replicas is not None else [1] * world
+    if any(not isinstance(r, int) or r < 1 for r in counts) or sum(counts) != world:
+        raise PartitionError(f"replicas={counts} must be positive integers adding up to the {world} ranks of the job")
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [list(range(a, a + r)) for a, r in zip(starts, counts)]
+
+
+def _partition_distributed(
+    model: nn.Module,
+    devices: list[torch.device],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    micro_batches: int,
+    cost_model: CostModel | None,
+    plan: Plan | None,
+    schedule: str,
+    replicas: Sequence[int] | None,
+    virtual_stages: int,
+    timeout: float,
+) -> DistributedPipeline:
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0"))
+        backend = "nccl" if rank < len(devices) and devices[rank].type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(devices) != world:
+        raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; pass one device per rank")
+    if devices[rank].type == "cuda":
+        torch.cuda.set_device(devices[rank])
+    layout = _layout(world, schedule, replicas, virtual_stages)
+    if micro_batches < max(len(r) for r in layout):
+        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least {max(len(r) for r in layout)}")
+
+    traced = trace(model, args, kwargs)
+    gm = traced.graph_module
+    try:
+        first_chunk = scatter(traced.flatten_inputs(args, kwargs), micro_batches)[0]
+    except ValueError as exc:
+        raise PartitionError(f"example_inputs: {exc}") from None
+    if plan is None:
+        text = [None]
+        if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
+            graph = build_graph(gm, first_chunk)
+            order = [n.name for n in compute_nodes(gm)]
+            stage_devices = [devices[r[0]] for r in layout]
+            counts = [len(r) for r in layout]
+            made = plan_pipeline(graph, order, stage_devices, cost_model or AnalyticCostModel(), micro_batches, counts, schedule)
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+            text = [made.to_json()]
+        dist.broadcast_object_list(text, src=0)
+        plan = Plan.from_json(text[0])
+    plan.micro_batches = micro_batches
+    if any(not s.ranks for s in plan.stages):
+        for stage, ranks in zip(plan.stages, layout):
+            stage.ranks = stage.ranks or ranks
+    mine = [s.index for s in plan.stages if rank in s.ranks]
+    if not mine:
+        raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
+    p = len(plan.stages)
+    if schedule == "interleaved":
+        lists = interleaved_one_f_one_b(micro_batches, world, p // world)
+    else:
+        lists = (one_f_one_b if schedule == "1f1b" else gpipe)(micro_batches, p)
+    stages, undo = build_stages(gm, plan, local=mine)
+    try:
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+        return DistributedPipeline(
+            model, gm, plan, stages, stage_io(gm, plan), lists,
+            traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, timeout,
+        )
     except BaseException:
         undo()
         raise

@@ -41,6 +41,7 @@ class SplitProblem:
     value_bytes: np.ndarray  # [v]
     recv_link: np.ndarray  # [stages, 2] (latency s, seconds per byte) into stage s
     send_link: np.ndarray  # [stages, 2] out of stage s
+    replicas: np.ndarray | None = None  # [stages] copies of each stage sharing its micro-batches
 
     @property
     def n(self) -> int:
@@ -66,7 +67,11 @@ class SplitProblem:
         """Reference (slow, direct) time of stage s covering [a, b)."""
         recv, send = self.bytes_in_out(a, b)
         compute = float(self.node_times[s, a:b].sum())
-        return compute + 2 * (_link(self.recv_link[s], recv) + _link(self.send_link[s], send))
+        total = compute + 2 * (_link(self.recv_link[s], recv) + _link(self.send_link[s], send))
+        return float(total) / self.replicas_of(s)
+
+    def replicas_of(self, s: int) -> int:
+        return 1 if self.replicas is None else int(self.replicas[s])
 
 
 def _link(link: np.ndarray, nbytes: Any) -> Any:
@@ -146,6 +151,8 @@ def _solve(problem: SplitProblem, max_cuts: int) -> tuple[list[int], float, list
         prefix = np.concatenate([[0.0], np.cumsum(problem.node_times[s])])[cuts]
         t = comm_of[key] + prefix[None, :]
         t -= prefix[:, None]
+        if problem.replicas_of(s) != 1:
+            t /= problem.replicas_of(s)  # r replicas share the micro-batches
         np.maximum(t, dp[:, None], out=t)
         choice[s] = t.argmin(axis=0)
         dp = t[choice[s], columns]
@@ -205,9 +212,17 @@ def plan_pipeline(
     devices: Sequence[torch.device],
     cost: CostModel,
     micro_batches: int,
+    replicas: Sequence[int] | None = None,
+    schedule: str = "gpipe",
 ) -> Plan:
-    """The best contiguous split of `order` over `devices`, as a Plan (GPipe schedule)."""
+    """The best contiguous split of `order` over `devices` (one entry per stage), as a Plan.
+
+    With `replicas`, stage s runs on replicas[s] processes (ranks numbered stage by stage)
+    that share its micro-batches, so its time counts 1 / replicas[s].
+    """
     problem = make_problem(graph, order, devices, cost)
+    if replicas is not None:
+        problem.replicas = np.asarray(replicas, dtype=np.int64)
     bounds, _, recvs, sends = _solve(problem, MAX_CUTS)
     first_use: dict[str, int] = {}
     for i, name in enumerate(order):
@@ -219,6 +234,7 @@ def plan_pipeline(
         recv, send = recvs[s], sends[s]
         compute = float(problem.node_times[s, a:b].sum())
         total = compute + 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
+        total /= problem.replicas_of(s)
         names = list(order[a:b])
         params = sum(graph.nodes[x]["param_bytes"] for x in names)
         params += sum(graph.nodes[x]["param_bytes"] for x, i in first_use.items() if a <= i < b)
@@ -236,12 +252,13 @@ def plan_pipeline(
                 activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),
                 recv_bytes=int(recv),
                 send_bytes=int(send),
+                ranks=list(range(sum(replicas[:s]), sum(replicas[: s + 1]))) if replicas is not None else [],
             )
         )
     bottleneck = max(s.predicted_ms for s in stages)
     return Plan(
         stages=stages,
         micro_batches=micro_batches,
-        schedule="gpipe",
+        schedule=schedule,
         predicted_step_ms=(micro_batches + len(stages) - 1) * bottleneck,
     )

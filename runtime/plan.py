@@ -29,6 +29,7 @@ class StagePlan:
     activation_bytes: int = 0  # activations held for backward across all micro-batches in flight
     recv_bytes: int = 0  # per micro-batch, forward direction
     send_bytes: int = 0
+    ranks: list[int] = field(default_factory=list)  # processes running a replica each (multi-process runs)
 
 
 @dataclass

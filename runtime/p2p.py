@@ -1,0 +1,154 @@
+"""Point-to-point messages between pipeline ranks: any structure of tensors and plain values.
+
+A message is a header (its length, then the pickled structure: tree spec, plain leaves,
+shape and dtype of each tensor leaf) followed by one transfer per tensor, all sent with
+isend so a sender never blocks on its receiver. Tags keep concurrent messages apart:
+
+    tag = (((kind * stages + src_stage) * stages + dst_stage) * micro_batches + microbatch) * PARTS + part
+
+A peer that dies or stops answering turns into a PeerError naming its rank and stage; the
+first rank to see a failure records it in the rendezvous store so ranks further away name
+the same (original) failed rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Messenger", "PeerError"]
+
+PARTS = 256  # header, payload, then up to 254 tensors per message
+_FAILURE_KEY = "partitioner/failure"
+
+
+class PeerError(RuntimeError):
+    """Another rank of the pipeline failed or did not answer in time."""
+
+
+class Messenger:
+    """Sends and receives messages for one rank; keeps isend handles alive until `flush`."""
+
+    def __init__(self, device: torch.device, stages: int, micro_batches: int, timeout_s: float, describe_rank: Any) -> None:
+        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.stages = stages
+        self.micro_batches = micro_batches
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.describe_rank = describe_rank  # rank -> "rank 2 (stage 1)"
+        self._pending: list[tuple[Any, Any, int]] = []  # (work, tensors kept alive, peer)
+
+    def tag(self, kind: int, src_stage: int, dst_stage: int, microbatch: int) -> int:
+        return (((kind * self.stages + src_stage) * self.stages + dst_stage) * self.micro_batches + microbatch) * PARTS
+
+    def send(self, values: Any, dst: int, tag: int) -> None:
+        found: list[torch.Tensor] = []
+        skeleton = _strip(values, found)
+        tensors = [t.detach().contiguous() for t in found]
+        if len(tensors) > PARTS - 2:
+            raise ValueError(f"a message holds {len(tensors)} tensors, more than {PARTS - 2}")
+        meta = [(tuple(t.shape), t.dtype) for t in tensors]
+        header = torch.frombuffer(bytearray(pickle.dumps((skeleton, meta))), dtype=torch.uint8).to(self.device)
+        length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
+        self._isend(length, dst, tag)
+        self._isend(header, dst, tag + 1)
+        for k, t in enumerate(tensors):
+            self._isend(t.to(self.device) if t.device != self.device else t, dst, tag + 2 + k)
+
+    def recv(self, src: int, tag: int, device: torch.device) -> Any:
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(length, src, tag=tag), src, "a message header")
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(header, src, tag=tag + 1), src, "a message header")
+        skeleton, meta = pickle.loads(header.cpu().numpy().tobytes())
+        tensors = []
+        works = []
+        for k, (shape, dtype) in enumerate(meta):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            works.append(dist.irecv(t, src, tag=tag + 2 + k))
+            tensors.append(t)
+        for w in works:
+            self._wait(w, src, "tensors")
+        return _fill(skeleton, [t.to(device) for t in tensors])
+
+    def flush(self) -> None:
+        """Wait for every send of this step to complete."""
+        pending, self._pending = self._pending, []
+        for work, _, peer in pending:
+            self._wait(work, peer, "a send to complete")
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+
+    def _wait(self, work: Any, peer: int, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses of many kinds
+            raise self.failure(peer, f"while waiting for {what}: {type(exc).__name__}: {exc}") from None
+        if ok is False:
+            raise self.failure(peer, f"did not answer within {self.timeout.total_seconds():.0f} s while waiting for {what}")
+
+    def failure(self, peer: int, detail: str) -> PeerError:
+        """Name the failed rank: the first one reported in the store, else `peer`."""
+        mine = f"{self.describe_rank(peer)} failed or stopped answering"
+        first = _first_failure(mine)
+        me = self.describe_rank(dist.get_rank())
+        return PeerError(f"{first}; {me} stops ({detail}). Restart the job; with torchrun --max-restarts and a checkpoint it resumes.")
+
+
+class _Slot:
+    """Stands for the k-th tensor of a message inside its pickled structure."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
+def _strip(value: Any, found: list[torch.Tensor]) -> Any:
+    """`value` with every tensor replaced by a _Slot (tensors appended to `found`)."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+        return _Slot(len(found) - 1)
+    if type(value) is dict:
+        return {k: _strip(v, found) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_strip(v, found) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_strip(v, found) for v in value))
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return tensors[value.k]
+    if type(value) is dict:
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_fill(v, tensors) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_fill(v, tensors) for v in value))
+    return value
+
+
+def _first_failure(mine: str) -> str:
+    store = _store()
+    if store is None:
+        return mine
+    try:
+        if store.check([_FAILURE_KEY]):
+            return store.get(_FAILURE_KEY).decode()
+        store.compare_set(_FAILURE_KEY, "", mine)
+        return store.get(_FAILURE_KEY).decode()
+    except Exception:  # noqa: BLE001 - the store may live in the rank that died
+        return mine
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001
+        return None

@@ -124,6 +124,24 @@ def _distributed() -> bool:
     return dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
+def _init_process_group(devices: list[torch.device], timeout: float) -> None:
+    """Join the job from torchrun's environment, in a store namespace of this restart attempt.
+
+    After `torchrun --max-restarts` restarts the workers, keys written by the previous
+    attempt (peer addresses) can still be in the store; a fresh prefix keeps them apart.
+    """
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if rank < len(devices) and devices[rank].type == "cuda" else "gloo"
+    wait = datetime.timedelta(seconds=timeout)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+        world, is_master=rank == 0 and not agent, timeout=wait,
+    )
+    prefixed = dist.PrefixStore(f"partitioner/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=wait)
+
+
 def _layout(world: int, schedule: str, replicas: Sequence[int] | None, virtual_stages: int) -> list[list[int]]:
     """Ranks of each stage: stage by stage for replicas; round robin for interleaved."""
     if schedule == "interleaved":
@@ -153,9 +171,7 @@ def _partition_distributed(
     timeout: float,
 ) -> DistributedPipeline:
     if not dist.is_initialized():
-        rank = int(os.environ.get("RANK", "0"))
-        backend = "nccl" if rank < len(devices) and devices[rank].type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        _init_process_group(devices, timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(devices) != world:
         raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; pass one device per rank")

@@ -24,6 +24,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from runtime import checkpoint
 from runtime.microbatch import scatter
 from runtime.p2p import Messenger
 from runtime.plan import Plan
@@ -118,6 +119,11 @@ class DistributedPipeline(nn.Module):
         ]
         self.messenger = Messenger(self.device, len(plan.stages), plan.micro_batches, timeout_s, self.describe_rank)
         self._groups = self._make_groups(model, gm)
+        readers = tensor_stages(gm, plan.stage_of())
+        self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
+        if self.rank == 0:
+            everything = list(model.parameters()) + list(model.buffers())
+            self._held |= {id(t) for t in everything if id(t) not in readers}
 
     # ---- layout ----
 
@@ -128,6 +134,18 @@ class DistributedPipeline(nn.Module):
     @property
     def stages(self) -> list[Stage]:
         return list(self._stages.values())
+
+    def held_tensor_ids(self) -> set[int]:
+        """Weights this rank holds: those its stages read, and (rank 0) those no stage reads."""
+        return self._held
+
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save this rank's weights and optimizer state; call on every rank (see runtime.checkpoint)."""
+        checkpoint.save(self, path, optimizer)
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load the weights and optimizer state this rank holds from a checkpoint of any plan."""
+        checkpoint.load(self, path, optimizer)
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         ranks = self.plan.stages[stage].ranks
@@ -222,17 +240,26 @@ class DistributedPipeline(nn.Module):
                 for k, g in enumerate(self._groups):
                     if k not in started and all(remaining[s] == 0 for s in g.stages):
                         started.add(k)
-                        g.start()
+                        try:
+                            g.start()
+                        except Exception as exc:  # noqa: BLE001
+                            raise self.messenger.group_failure(g.ranks, exc) from None
         for stage in self._stages.values():
             for bn in stage.deferred_bns:
                 bn.commit()
         self.messenger.flush()
         for g in self._groups:
-            g.finish()
+            try:
+                g.finish()
+            except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
+                raise self.messenger.group_failure(g.ranks, exc) from None
         if self._last not in self._stages:
             return None
         if self._loss_group is not None:
-            dist.all_reduce(self._loss, group=self._loss_group)
+            try:
+                dist.all_reduce(self._loss, group=self._loss_group)
+            except Exception as exc:  # noqa: BLE001
+                raise self.messenger.group_failure(self.plan.stages[self._last].ranks, exc) from None
         return self._loss
 
     def _forward(self, s: int, i: int) -> None:

@@ -60,15 +60,15 @@ class Messenger:
 
     def recv(self, src: int, tag: int, device: torch.device) -> Any:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(length, src, tag=tag), src, "a message header")
+        self._wait(self._irecv(length, src, tag), src, "a message header")
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(header, src, tag=tag + 1), src, "a message header")
+        self._wait(self._irecv(header, src, tag + 1), src, "a message header")
         skeleton, meta = pickle.loads(header.cpu().numpy().tobytes())
         tensors = []
         works = []
         for k, (shape, dtype) in enumerate(meta):
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(dist.irecv(t, src, tag=tag + 2 + k))
+            works.append(self._irecv(t, src, tag + 2 + k))
             tensors.append(t)
         for w in works:
             self._wait(w, src, "tensors")
@@ -81,7 +81,17 @@ class Messenger:
             self._wait(work, peer, "a send to complete")
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+        try:
+            work = dist.isend(tensor, dst, tag=tag)
+        except Exception as exc:  # noqa: BLE001 - gloo raises at once when the peer is gone
+            raise self.failure(dst, f"while sending: {type(exc).__name__}: {exc}") from None
+        self._pending.append((work, tensor, dst))
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        try:
+            return dist.irecv(tensor, src, tag=tag)
+        except Exception as exc:  # noqa: BLE001
+            raise self.failure(src, f"while receiving: {type(exc).__name__}: {exc}") from None
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
         try:
@@ -91,9 +101,13 @@ class Messenger:
         if ok is False:
             raise self.failure(peer, f"did not answer within {self.timeout.total_seconds():.0f} s while waiting for {what}")
 
+    def group_failure(self, ranks: Any, exc: BaseException) -> PeerError:
+        """A collective over `ranks` broke: name the first failure reported, else the group."""
+        return self.failure(-1, f"during a collective over ranks {list(ranks)}: {type(exc).__name__}: {exc}")
+
     def failure(self, peer: int, detail: str) -> PeerError:
         """Name the failed rank: the first one reported in the store, else `peer`."""
-        mine = f"{self.describe_rank(peer)} failed or stopped answering"
+        mine = f"{self.describe_rank(peer)} failed or stopped answering" if peer >= 0 else "a rank failed"
         first = _first_failure(mine)
         me = self.describe_rank(dist.get_rank())
         return PeerError(f"{first}; {me} stops ({detail}). Restart the job; with torchrun --max-restarts and a checkpoint it resumes.")

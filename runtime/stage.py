@@ -127,8 +127,9 @@ def build_stages(
     """Build the stage modules of `plan` and move the model's weights to their devices.
 
     With `local` (the stages of this process, all on one device), only those stages are
-    built: weights they read move to their device, every other weight of the model is
-    freed (emptied) so this process holds its stages' parameters only.
+    built: weights they read move to their device, weights only other stages read are
+    freed (emptied) so this process holds its stages' parameters only; weights no stage
+    reads are left as they are.
 
     Returns the stages and an `undo` function that restores every weight as it was.
     """
@@ -149,9 +150,6 @@ def build_stages(
         else:
             mine = [s for s in stages if s in wanted]
             homes[key] = (t, devices[mine[0]] if mine else None)
-    if local is not None:
-        for t in list(gm.parameters()) + list(gm.buffers()):
-            homes.setdefault(id(t), (t, None))
     original = [(t, t.data, t.grad) for t, _ in homes.values()]
 
     def undo() -> None:

@@ -1,0 +1,178 @@
+"""Worker for tests/test_distributed.py: run under torchrun (or with RANK/WORLD_SIZE set).
+
+Modes:
+  equivalence CASES  each case 'model:schedule:replicas' trains one step and compares this
+                     rank's loss and gradients with single-process full-batch training
+  checkpoint DIR     train 3, save, train 3, then rebuild with another plan, load, train 3
+  fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
+  resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
+Prints 'RESULT ...' lines; exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from partitioner import partition  # noqa: E402
+from runtime.checkpoint import consolidate  # noqa: E402
+from tests import zoo  # noqa: E402
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 3:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.cross_entropy(out, y)
+
+
+def data(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model, (x,), _ = zoo.ZOO[name]()
+    x = torch.cat([x, x[:1]])  # batch 8: even for 2 and 4 replicas, uneven for 3 micro-batches
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randint(0, out.shape[-1], out.shape[:-1])
+    return model, x, y
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def equivalence(cases: list[str]) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    bad = 0
+    for case in cases:
+        name, schedule, reps = case.split(":")
+        replicas = json.loads(reps) if reps != "-" else None
+        model, x, y = data(name)
+        reference = copy.deepcopy(model)
+        m = 4 if schedule != "interleaved" else 2 * world
+        pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule, replicas=replicas)
+        loss = pipe.train_step(x, y, lm_loss)
+        ref_loss = lm_loss(reference(x), y)
+        ref_loss.backward()
+        ref_grads = dict(reference.named_parameters())
+        held = pipe.held_tensor_ids()
+        worst = 0.0
+        for pname, p in model.named_parameters():
+            if id(p) in held:
+                worst = max(worst, rel(p.grad, ref_grads[pname].grad))
+        loss_err = rel(loss, ref_loss.detach()) if loss is not None else 0.0
+        local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+        stage_bytes = sum(p.numel() * p.element_size() for p in pipe.stage_modules.parameters())
+        ok = worst < 1e-5 and loss_err < 1e-5 and local_bytes == stage_bytes and (world == 1 or local_bytes < full_bytes)
+        bad += not ok
+        print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
+              f"grad_err={worst:.2e} loss_err={loss_err:.2e} param_bytes={local_bytes}/{full_bytes} ok={ok}", flush=True)
+    return bad
+
+
+def train(pipe, model, x, y, steps: int, optimizer) -> list[float]:  # type: ignore[no-untyped-def]
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = pipe.train_step(x, y, lm_loss)
+        optimizer.step()
+        if loss is not None:
+            losses.append(float(loss))
+    return losses
+
+
+def checkpoint(directory: str) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y = data("tiny_gpt")
+    pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="1f1b")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(pipe, model, x, y, 3, opt)
+    pipe.save_checkpoint(directory, opt)
+    after = train(pipe, model, x, y, 3, opt)
+
+    fresh, _, _ = data("tiny_gpt", seed=1)  # other weights: everything must come from the checkpoint
+    pipe2 = partition(fresh, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="interleaved", virtual_stages=2)
+    opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    pipe2.load_checkpoint(directory, opt2)
+    resumed = train(pipe2, fresh, x, y, 3, opt2)
+    ok = all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(after, resumed)) and len(after) == len(resumed)
+    if dist.get_rank() == 0:
+        plain, _, _ = data("tiny_gpt", seed=2)
+        plain.load_state_dict(consolidate(directory), strict=True)
+    print(f"RESULT rank={dist.get_rank()} after={after} resumed={resumed} ok={ok}", flush=True)
+    return 0 if ok else 1
+
+
+def fault(kill_rank: int) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    model, x, y = data("tiny_gpt")
+    pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="1f1b", timeout=30)
+    calls = [0]
+
+    def maybe_die(module, args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if dist.get_rank() == kill_rank and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for stage in pipe.stages:
+        for sub in stage.module.modules():
+            if sub is not stage.module and not list(sub.children()):
+                sub.register_forward_pre_hook(maybe_die)
+    for _ in range(5):
+        pipe.train_step(x, y, lm_loss)
+    return 0
+
+
+def resume(directory: str, out: str) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model, x, y = data("tiny_gpt")
+    pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="1f1b", timeout=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step_file = Path(directory) / "last_step"
+    start = 0
+    if step_file.exists():
+        start = int(step_file.read_text())
+        pipe.load_checkpoint(str(Path(directory) / f"step{start}"), opt)
+    for step in range(start, 6):
+        if attempt == 0 and step == 4 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        loss = pipe.train_step(x, y, lm_loss)
+        opt.step()
+        if loss is not None:
+            with open(out, "a") as f:
+                f.write(f"{attempt} {step} {float(loss)!r}\n")
+        pipe.save_checkpoint(str(Path(directory) / f"step{step + 1}"), opt)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            step_file.write_text(str(step + 1))
+        dist.barrier()
+    return 0
+
+
+def main() -> int:
+    mode, *rest = sys.argv[1:]
+    if mode == "equivalence":
+        code = equivalence(rest)
+    elif mode == "checkpoint":
+        code = checkpoint(rest[0])
+    elif mode == "fault":
+        code = fault(int(rest[0]))
+    else:
+        code = resume(rest[0], rest[1])
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

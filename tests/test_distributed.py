@@ -1,0 +1,112 @@
+"""Multi-process runs with real processes on gloo: equal to single-process training, checkpoints, failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import dist_worker
+
+WORKER = str(Path(__file__).resolve().parent / "dist_worker.py")
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra, WORKER, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def results(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("RESULT")]
+
+
+def check_equivalence(ranks: int, cases: list[str]) -> None:
+    run = torchrun(ranks, "equivalence", *cases)
+    lines = results(run.stdout)
+    assert run.returncode == 0 and len(lines) == ranks * len(cases), run.stdout[-4000:]
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+
+
+def test_two_ranks_every_schedule() -> None:
+    check_equivalence(2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-"])
+
+
+def test_three_ranks_schedules_and_uneven_replicas() -> None:
+    # [2,1]: stage 0 on ranks 0 and 1 taking micro-batches in turn, stage 1 on rank 2
+    check_equivalence(3, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:gpipe:[2,1]", "tiny_gpt:1f1b:[2,1]"])
+
+
+def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
+    check_equivalence(
+        4, ["tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:gpipe:[2,2]", "tiny_gpt:1f1b:[2,2]", "inception:gpipe:-"]
+    )
+
+
+def test_checkpoint_round_trip_into_another_plan(tmp_path: Path) -> None:
+    run = torchrun(2, "checkpoint", str(tmp_path / "ckpt"))
+    lines = results(run.stdout)
+    assert run.returncode == 0 and len(lines) == 2, run.stdout[-4000:]
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+    assert re.search(r"after=\[[\d.]+, [\d.]+, [\d.]+\]", "\n".join(lines))  # the last stage saw 3 losses
+
+
+def test_killed_rank_is_named_by_every_other_rank_within_60_s(tmp_path: Path) -> None:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3", "PYTHONPATH": ROOT}
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, WORKER, "fault", "1"], env={**env, "RANK": str(r)}, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for r in range(3)
+    ]
+    outputs, codes, elapsed = {}, {}, {}
+    for r, p in enumerate(procs):
+        try:
+            outputs[r], _ = p.communicate(timeout=max(1.0, 90 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            outputs[r], _ = p.communicate()
+        codes[r], elapsed[r] = p.returncode, time.monotonic() - start
+    assert codes[1] == -signal.SIGKILL
+    for r in (0, 2):
+        assert codes[r] != 0 and elapsed[r] < 60, (r, codes[r], elapsed[r], outputs[r][-2000:])
+        assert "PeerError: rank 1 (stage 1) failed or stopped answering" in outputs[r], outputs[r][-2000:]
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    losses_file = tmp_path / "losses.txt"
+    run = torchrun(2, "resume", str(tmp_path), str(losses_file), extra=("--max-restarts=1",))
+    assert run.returncode == 0, run.stdout[-4000:]
+    rows = [line.split() for line in losses_file.read_text().splitlines()]
+    by_step = {int(step): (int(attempt), float(loss)) for attempt, step, loss in rows}
+    assert sorted(by_step) == list(range(6)) and by_step[5][0] == 1  # steps 4 and 5 ran after the restart
+
+    model, x, y = dist_worker.data("tiny_gpt")  # the same 6 steps in one process, uninterrupted
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(6):
+        opt.zero_grad()
+        loss = dist_worker.lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        assert abs(by_step[step][1] - loss.item()) <= 1e-5 * abs(loss.item()), step

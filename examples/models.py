@@ -18,6 +18,7 @@ class GPTConfig:
     heads: int = 4
     layers: int = 4
     seq: int = 64
+    tied: bool = True  # LM head shares the token embedding's weight
 
 
 class Block(nn.Module):
@@ -44,7 +45,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, blocks, and an LM head tied to the token embedding."""
+    """Token and position embeddings, blocks, and an LM head (tied to the token embedding by default)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -53,7 +54,8 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg.layers)])
         self.ln = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
-        self.head.weight = self.tok.weight
+        if cfg.tied:
+            self.head.weight = self.tok.weight
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
 

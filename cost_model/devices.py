@@ -7,11 +7,11 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
-__all__ = ["DeviceError", "DeviceSpec", "measure_device", "resolve_devices"]
+__all__ = ["DeviceError", "DeviceLike", "DeviceSpec", "cpu_cores", "device_present", "host_memory", "measure_device", "resolve_devices"]
 
 DeviceLike = Union[str, torch.device]
 
@@ -22,13 +22,26 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What the analytic cost model needs to know about one device."""
+    """One device: measured (or described) rates, and what discovery found.
+
+    A rate of 0 means "not known yet": the analytic model then measures the device if it is
+    present here, and otherwise asks for a hand description.
+    """
 
     name: str
     flops_per_s: float  # sustained fp32 matmul rate
     bytes_per_s: float  # sustained memory copy bandwidth (read + write counted once)
     op_overhead_s: float  # fixed cost of launching one small op
     memory_bytes: int
+    free_memory_bytes: int | None = None
+    kind: str = ""  # "cpu", "cuda", ...: the torch device type ("" when unknown)
+    cores: int | None = None  # CPU cores usable by this process
+    compute_capability: tuple[int, int] | None = None  # CUDA only
+
+    @property
+    def measured(self) -> bool:
+        """True when the three rates are known (measured or described)."""
+        return self.flops_per_s > 0 and self.bytes_per_s > 0
 
 
 def resolve_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
@@ -69,44 +82,96 @@ def resolve_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
     return resolved
 
 
-def _timeit(fn: "functools.partial[object]", device: torch.device, repeats: int = 5) -> float:
+def _timeit(fn: Callable[[], object], device: torch.device, repeats: int = 5, clock: str = "wall") -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    timer = time.thread_time if clock == "cpu" else time.perf_counter
     fn()
     sync()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = timer()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(timer() - start)
     return statistics.median(times)
 
 
 def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
+    return host_memory()[0]
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory; 16 GiB each when the OS does not say."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return 16 << 30
+        return 16 << 30, 16 << 30
+    available = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return total, available
+
+
+def device_present(device: torch.device) -> bool:
+    """True when `device` exists in this process (so it can be measured or profiled)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    module = getattr(torch, device.type, None)
+    return bool(module is not None and getattr(module, "is_available", lambda: False)())
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def measure_device(device: torch.device, clock: str = "wall") -> DeviceSpec:
+    """Measure a device once per process (and thread count): a square matmul, a large copy, a tiny op.
+
+    The matmul is 1024 x 1024 on CPU and 4096 x 4096 elsewhere; the copy 32 MiB on CPU and
+    256 MiB elsewhere; the tiny op an 8-element add (its median time is the op overhead).
+    `clock="cpu"` times this thread's CPU time (CPU, one torch thread; see `timing.make_timer`).
+
+    Raises:
+        ValueError: clock is not "wall" or "cpu", or "cpu" where it cannot time the device.
+    """
+    device = torch.device(device)
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock={clock!r}; use 'wall' or 'cpu'")
+    if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError(f"clock='cpu' needs device 'cpu' and torch.set_num_threads(1), got {device}; use clock='wall'")
+    return _measure(device, torch.get_num_threads(), clock)
 
 
 @functools.lru_cache(maxsize=None)
-def measure_device(device: torch.device) -> DeviceSpec:
-    """Measure a device once per process: a square matmul, a large copy and a tiny op."""
+def _measure(device: torch.device, threads: int, clock: str) -> DeviceSpec:
     n = 1024 if device.type == "cpu" else 4096
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     with torch.no_grad():
-        t_mm = _timeit(functools.partial(torch.mm, a, b), device)
+        t_mm = _timeit(functools.partial(torch.mm, a, b), device, clock=clock)
         big = torch.empty(8 << 20 if device.type == "cpu" else 64 << 20, device=device)
         dst = torch.empty_like(big)
-        t_copy = _timeit(functools.partial(dst.copy_, big), device)
+        t_copy = _timeit(functools.partial(dst.copy_, big), device, repeats=15, clock=clock)
         tiny = torch.ones(8, device=device)
-        t_op = _timeit(functools.partial(torch.add, tiny, tiny), device, repeats=50)
+        t_op = _timeit(functools.partial(torch.add, tiny, tiny), device, repeats=200, clock=clock)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return DeviceSpec(
         name=name,
@@ -114,4 +179,6 @@ def measure_device(device: torch.device) -> DeviceSpec:
         bytes_per_s=2 * big.numel() * big.element_size() / max(t_copy, 1e-9),
         op_overhead_s=t_op,
         memory_bytes=_memory_bytes(device),
+        kind=device.type,
+        cores=cpu_cores() if device.type == "cpu" else None,
     )

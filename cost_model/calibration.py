@@ -1,0 +1,140 @@
+"""Calibration: per-device correction factors learned from measured runs, applied to any model.
+
+A run records, for each stage, its device, the predicted compute time and the measured one
+(plain data: the runtime's trace or a Plan's stages plus measured times; nothing here
+imports the runtime). For each device the factor is the least-squares ratio over every
+observation so far,
+
+    f = sum(predicted * measured) / sum(predicted ** 2)
+
+kept as two running sums, so each new run refines it and old runs fade by `decay`.
+`CalibratedCostModel` multiplies a base model's node times by its device's factor, and
+transfer times by the factor of the device pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from cost_model.interface import CostModel, forward_time
+
+__all__ = ["CalibratedCostModel", "Calibration", "stage_records"]
+
+
+def _get(record: Any, *names: str) -> Any:
+    for name in names:
+        if isinstance(record, Mapping) and name in record:
+            return record[name]
+        if hasattr(record, name):
+            return getattr(record, name)
+    raise ValueError(f"a run record needs one of {names}; got {record!r}")
+
+
+def stage_records(stages: Sequence[Any], measured_ms: Sequence[float]) -> list[dict[str, Any]]:
+    """Records from a plan's stages (device, compute_ms) and the measured ms of each, in order.
+
+    Raises:
+        ValueError: the two lists differ in length.
+    """
+    if len(stages) != len(measured_ms):
+        raise ValueError(f"{len(stages)} stages but {len(measured_ms)} measured times; give one time per stage")
+    return [
+        {"device": str(_get(s, "device")), "predicted_ms": float(_get(s, "compute_ms", "predicted_ms")), "measured_ms": float(m)}
+        for s, m in zip(stages, measured_ms)
+    ]
+
+
+@dataclass
+class Calibration:
+    """Running least-squares factors (measured / predicted) per device and per device pair."""
+
+    decay: float = 1.0  # weight kept by older observations at each new run (1: never forget)
+    sums: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum p*m, sum p*p]
+
+    def factor(self, device: Any) -> float:
+        """measured / predicted for a device ('cuda:0') or a pair ('cpu->cuda:0'); 1 if unseen."""
+        pm, pp = self.sums.get(str(device), (0.0, 0.0))
+        return pm / pp if pp > 0 else 1.0
+
+    def observe(self, key: str, predicted_s: float, measured_s: float) -> None:
+        """Add one (predicted, measured) pair for `key` (a device or 'src->dst' pair).
+
+        Raises:
+            ValueError: a negative time.
+        """
+        if predicted_s < 0 or measured_s < 0:
+            raise ValueError(f"times must be >= 0, got predicted {predicted_s} and measured {measured_s}")
+        pm, pp = self.sums.setdefault(str(key), [0.0, 0.0])
+        self.sums[str(key)] = [pm + predicted_s * measured_s, pp + predicted_s * predicted_s]
+
+    def update(self, records: Iterable[Any]) -> None:
+        """Fold one measured run in: records with device, predicted_ms and measured_ms.
+
+        Older evidence is first multiplied by `decay`, so with decay < 1 the factors follow
+        a machine whose speed drifts. A record may also name `src` and `dst` (a transfer).
+        """
+        parsed = []
+        for r in records:  # read every record before changing anything
+            predicted = float(_get(r, "predicted_ms", "compute_ms")) / 1e3
+            measured = float(_get(r, "measured_ms")) / 1e3
+            if isinstance(r, Mapping) and "src" in r and "dst" in r:
+                key = f"{torch.device(r['src'])}->{torch.device(r['dst'])}"
+            else:
+                key = str(torch.device(_get(r, "device")))
+            parsed.append((key, predicted, measured))
+        for sums in self.sums.values():
+            sums[0] *= self.decay
+            sums[1] *= self.decay
+        for key, predicted, measured in parsed:
+            self.observe(key, predicted, measured)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        return cls(float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Calibration":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+class CalibratedCostModel:
+    """A base cost model whose times are scaled by learned factors; same interface as the base."""
+
+    def __init__(self, base: CostModel, calibration: Calibration | None = None) -> None:
+        self.base = base
+        self.calibration = calibration or Calibration()
+
+    def prepare(self, graph_module: Any, flat_inputs: Sequence[Any] = ()) -> None:
+        """Pass the traced graph on to the base model if it wants it."""
+        method = getattr(self.base, "prepare", None)
+        if callable(method):
+            method(graph_module, flat_inputs)
+
+    def node_time(self, node: Mapping[str, Any], device: torch.device) -> float:
+        return self.base.node_time(node, device) * self.calibration.factor(torch.device(device))
+
+    def forward_time(self, node: Mapping[str, Any], device: torch.device) -> float:
+        """Forward part of `node_time`, scaled like it."""
+        return forward_time(self.base, node, device) * self.calibration.factor(torch.device(device))
+
+    def transfer_time(self, nbytes: float, src: torch.device, dst: torch.device) -> float:
+        key = f"{torch.device(src)}->{torch.device(dst)}"
+        return self.base.transfer_time(nbytes, src, dst) * self.calibration.factor(key)
+
+    def allreduce_time(self, nbytes: float, devices: Sequence[torch.device]) -> float:
+        """The base model's all-reduce time (collectives are not calibrated)."""
+        method = getattr(self.base, "allreduce_time", None)
+        return float(method(nbytes, devices)) if callable(method) else 0.0

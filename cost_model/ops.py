@@ -1,0 +1,177 @@
+"""Operator classes and their per-class costs for the analytic model (roofline inputs).
+
+Each graph vertex falls in one class, from its FLOPs and its kind (module class or function
+name). A class says how many bytes, in units of the vertex's output bytes, its forward and
+backward move at the device's copy bandwidth, and how many fixed op overheads each pays:
+
+    forward  = overhead_fwd * op_overhead + fwd_bytes * out_bytes / bandwidth
+    backward = overhead_bwd * op_overhead + bwd_bytes * out_bytes / bandwidth
+
+Matrix products ("gemm") instead run at the device's matmul rate scaled by an efficiency
+that falls for thin matrices (see `gemm_efficiency`). The CPU numbers were fitted once on
+synthetic single-op sweeps (not on the benchmark's models); "cpu" kernels such as max
+pooling are far from the memory roofline, GPU kernels much closer to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["OpCost", "classify", "gemm_dims", "gemm_efficiency", "op_costs"]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Bytes moved per output byte, and fixed overheads, of one operator class."""
+
+    fwd_bytes: float
+    bwd_bytes: float
+    fwd_overhead: float  # in units of the device's op_overhead_s
+    bwd_overhead: float
+
+
+_CPU: dict[str, OpCost] = {
+    "gemm": OpCost(0.0, 0.0, 8.0, 8.0),
+    "conv": OpCost(0.0, 0.0, 12.0, 12.0),
+    "elementwise": OpCost(3.3, 4.0, 5.0, 6.0),
+    "activation": OpCost(3.0, 3.0, 5.0, 5.0),
+    "transcendental": OpCost(8.0, 11.0, 5.0, 6.0),
+    "softmax": OpCost(8.5, 3.5, 5.0, 5.0),
+    "layernorm": OpCost(4.2, 5.0, 8.0, 8.0),
+    "batchnorm": OpCost(18.0, 9.5, 16.0, 8.0),
+    "maxpool": OpCost(210.0, 12.0, 8.0, 6.0),
+    "avgpool": OpCost(72.0, 83.0, 8.0, 8.0),
+    "dropout": OpCost(60.0, 4.0, 8.0, 4.0),
+    "concat": OpCost(2.4, 4.0, 5.0, 8.0),
+    "copy": OpCost(8.0, 10.0, 4.0, 6.0),
+    "reduction": OpCost(2.0, 2.0, 6.0, 6.0),
+    "embedding": OpCost(3.0, 1.0, 6.0, 8.0),  # backward also writes a dense weight gradient
+    "view": OpCost(0.0, 0.0, 2.0, 1.0),
+    "python": OpCost(0.0, 0.0, 0.5, 0.0),  # arithmetic on sizes: no tensor at all
+}
+
+_ACCELERATOR: dict[str, OpCost] = {
+    "gemm": OpCost(0.0, 0.0, 4.0, 4.0),
+    "conv": OpCost(0.0, 0.0, 4.0, 4.0),
+    "elementwise": OpCost(3.0, 4.0, 2.0, 3.0),
+    "activation": OpCost(2.0, 3.0, 2.0, 3.0),
+    "transcendental": OpCost(2.5, 3.5, 2.0, 3.0),
+    "softmax": OpCost(3.0, 4.0, 2.0, 3.0),
+    "layernorm": OpCost(3.0, 5.0, 3.0, 4.0),
+    "batchnorm": OpCost(4.0, 6.0, 4.0, 4.0),
+    "maxpool": OpCost(4.0, 4.0, 2.0, 3.0),
+    "avgpool": OpCost(3.0, 3.0, 2.0, 3.0),
+    "dropout": OpCost(3.0, 3.0, 2.0, 3.0),
+    "concat": OpCost(2.0, 2.0, 2.0, 3.0),
+    "copy": OpCost(2.0, 2.0, 2.0, 3.0),
+    "reduction": OpCost(2.0, 2.0, 3.0, 3.0),
+    "embedding": OpCost(2.0, 1.0, 2.0, 4.0),
+    "view": OpCost(0.0, 0.0, 1.0, 1.0),
+    "python": OpCost(0.0, 0.0, 0.5, 0.0),
+}
+
+# Matrix products reach peak / (1 + m0/M + n0/N + k0/K) of the measured matmul rate, by
+# (device type, family): (peak, m0, n0, k0). "matmul" is normalized so the measured square
+# product itself has efficiency 1; CPU convolutions (oneDNN) beat plain matmul when large.
+_GEMM = {
+    ("cpu", "matmul"): (None, 16.0, 16.0, 16.0),
+    ("cpu", "conv"): (1.3, 64.0, 16.0, 32.0),
+    ("accelerator", "matmul"): (None, 128.0, 128.0, 64.0),
+    ("accelerator", "conv"): (None, 128.0, 64.0, 64.0),
+}
+
+_NAMES: list[tuple[str, tuple[str, ...]]] = [
+    ("embedding", ("embedding",)),
+    ("maxpool", ("maxpool", "max_pool", "adaptivemax", "adaptive_max")),
+    ("avgpool", ("avgpool", "avg_pool", "adaptiveavg", "adaptive_avg", "lppool")),
+    ("batchnorm", ("batchnorm", "batch_norm", "instancenorm", "instance_norm", "groupnorm", "group_norm")),
+    ("layernorm", ("layernorm", "layer_norm", "rmsnorm", "rms_norm")),
+    ("softmax", ("softmax",)),
+    ("dropout", ("dropout",)),
+    ("activation", ("relu", "hardtanh", "threshold", "clamp", "clip", "abs", "neg", "hardsigmoid")),
+    ("transcendental", ("gelu", "silu", "swish", "mish", "tanh", "sigmoid", "exp", "log", "erf", "softplus",
+                        "elu", "celu", "hardswish", "sin", "cos", "pow", "rsqrt", "sqrt")),
+    ("concat", ("cat", "stack", "concat", "hstack", "vstack")),
+    ("copy", ("reshape", "contiguous", "flatten", "clone", "to", "type", "float", "half", "bfloat16",
+              "copy", "repeat", "tile", "roll", "pad", "interpolate", "upsample")),
+    ("reduction", ("mean", "sum", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod", "argmax")),
+    ("view", ("view", "view_as", "transpose", "permute", "getitem", "split", "chunk", "unbind", "unsqueeze",
+              "squeeze", "expand", "expand_as", "narrow", "select", "unflatten", "detach", "as_strided", "t",
+              "identity", "movedim", "swapaxes", "split_with_sizes", "alias")),
+]
+_EXACT = {"flatten": "copy", "t": "view", "to": "copy", "type": "copy", "float": "copy", "half": "copy"}
+_SHORT = {name for _, names in _NAMES for name in names if len(name) <= 3}
+
+
+def _normalize(kind: str, op: str) -> str:
+    """'torch.nn.modules.conv.Conv2d' -> 'conv2d'; aten's 'relu.default' -> 'relu'; '__iadd__' -> 'iadd'."""
+    if op == "call_function" and "." in kind:
+        kind = kind.split(".", 1)[0]  # an OpOverload: name.overload
+    return kind.rsplit(".", 1)[-1].lower().strip("_")
+
+
+def classify(node: Mapping[str, Any], kind: str | None = None) -> str:
+    """The operator class of a graph vertex: 'gemm' when it counts FLOPs, else by its kind.
+
+    `kind` is the module class ('Conv2d') or function name ('relu'); without it the vertex's
+    own 'kind' attribute, then its 'target', is used. Unknown kinds with tensor output are
+    'elementwise'; vertices with no tensor output are 'python' (arithmetic on sizes).
+    """
+    name = _normalize(str(kind or node.get("kind") or node.get("target") or ""), "" if kind else str(node.get("op", "")))
+    if float(node.get("flops", 0) or 0) > 0:
+        shapes = node.get("shapes") or [()]
+        is_conv = "conv" in name if (kind or node.get("kind") or node.get("op") == "call_function") else len(shapes[0]) >= 4
+        return "conv" if is_conv else "gemm"
+    if name in _EXACT:
+        return _EXACT[name]
+    if not node.get("shapes") and not node.get("out_bytes"):
+        return "python"
+    for cls, names in _NAMES:
+        for n in names:
+            if name == n or (n not in _SHORT and n in name):
+                return cls
+    return "elementwise"
+
+
+def op_costs(device_kind: str) -> Mapping[str, OpCost]:
+    """The class table for a device type: 'cpu', or anything else (accelerators)."""
+    return _CPU if device_kind == "cpu" else _ACCELERATOR
+
+
+def gemm_dims(shape: Sequence[int], flops: float, kind: str = "") -> tuple[float, float, float, float]:
+    """(batch, M, N, K) of a matrix product from its output shape and forward FLOPs.
+
+    Convolutions (kind contains 'conv', or a 4-D/5-D output when the kind is unknown) have
+    channels in dim 1: M = batch * spatial, N = out channels, K = FLOPs / (2 M N). Batched
+    products ('matmul', 'bmm', 'einsum', 'attention') keep their leading dims as batch;
+    the rest ('linear', 'addmm', 'mm') fold them into M.
+    """
+    dims = [int(d) for d in shape] or [1]
+    numel = float(math.prod(dims))
+    name = kind.lower()
+    if "conv" in name or (not name and len(dims) >= 4):
+        n = float(dims[1]) if len(dims) > 1 else 1.0
+        batch, m = 1.0, numel / max(n, 1.0)
+    elif any(k in name for k in ("matmul", "bmm", "einsum", "attention", "baddbmm")) and len(dims) >= 2:
+        m, n = float(dims[-2]), float(dims[-1])
+        batch = numel / max(m * n, 1.0)
+    else:
+        n = float(dims[-1])
+        batch, m = 1.0, numel / max(n, 1.0)
+    k = flops / max(2.0 * numel, 1.0)
+    return batch, max(m, 1.0), max(n, 1.0), max(k, 1.0)
+
+
+def gemm_efficiency(m: float, n: float, k: float, device_kind: str, reference: float, family: str = "matmul") -> float:
+    """Fraction of the measured matmul rate (a reference-sized square product) that an
+    M x K by K x N product reaches: peak / (1 + m0/M + n0/N + k0/K); family 'matmul' or 'conv'."""
+    peak, m0, n0, k0 = _GEMM[("cpu" if device_kind == "cpu" else "accelerator", family)]
+
+    def raw(mm: float, nn: float, kk: float) -> float:
+        return 1.0 / (1.0 + m0 / mm + n0 / nn + k0 / kk)
+
+    if peak is None:  # normalized: the reference product runs at the measured rate
+        return raw(m, n, k) / raw(reference, reference, reference)
+    return peak * raw(m, n, k)

@@ -1,0 +1,83 @@
+"""Calibration factors from measured runs, against hand-computed least-squares ratios."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Mapping
+
+import pytest
+import torch
+
+from cost_model.calibration import CalibratedCostModel, Calibration, stage_records
+
+CPU = torch.device("cpu")
+
+
+class Fixed:
+    """A base model: every node 1 ms on any device, transfers 2 ms."""
+
+    def node_time(self, node: Mapping[str, Any], device: torch.device) -> float:
+        return 1e-3
+
+    def transfer_time(self, nbytes: float, src: torch.device, dst: torch.device) -> float:
+        return 2e-3
+
+
+def test_factor_is_least_squares_ratio() -> None:
+    cal = Calibration()
+    cal.update([
+        {"device": "cpu", "predicted_ms": 10.0, "measured_ms": 12.0},
+        {"device": "cpu", "predicted_ms": 20.0, "measured_ms": 22.0},
+        {"device": "cuda:1", "predicted_ms": 4.0, "measured_ms": 2.0},
+    ])
+    # (10*12 + 20*22) / (10^2 + 20^2) = 560 / 500
+    assert cal.factor("cpu") == pytest.approx(1.12)
+    assert cal.factor(torch.device("cuda", 1)) == pytest.approx(0.5)
+    assert cal.factor("cuda:0") == 1.0  # never seen
+
+
+def test_runs_accumulate_and_decay() -> None:
+    cal = Calibration(decay=0.5)
+    cal.update([{"device": "cpu", "predicted_ms": 10.0, "measured_ms": 20.0}])  # sums (200, 100) in ms^2
+    cal.update([{"device": "cpu", "predicted_ms": 10.0, "measured_ms": 10.0}])  # (100 + 100, 50 + 100)
+    assert cal.factor("cpu") == pytest.approx(200 / 150)
+
+
+def test_stage_records_from_a_plan() -> None:
+    stages = [SimpleNamespace(device="cpu", compute_ms=5.0), SimpleNamespace(device="cpu", compute_ms=15.0)]
+    records = stage_records(stages, [6.0, 18.0])
+    assert records[1] == {"device": "cpu", "predicted_ms": 15.0, "measured_ms": 18.0}
+    with pytest.raises(ValueError, match="one time per stage"):
+        stage_records(stages, [1.0])
+
+
+def test_calibrated_model_predicts_what_was_measured() -> None:
+    model = CalibratedCostModel(Fixed())
+    node = {"name": "fc", "op": "call_module"}
+    assert model.node_time(node, CPU) == pytest.approx(1e-3)
+    # A measured run: a 10-node stage predicted 10 ms ran 13 ms; a transfer ran 3 ms, not 2.
+    model.calibration.update([
+        {"device": "cpu", "predicted_ms": 10.0, "measured_ms": 13.0},
+        {"src": "cpu", "dst": "cuda:0", "predicted_ms": 2.0, "measured_ms": 3.0},
+    ])
+    assert model.node_time(node, CPU) == pytest.approx(1.3e-3)
+    assert model.forward_time(node, CPU) == pytest.approx(1.3e-3 / 3)
+    assert model.transfer_time(1, CPU, torch.device("cuda", 0)) == pytest.approx(3e-3)
+    assert model.transfer_time(1, torch.device("cuda", 0), CPU) == pytest.approx(2e-3)  # other direction unseen
+
+
+def test_json_round_trip(tmp_path: Any) -> None:
+    cal = Calibration(decay=0.9)
+    cal.update([{"device": "cpu", "predicted_ms": 3.0, "measured_ms": 4.0}])
+    path = tmp_path / "calibration.json"
+    cal.save(path)
+    again = Calibration.load(path)
+    assert again == cal and again.factor("cpu") == pytest.approx(4 / 3)
+
+
+def test_bad_records() -> None:
+    cal = Calibration()
+    with pytest.raises(ValueError, match="measured_ms"):
+        cal.update([{"device": "cpu", "predicted_ms": 1.0}])
+    with pytest.raises(ValueError, match=">= 0"):
+        cal.observe("cpu", -1.0, 1.0)

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model.analytic import AnalyticCostModel, CostModel
+from cost_model import default_cost_model
+from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
@@ -20,7 +21,7 @@ from runtime.distributed import DistributedPipeline
 from runtime.microbatch import scatter
 from runtime.pipeline import Pipeline
 from runtime.plan import Plan
-from runtime.schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
+from runtime.schedule import Action, dag_gpipe, dag_levels, interleaved_one_f_one_b, one_f_one_b
 from runtime.stage import build_stages, stage_io
 
 __all__ = ["partition"]
@@ -50,7 +51,8 @@ def partition(
             of the first tensor is the batch that is split into micro-batches.
         example_kwargs: keyword inputs of the same example call.
         micro_batches: how many micro-batches each call is split into (GPipe schedule).
-        cost_model: what predicts node and transfer times; analytic, measured here, by default.
+        cost_model: what predicts node and transfer times; by default profiled on the devices
+            present (cached on disk, see cost_model.profiler), analytic for absent ones.
         plan: a Plan to run as it is (for example one saved with `Plan.to_json`), skipping planning.
         threads: run stages on worker threads; default only when there are several devices.
         schedule: "gpipe", "1f1b" or "interleaved" (interleaved 1F1B, `virtual_stages` stages
@@ -105,7 +107,7 @@ def partition(
     graph = build_graph(gm, first_chunk)
     order = [n.name for n in compute_nodes(gm)]
     if plan is None:
-        plan = plan_pipeline(graph, order, resolved, cost_model or AnalyticCostModel(), micro_batches)
+        plan = plan_pipeline(graph, order, resolved, _prepared(cost_model, gm, first_chunk), micro_batches)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
 
@@ -118,6 +120,15 @@ def partition(
     except BaseException:
         undo()
         raise
+
+
+def _prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:
+    """The cost model to plan with (profiled where the device is here, by default), shown the graph."""
+    cost = cost_model if cost_model is not None else default_cost_model()
+    prepare = getattr(cost, "prepare", None)  # optional: see cost_model.interface
+    if callable(prepare):
+        prepare(gm, flat_inputs)
+    return cost
 
 
 def _distributed() -> bool:
@@ -194,7 +205,8 @@ def _partition_distributed(
             order = [n.name for n in compute_nodes(gm)]
             stage_devices = [devices[r[0]] for r in layout]
             counts = [len(r) for r in layout]
-            made = plan_pipeline(graph, order, stage_devices, cost_model or AnalyticCostModel(), micro_batches, counts, schedule)
+            cost = _prepared(cost_model, gm, first_chunk)
+            made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, counts, schedule)
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
             text = [made.to_json()]
@@ -207,22 +219,35 @@ def _partition_distributed(
     mine = [s.index for s in plan.stages if rank in s.ranks]
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
-    p = len(plan.stages)
-    if schedule == "interleaved":
-        lists = interleaved_one_f_one_b(micro_batches, world, p // world)
-    else:
-        lists = (one_f_one_b if schedule == "1f1b" else gpipe)(micro_batches, p)
+    io = stage_io(gm, plan)
+    lists = _schedule_lists(plan, io, schedule, world)
     stages, undo = build_stages(gm, plan, local=mine)
     try:
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
         return DistributedPipeline(
-            model, gm, plan, stages, stage_io(gm, plan), lists,
+            model, gm, plan, stages, io, lists,
             traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, timeout,
         )
     except BaseException:
         undo()
         raise
+
+
+def _schedule_lists(plan: Plan, io: list[tuple[list[str], list[str]]], schedule: str, world: int) -> list[list[Action]]:
+    """Action lists for the plan: GPipe for any DAG of stages; 1F1B and interleaved for chains."""
+    producer = {name: s for s, (_, outs) in enumerate(io) for name in outs}
+    levels = dag_levels([sorted({producer[n] for n in ins if n in producer}) for ins, _ in io])
+    p, m = len(plan.stages), plan.micro_batches
+    chain = levels == list(range(p))
+    if schedule != "gpipe" and not chain:
+        raise PartitionError(f"schedule={schedule!r} needs a chain of stages; this plan places branches side by side, use 'gpipe'")
+    if schedule == "interleaved":
+        return interleaved_one_f_one_b(m, world, p // world)
+    if schedule == "1f1b":
+        return one_f_one_b(m, p)
+    single = all(len(s.ranks) == 1 for s in plan.stages)
+    return dag_gpipe(m, levels, [s.ranks[0] for s in plan.stages] if single else list(range(p)))
 
 
 def _attr(module: nn.Module, target: str) -> Any:

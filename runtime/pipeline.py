@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.microbatch import gather, scatter
 from runtime.plan import Plan
-from runtime.schedule import clock_cycles
+from runtime.schedule import dag_levels
 from runtime.stage import Stage
 
 __all__ = ["Pipeline"]
@@ -89,10 +89,14 @@ class Pipeline(nn.Module):
         self._unflatten = unflatten_outputs
         self._input_names = input_names
         self._constants = dict(constants)
-        devices = list(dict.fromkeys(s.device for s in stages))
-        self._threaded = len(devices) > 1 if threads is None else threads
-        # Worker key per stage: its device, or its own index when forced to thread on one device.
-        self._worker_of = [s.device if len(devices) > 1 else s.index for s in stages]
+        # A worker per device, or per (device, slot) where the plan gives stages slots (ranks),
+        # as branch-parallel plans do to run branches side by side on one device.
+        keys = [(s.device, tuple(plan.stages[s.index].ranks[:1])) for s in stages]
+        distinct = len(set(keys))
+        self._threaded = distinct > 1 if threads is None else threads
+        self._worker_of: list[Any] = keys if distinct > 1 else [s.index for s in stages]
+        producer = {name: s.index for s in stages for name in s.outputs}
+        self._levels = dag_levels([sorted({producer[n] for n in s.inputs if n in producer}) for s in stages])
         self._workers: dict[Any, ThreadPoolExecutor] = {}
 
     @property
@@ -145,9 +149,9 @@ class Pipeline(nn.Module):
         return self._constants[node.name]
 
     def _tasks(self, chunks: int) -> Iterator[tuple[int, Stage]]:
-        for tick in clock_cycles(chunks, len(self._stages)):
-            for i, j in tick:
-                yield i, self._stages[j]
+        """(micro-batch, stage) in clock-tick order: forward of stage s on micro-batch i at i + level(s)."""
+        for _, s, i in sorted((i + self._levels[s], s, i) for s in range(len(self._stages)) for i in range(chunks)):
+            yield i, self._stages[s]
 
     def _run_task(self, env: dict[str, Any], stage: Stage) -> None:
         inputs = [_to(env[name], stage.device) for name in stage.inputs]

@@ -8,6 +8,8 @@ from typing import Iterator, Literal, Sequence
 __all__ = [
     "Action",
     "clock_cycles",
+    "dag_gpipe",
+    "dag_levels",
     "format_schedule",
     "gpipe",
     "interleaved_one_f_one_b",
@@ -55,6 +57,47 @@ def gpipe(micro_batches: int, stages: int) -> list[list[Action]]:
         + [Action(s, "B", i) for i in reversed(range(micro_batches))]
         for s in range(stages)
     ]
+
+
+def dag_levels(producers: Sequence[Sequence[int]]) -> list[int]:
+    """Depth of each stage in the stage DAG: 0 without producers, else 1 + the deepest producer.
+
+    `producers[s]` lists the stages whose values stage s reads; they must all be below s.
+    A chain (each stage reading the one before) gives levels 0, 1, 2, ...
+    """
+    levels: list[int] = []
+    for s, ps in enumerate(producers):
+        if any(p >= s for p in ps):
+            raise ValueError(f"stage {s} reads from stages {sorted(ps)}; stages must be numbered in topological order")
+        levels.append(1 + max((levels[p] for p in ps), default=-1))
+    return levels
+
+
+def dag_gpipe(micro_batches: int, levels: Sequence[int], owner: Sequence[int]) -> list[list[Action]]:
+    """GPipe for a DAG of stages: one list per owner (device or rank), in clock-tick order.
+
+    Forward of stage s on micro-batch i runs at tick i + levels[s]; each owner runs its
+    forwards by tick (then stage), then its backwards in exactly the reverse order. Every
+    dependency has a smaller tick, so no owner waits on work queued behind its own. For a
+    chain with one stage per owner this is `gpipe`. Branches at the same level on
+    different owners run at the same tick:
+
+        stages 0 -> {1, 2} -> 3, owners [0, 0, 1, 0], m = 2
+        tick:     0   | 1       | 2       | 3   || backwards, reversed
+        owner 0:  0F0 | 0F1 1F0 | 1F1 3F0 | 3F1 || 3B1 3B0 1B1 1B0 0B1 0B0
+        owner 1:        2F0     | 2F1           || 2B1 2B0
+    """
+    if micro_batches < 1 or len(levels) != len(owner) or not levels:
+        raise ValueError(f"need micro_batches >= 1 and one level and owner per stage, got {micro_batches}, {levels}, {owner}")
+    lists: list[list[Action]] = [[] for _ in range(max(owner) + 1)]
+    forwards = sorted(
+        ((i + levels[s], s, i) for s in range(len(levels)) for i in range(micro_batches)),
+    )
+    for _, s, i in forwards:
+        lists[owner[s]].append(Action(s, "F", i))
+    for actions in lists:
+        actions += [Action(a.stage, "B", a.microbatch) for a in reversed(actions)]
+    return lists
 
 
 def _check_counts(micro_batches: int, stages: int) -> None:

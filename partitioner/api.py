@@ -15,7 +15,9 @@ from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
+from partitioner.branches import plan_branches, stage_producers
 from partitioner.planner import plan_pipeline
+from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.distributed import DistributedPipeline
 from runtime.microbatch import scatter
@@ -40,6 +42,7 @@ def partition(
     replicas: Sequence[int] | None = None,
     virtual_stages: int = 2,
     timeout: float = 300.0,
+    placement: str = "pipeline",
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into one pipeline stage per entry of `devices` and return it ready to run.
 
@@ -62,6 +65,9 @@ def partition(
             0 and 1 (taking micro-batches in turn) and stage 1 on rank 2. Default: one each.
         timeout: multi-process only: seconds to wait for another rank before failing with
             an error that names it.
+        placement: "pipeline" (contiguous stages, one per device), "branches" (parallel
+            branches of fork/join regions side by side on the devices, the rest on the first)
+            or "auto" (whichever the simulator predicts faster).
 
     Under torchrun (WORLD_SIZE > 1, or torch.distributed already initialized) `devices`
     lists the device of every rank, and the result is this rank's DistributedPipeline:
@@ -85,11 +91,14 @@ def partition(
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
 
+    if placement not in ("pipeline", "branches", "auto"):
+        raise PartitionError(f"placement={placement!r}; use 'pipeline', 'branches' or 'auto'")
     if schedule not in ("gpipe", "1f1b", "interleaved"):
         raise PartitionError(f"schedule={schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
     if _distributed():
         return _partition_distributed(
-            model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule, replicas, virtual_stages, timeout
+            model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule, replicas, virtual_stages, timeout,
+            placement,
         )
     if schedule != "gpipe" or replicas is not None:
         raise PartitionError(
@@ -107,7 +116,7 @@ def partition(
     graph = build_graph(gm, first_chunk)
     order = [n.name for n in compute_nodes(gm)]
     if plan is None:
-        plan = plan_pipeline(graph, order, resolved, _prepared(cost_model, gm, first_chunk), micro_batches)
+        plan = _choose(graph, order, resolved, _prepared(cost_model, gm, first_chunk), micro_batches, placement)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
 
@@ -120,6 +129,27 @@ def partition(
     except BaseException:
         undo()
         raise
+
+
+def _choose(
+    graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int, placement: str
+) -> Plan:
+    """The plan for `placement`; for "auto", the faster of pipeline and branches by simulation."""
+    if placement == "pipeline":
+        return plan_pipeline(graph, order, devices, cost, micro_batches)
+    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=0.0 if placement == "branches" else 0.05)
+    if placement == "branches":
+        return branches
+    chain = plan_pipeline(graph, order, devices, cost, micro_batches)
+    times = {}
+    for name, candidate in (("pipeline", chain), ("branches", branches)):
+        producers = stage_producers(graph, candidate)
+        owners = [s.ranks[0] if s.ranks else s.index for s in candidate.stages]
+        lists = dag_gpipe(micro_batches, dag_levels(producers), owners)
+        times[name] = simulate(candidate, lists, producers=producers).makespan_ms
+    best = branches if times["branches"] < times["pipeline"] else chain
+    best.notes["predicted_ms"] = times
+    return best
 
 
 def _prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:
@@ -180,6 +210,7 @@ def _partition_distributed(
     replicas: Sequence[int] | None,
     virtual_stages: int,
     timeout: float,
+    placement: str = "pipeline",
 ) -> DistributedPipeline:
     if not dist.is_initialized():
         _init_process_group(devices, timeout)
@@ -206,9 +237,17 @@ def _partition_distributed(
             stage_devices = [devices[r[0]] for r in layout]
             counts = [len(r) for r in layout]
             cost = _prepared(cost_model, gm, first_chunk)
-            made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, counts, schedule)
-            for stage, ranks in zip(made.stages, layout):
-                stage.ranks = ranks
+            if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
+                raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
+            if placement == "pipeline":
+                made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, counts, schedule)
+                for stage, ranks in zip(made.stages, layout):
+                    stage.ranks = ranks
+            else:
+                made = _choose(graph, order, devices, cost, micro_batches, placement)
+                if made.notes.get("placement") != "branches":
+                    for stage, ranks in zip(made.stages, layout):
+                        stage.ranks = ranks
             text = [made.to_json()]
         dist.broadcast_object_list(text, src=0)
         plan = Plan.from_json(text[0])

@@ -21,7 +21,7 @@ last backward of a stage it all-reduces that stage's gradients (data-parallel re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Sequence, Union
+from typing import Optional, Callable, Literal, Mapping, Sequence, Union
 
 from partitioner.errors import PartitionError
 from runtime.plan import Plan
@@ -134,23 +134,36 @@ class ScheduleCheck:
     ticks: int  # steps when every ready device runs one action per step
 
 
-def _deps(a: Action, stages: int) -> list[Action]:
+Producers = Optional[Sequence[Sequence[int]]]
+
+
+def _producers(stages: int, producers: Producers) -> list[list[int]]:
+    """Stages each stage reads from: the one before it for a chain (the default), else as given."""
+    if producers is None:
+        return [[s - 1] if s > 0 else [] for s in range(stages)]
+    return [list(p) for p in producers]
+
+
+def _deps(a: Action, stages: int, producers: Producers = None) -> list[Action]:
+    prods = _producers(stages, producers)
     if a.kind == "F":
-        return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-    deps = [Action(a.stage, "F", a.microbatch)]
-    if a.stage < stages - 1:
-        deps.append(Action(a.stage + 1, "B", a.microbatch))
-    return deps
+        return [Action(p, "F", a.microbatch) for p in prods[a.stage]]
+    return [Action(a.stage, "F", a.microbatch)] + [
+        Action(c, "B", a.microbatch) for c in range(stages) if a.stage in prods[c]
+    ]
 
 
-def _consumer(a: Action, stages: int) -> Action | None:
-    """The action on the next stage that reads `a`'s output (activations or gradients)."""
+def _consumers(a: Action, stages: int, producers: Producers = None) -> list[Action]:
+    """Actions on other stages that read `a`'s output (activations forward, gradients backward)."""
+    prods = _producers(stages, producers)
     if a.kind == "F":
-        return Action(a.stage + 1, "F", a.microbatch) if a.stage < stages - 1 else None
-    return Action(a.stage - 1, "B", a.microbatch) if a.stage > 0 else None
+        return [Action(c, "F", a.microbatch) for c in range(stages) if a.stage in prods[c]]
+    return [Action(p, "B", a.microbatch) for p in prods[a.stage]]
 
 
-def check_schedule(schedule: Sequence[Sequence[Action]], stages: int, micro_batches: int) -> ScheduleCheck:
+def check_schedule(
+    schedule: Sequence[Sequence[Action]], stages: int, micro_batches: int, producers: Producers = None
+) -> ScheduleCheck:
     """Prove that `schedule` runs every F and B once per stage and micro-batch and cannot deadlock.
 
     Args:
@@ -201,10 +214,10 @@ def check_schedule(schedule: Sequence[Sequence[Action]], stages: int, micro_batc
     while len(done) < len(expected):
         ready = [
             d for d, actions in enumerate(schedule)
-            if pointer[d] < len(actions) and all(dep in done for dep in _deps(actions[pointer[d]], stages))
+            if pointer[d] < len(actions) and all(dep in done for dep in _deps(actions[pointer[d]], stages, producers))
         ]
         if not ready:
-            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, stages))
+            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, stages, producers))
         for d in ready:
             done.add(schedule[d][pointer[d]])
             pointer[d] += 1
@@ -222,6 +235,7 @@ def _deadlock_message(
     done: set[Action],
     where: Mapping[Action, tuple[int, int]],
     stages: int,
+    producers: Producers = None,
 ) -> str:
     lines = ["schedule deadlocks; every unfinished device waits on an action that cannot run yet:"]
     for d, actions in enumerate(schedule):
@@ -229,7 +243,7 @@ def _deadlock_message(
             continue
         a = actions[pointer[d]]
         waits = ", ".join(
-            f"{dep} (device {where[dep][0]} position {where[dep][1]})" for dep in _deps(a, stages) if dep not in done
+            f"{dep} (device {where[dep][0]} position {where[dep][1]})" for dep in _deps(a, stages, producers) if dep not in done
         )
         lines.append(f"- device {d} position {pointer[d]}: {a} needs {waits}")
     lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after) run first.")
@@ -271,6 +285,7 @@ def simulate(
     transfer_ms: TransferMs | None = None,
     allreduce_ms: StageMs | None = None,
     micro_batches: int | None = None,
+    producers: Producers = None,
 ) -> Timeline:
     """Run `schedule` on `plan`'s stage times and return every device's timeline.
 
@@ -282,14 +297,16 @@ def simulate(
         allreduce_ms: stage -> ms of its gradient all-reduce (mapping or callable); by default
             a stage's `allreduce_ms` attribute when it has one, else no all-reduce.
         micro_batches: defaults to `plan.micro_batches`.
+        producers: for a DAG of stages (branches side by side), the stages each stage reads
+            from; by default a chain, each stage reading the one before.
 
     Raises:
         ScheduleError: the schedule is incomplete, repeats actions or deadlocks.
     """
     m = plan.micro_batches if micro_batches is None else micro_batches
-    checked = check_schedule(schedule, len(plan.stages), m)
+    checked = check_schedule(schedule, len(plan.stages), m, producers)
     transfer = transfer_ms or _plan_transfer(plan)
-    run = _Run(plan, schedule, checked.stage_device, transfer, _per_stage(allreduce_ms, plan), m)
+    run = _Run(plan, schedule, checked.stage_device, transfer, _per_stage(allreduce_ms, plan), m, producers)
     pointer = [0] * len(schedule)
     remaining = sum(len(actions) for actions in schedule)
     while remaining:  # terminates: check_schedule proved some device can always move
@@ -315,7 +332,9 @@ class _Run:
         transfer: TransferMs,
         reduce_ms: Callable[[int], float],
         micro_batches: int,
+        producers: Producers = None,
     ) -> None:
+        self.producers = _producers(len(plan.stages), producers)
         self.plan, self.device_of, self.transfer, self.reduce_ms = plan, device_of, transfer, reduce_ms
         self.stages = len(plan.stages)
         self.timelines = [
@@ -326,27 +345,30 @@ class _Run:
             for actions in schedule
         ]
         self.finished: dict[Action, float] = {}
-        self.arrival: dict[Action, float] = {}  # when an action's output is on its consumer's device
+        self.arrival: dict[tuple[Action, int], float] = {}  # when an action's output is on a device
         self.free = [0.0] * len(schedule)  # compute
         self.reduce_free = [0.0] * len(schedule)
         self.link_free: dict[tuple[int, int], float] = {}
         self.backwards_left = [micro_batches] * self.stages
 
     def ready(self, a: Action) -> bool:
-        return all(dep in self.finished for dep in _deps(a, self.stages))
+        return all(dep in self.finished for dep in _deps(a, self.stages, self.producers))
 
     def execute(self, d: int, a: Action) -> None:
         """Run `a` on device d as early as its inputs allow, then send its output on."""
-        inputs = [self.finished[x] if self.device_of[x.stage] == d else self.arrival[x] for x in _deps(a, self.stages)]
+        inputs = [
+            self.arrival.get((x, d), self.finished[x]) for x in _deps(a, self.stages, self.producers)
+        ]
         start = max([self.free[d], *inputs])
         stage = self.plan.stages[a.stage]
         end = start + (stage.forward_ms if a.kind == "F" else stage.backward_ms)
         kind = FORWARD if a.kind == "F" else BACKWARD
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
-        self.free[d] = self.finished[a] = self.arrival[a] = end
-        consumer = _consumer(a, self.stages)
-        if consumer is not None and self.device_of[consumer.stage] != d:
-            self._send(d, self.device_of[consumer.stage], a, consumer, end)
+        self.free[d] = self.finished[a] = end
+        for consumer in _consumers(a, self.stages, self.producers):
+            peer = self.device_of[consumer.stage]
+            if peer != d and (a, peer) not in self.arrival:
+                self._send(d, peer, a, consumer, end)
         if a.kind == "B":
             self.backwards_left[a.stage] -= 1
             duration = float(self.reduce_ms(a.stage))
@@ -362,7 +384,7 @@ class _Run:
         if duration <= 0:
             return
         t0 = max(ready, self.link_free.get((d, peer), 0.0))
-        self.arrival[a] = self.link_free[(d, peer)] = t0 + duration
+        self.arrival[(a, peer)] = self.link_free[(d, peer)] = t0 + duration
         self.timelines[d].events.append(Event(SEND, a.stage, a.microbatch, t0, t0 + duration, peer))
         self.timelines[peer].events.append(Event(RECV, consumer.stage, a.microbatch, t0, t0 + duration, d))
 

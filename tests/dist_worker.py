@@ -1,7 +1,7 @@
 """Worker for tests/test_distributed.py: run under torchrun (or with RANK/WORLD_SIZE set).
 
 Modes:
-  equivalence CASES  each case 'model:schedule:replicas' trains one step and compares this
+  equivalence CASES  each case 'model:schedule:replicas[:placement]' trains one step and compares this
                      rank's loss and gradients with single-process full-batch training
   checkpoint DIR     train 3, save, train 3, then rebuild with another plan, load, train 3
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
@@ -53,12 +53,16 @@ def equivalence(cases: list[str]) -> int:
     world = int(os.environ["WORLD_SIZE"])
     bad = 0
     for case in cases:
-        name, schedule, reps = case.split(":")
+        name, schedule, reps, *rest = case.split(":")
+        placement = rest[0] if rest else "pipeline"
         replicas = json.loads(reps) if reps != "-" else None
         model, x, y = data(name)
         reference = copy.deepcopy(model)
         m = 4 if schedule != "interleaved" else 2 * world
-        pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule, replicas=replicas)
+        pipe = partition(
+            model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule, replicas=replicas,
+            placement=placement,
+        )
         loss = pipe.train_step(x, y, lm_loss)
         ref_loss = lm_loss(reference(x), y)
         ref_loss.backward()
@@ -73,6 +77,8 @@ def equivalence(cases: list[str]) -> int:
         full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
         stage_bytes = sum(p.numel() * p.element_size() for p in pipe.stage_modules.parameters())
         ok = worst < 1e-5 and loss_err < 1e-5 and local_bytes == stage_bytes and (world == 1 or local_bytes < full_bytes)
+        if placement == "branches":  # the branches really sit on both ranks
+            ok = ok and {s.ranks[0] for s in pipe.plan.stages} == set(range(world))
         bad += not ok
         print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
               f"grad_err={worst:.2e} loss_err={loss_err:.2e} param_bytes={local_bytes}/{full_bytes} ok={ok}", flush=True)

@@ -38,15 +38,20 @@ def assert_same_outputs(out: Any, ref: Any) -> None:
             assert a == b
 
 
-def run_and_compare(name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None) -> None:
+def run_and_compare(
+    name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None, placement: str = "pipeline"
+) -> None:
     torch.manual_seed(0)
     model, args, kwargs = zoo.ZOO[name]()
     model.train(train)
     reference = copy.deepcopy(model)
     params_before = {id(p) for p in model.parameters()}
 
-    pipe = partition(model, ["cpu"] * stages, example_inputs=args, example_kwargs=kwargs, micro_batches=micro_batches, threads=threads)
-    assert len(pipe.plan.stages) == stages
+    pipe = partition(
+        model, ["cpu"] * stages, example_inputs=args, example_kwargs=kwargs,
+        micro_batches=micro_batches, threads=threads, placement=placement,
+    )
+    assert len(pipe.plan.stages) == stages or placement != "pipeline"
     assert {id(p) for p in pipe.parameters()} == params_before
 
     out = pipe(*args, **kwargs)
@@ -122,6 +127,21 @@ def test_batchnorm_train_deferred_statistics(stages: int, micro_batches: int) ->
     # The first BatchNorm sees the raw input, so it matches true full-batch training too.
     assert rel_err(model.stem[1].running_mean, full_batch.stem[1].running_mean) < 1e-5
     assert rel_err(model.stem[1].running_var, full_batch.stem[1].running_var) < 1e-5
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("name", ["inception", "tiny_gpt", "keyword_dict", "hf_gpt2"])
+def test_branch_placement_equivalence(name: str, devices: int, micro_batches: int) -> None:
+    """Branches side by side on different workers (a DAG of stages), run concurrently."""
+    run_and_compare(name, devices, micro_batches, placement="branches")
+
+
+def test_branch_placement_uses_several_workers_for_inception() -> None:
+    model, (x,), _ = zoo.inception()
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, placement="branches")
+    assert {s.ranks[0] for s in pipe.plan.stages} == {0, 1}
+    assert pipe.plan.notes["placement"] == "branches"
 
 
 @pytest.mark.parametrize("name", ["mlp", "tiny_gpt", "inception"])

@@ -50,7 +50,9 @@ def check_equivalence(ranks: int, cases: list[str]) -> None:
 
 
 def test_two_ranks_every_schedule() -> None:
-    check_equivalence(2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-"])
+    check_equivalence(
+        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-", "inception:gpipe:-:branches"]
+    )
 
 
 def test_three_ranks_schedules_and_uneven_replicas() -> None:

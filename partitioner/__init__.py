@@ -3,6 +3,7 @@
 from partitioner.api import partition
 from partitioner.errors import PartitionError, TraceError
 from runtime.pipeline import Pipeline
-from runtime.plan import Plan, StagePlan
+from partitioner.visualizer import Plan
+from runtime.plan import StagePlan
 
 __all__ = ["Pipeline", "PartitionError", "Plan", "StagePlan", "TraceError", "partition"]

@@ -19,6 +19,8 @@ from partitioner.branches import plan_branches, stage_producers
 from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
 from partitioner.trace import trace
+from partitioner.visualizer import Plan as DrawablePlan
+from partitioner.visualizer import with_graph
 from runtime.distributed import DistributedPipeline
 from runtime.microbatch import scatter
 from runtime.pipeline import Pipeline
@@ -119,6 +121,7 @@ def partition(
         plan = _choose(graph, order, resolved, _prepared(cost_model, gm, first_chunk), micro_batches, placement)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
+    plan = with_graph(plan, graph, cost_model)  # drawable: pipe.plan.visualize("plan.html")
 
     stages, undo = build_stages(gm, plan)
     try:
@@ -248,9 +251,9 @@ def _partition_distributed(
                 if made.notes.get("placement") != "branches":
                     for stage, ranks in zip(made.stages, layout):
                         stage.ranks = ranks
-            text = [made.to_json()]
+            text = [with_graph(made, graph, cost).to_json()]
         dist.broadcast_object_list(text, src=0)
-        plan = Plan.from_json(text[0])
+        plan = DrawablePlan.from_json(text[0])
     plan.micro_batches = micro_batches
     if any(not s.ranks for s in plan.stages):
         for stage, ranks in zip(plan.stages, layout):

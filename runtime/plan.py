@@ -41,6 +41,11 @@ class Plan:
     schedule: str = "gpipe"
     predicted_step_ms: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
+    # The model graph for drawing, as plain node-link data (JSON-ready), or None:
+    # {"nodes": [{name, op, module, stage, shapes, out_bytes, param_bytes, flops, time}, ...],
+    #  "edges": [{src, dst, bytes}, ...], "capacity": {device: bytes or None}};
+    # filled by partitioner.visualizer.attach_graph.
+    graph: dict[str, Any] | None = None
 
     @property
     def devices(self) -> list[str]:

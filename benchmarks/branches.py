@@ -1,0 +1,126 @@
+"""Branch placement measured: an Inception-style net on 2 gloo ranks vs one process, beside the simulator.
+
+Each rank runs one thread. (a) rank 0 trains the model alone; (b) partition(...,
+placement="branches") puts each block's parallel branches on both ranks. Prints the
+measured step time of each next to the simulator's prediction for that plan, then the
+measured and predicted speedups.
+Usage: torchrun --standalone --nproc_per_node=2 benchmarks/branches.py [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from partitioner import partition
+from partitioner.branches import stage_producers
+from cost_model import default_cost_model
+from partitioner.graph import build_graph, compute_nodes
+from partitioner.planner import plan_pipeline
+from partitioner.simulator import simulate
+from partitioner.trace import trace
+from runtime.schedule import dag_gpipe, dag_levels
+
+
+class Block(nn.Module):
+    """Four branches (1x1; 1x1-3x3; 1x1-3x3-3x3; pool-1x1) joined by concat, plus a residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        q = c // 4
+        self.b1 = nn.Conv2d(c, q, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1))
+
+
+class InceptionNet(nn.Module):
+    def __init__(self, c: int = 64, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*[Block(c) for _ in range(blocks)])
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))
+
+
+def timed(step, steps: int) -> float:  # type: ignore[no-untyped-def]
+    step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def predicted_ms(model: nn.Module, x: torch.Tensor, plan=None) -> float:  # type: ignore[no-untyped-def]
+    """Simulated step time of `plan`, or of the whole model on one device when plan is None."""
+    traced = trace(model, (x,))
+    flat = traced.flatten_inputs((x,), {})
+    graph = build_graph(traced.graph_module, flat)
+    if plan is None:
+        cost = default_cost_model()
+        cost.prepare(traced.graph_module, flat)
+        order = [n.name for n in compute_nodes(traced.graph_module)]
+        plan = plan_pipeline(graph, order, [torch.device("cpu")], cost, 1)
+    producers = stage_producers(graph, plan)
+    owners = [s.ranks[0] if s.ranks else 0 for s in plan.stages]
+    lists = dag_gpipe(plan.micro_batches, dag_levels(producers), owners)
+    return simulate(plan, lists, producers=producers).makespan_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = InceptionNet()
+    x = torch.randn(args.batch, 3, 32, 32)
+    y = torch.randint(0, 10, (args.batch,))
+
+    single = copy.deepcopy(base)
+
+    def single_step() -> None:
+        if rank == 0:
+            F.cross_entropy(single(x), y).backward()
+
+    t_single = timed(single_step, args.steps)
+
+    model = copy.deepcopy(base)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=args.micro_batches, placement="branches")
+
+    def branch_step() -> None:
+        pipe.train_step(x, y, F.cross_entropy)
+
+    t_branch = timed(branch_step, args.steps)
+    if rank == 0:
+        p_single = predicted_ms(base, x)
+        p_branch = predicted_ms(base, x, pipe.plan)
+        used = sorted({s.ranks[0] for s in pipe.plan.stages})
+        print(f"Inception-style net, 3 blocks x 4 branches, batch {args.batch}, 1 thread per process; "
+              f"branch plan: {len(pipe.plan.stages)} stages on ranks {used}, {args.micro_batches} micro-batches")
+        print(f"{'run':<32} {'measured ms/step':>16} {'predicted ms/step':>18}")
+        print(f"{'one process':<32} {t_single * 1e3:>16.1f} {p_single:>18.1f}")
+        print(f"{'branches on 2 ranks':<32} {t_branch * 1e3:>16.1f} {p_branch:>18.1f}")
+        print(f"branch speedup: measured {t_single / t_branch:.2f}, predicted {p_single / p_branch:.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

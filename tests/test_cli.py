@@ -1,0 +1,148 @@
+"""`python -m partitioner`: the plan table, simulate and profile output, and exit codes with reasons."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner.cli import main
+from partitioner.cli_input import UsageError, load_example
+from partitioner.graph import compute_nodes
+from partitioner.simulator import simulate
+from partitioner.trace import trace
+from partitioner.visualizer import Plan
+from runtime.schedule import one_f_one_b
+from tests import zoo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """main(argv) in this process: exit code, stdout, stderr (argparse errors exit through SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")
+
+
+def test_help_reads_well() -> None:
+    result = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0
+    for words in ("plan", "profile", "simulate", "MODULE:FACTORY", "PYTHONPATH", "one micro-batch", "exit codes: 0 success"):
+        assert words in result.stdout
+    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0 and "--micro-batches M" in result.stdout and ".html (interactive)" in result.stdout
+
+
+def test_plan_prints_the_table_and_writes_the_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    html, saved = tmp_path / "plan.html", tmp_path / "plan.json"
+    code, out, err = run(["plan", "tests.zoo:tiny_gpt", "--devices", "cpu,cpu", "--micro-batches", "2",
+                          "--out", str(html), "--save", str(saved), "--quiet"], capsys)  # fmt: skip
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].strip() == "tests.zoo:tiny_gpt: 2 stages"
+    assert lines[1].split() == ["stage", "device", "nodes", "first", "..", "last", "node", "compute", "ms", "comm", "ms",
+                                "total", "ms", "params", "activations", "sends"]  # fmt: skip
+    rows = [line.split() for line in lines[3:5]]
+    assert [r[:2] for r in rows] == [["0", "cpu"], ["1", "cpu"]]
+    model, args, kwargs = zoo.tiny_gpt()
+    assert int(rows[0][2]) + int(rows[1][2]) == len(compute_nodes(trace(model, args, kwargs).graph_module))
+    assert "batch 7 in 2 micro-batches, schedule gpipe; bottleneck" in out and "bubble" in out
+    assert f"wrote {html}" in out and 'id="plan-data"' in html.read_text()
+    plan = Plan.from_json(saved.read_text())
+    assert plan.graph is not None and [s.device for s in plan.stages] == ["cpu", "cpu"]
+
+
+def test_simulate_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "plan.json"
+    assert run(["plan", "tests.zoo:mlp", "--devices", "cpu,cpu,cpu", "--save", str(saved), "--quiet"], capsys)[0] == 0
+    code, out, err = run(["simulate", "--plan", str(saved), "--schedule", "1f1b", "--micro-batches", "4", "--width", "40"], capsys)
+    assert code == 0, err
+    plan = Plan.from_json(saved.read_text())
+    plan.micro_batches = 4
+    expected = simulate(plan, one_f_one_b(4, 3))
+    assert f"{saved}: 3 stages, 4 micro-batches, schedule 1f1b" in out
+    assert expected.chart(width=40) in out
+    assert f"makespan {expected.makespan_ms:.3f} ms, bubble fraction {expected.bubble_fraction:.1%}" in out
+
+
+def test_simulate_from_a_factory_writes_the_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svg = tmp_path / "timeline.dot"
+    code, out, _ = run(["simulate", "tests.zoo:inception", "--devices", "cpu,cpu", "--micro-batches", "3", "--out", str(svg), "--quiet"], capsys)
+    assert code == 0 and "bubble fraction" in out and svg.read_text().startswith("digraph plan")
+
+
+def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["profile", "tests.zoo:mlp", "--analytic", "--top", "0", "--quiet"], capsys)
+    assert code == 0, err
+    model, args, kwargs = zoo.mlp()
+    names = [n.name for n in compute_nodes(trace(model, args, kwargs).graph_module)]
+    assert all(f" {name} " in out for name in names) and f"{len(names)} nodes, forward" in out
+    assert "Linear" in out and "GELU" in out  # module calls show their class
+    code, out, _ = run(["profile", "tests.zoo:mlp", "--analytic", "--sort", "time", "--top", "2", "--quiet"], capsys)
+    assert code == 0 and f"({len(names) - 2} more rows: --top 0 shows all)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["plan"], "the following arguments are required: MODULE:FACTORY"),
+        (["plan", "tests.zoo:mlp", "--schedule", "zigzag"], "invalid choice: 'zigzag'"),
+        (["plan", "nocolon"], "'nocolon' is not MODULE:FACTORY; write e.g. mymodels:make_model"),
+        (["plan", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+        (["plan", "tests.zoo:nope"], "tests.zoo has no 'nope'; callables there:"),
+        (["plan", "tests.zoo:BATCH"], "BATCH is a int, not a function"),
+        (["plan", "missing.py:make"], "no file missing.py"),
+        (["plan", "tests.zoo:mlp", "--devices", "cpu,,cpu"], "--devices 'cpu,,cpu' has an empty entry"),
+        (["plan", "tests.zoo:mlp", "--devices", "cuda:99"], "--devices:"),
+        (["plan", "tests.zoo:mlp", "--batch", "5"], "batch 7, but --batch 5 with --micro-batches 1 needs 5"),
+        (["plan", "tests.zoo:mlp", "--micro-batches", "0"], "--micro-batches 0: use 1 or more"),
+        (["plan", "tests.zoo:mlp", "--micro-batches", "9"], "--micro-batches 9 is more than the batch of 7"),
+        (["plan", "tests.zoo:mlp", "--out", "plan.txt"], "--out plan.txt: the suffix picks the picture"),
+        (["simulate"], "simulate needs either MODULE:FACTORY or --plan PLAN.json"),
+        (["simulate", "--plan", "missing.json"], "--plan missing.json: cannot read a saved plan"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_reason(argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert reason in " ".join(err.split()), err
+
+
+def test_exit_code_of_the_real_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "nocolon"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 2 and "error: 'nocolon' is not MODULE:FACTORY" in result.stderr
+
+
+def test_factory_forms(tmp_path: Path) -> None:
+    (tmp_path / "models.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def sized(batch=4):\n    return nn.Linear(3, 2), torch.randn(batch, 3)\n"
+        "def micro():\n    return nn.Linear(3, 2), (torch.randn(2, 3),)\n"
+        "def wrong():\n    return 3\n"
+        "class Branchy(nn.Module):\n    def forward(self, x):\n        return x if x.sum().item() > 0 else -x\n"
+        "def untraceable():\n    return Branchy(), torch.randn(4, 3)\n"
+    )
+    path = str(tmp_path / "models.py")
+    assert load_example(path + ":sized", None, 1).batch == 4
+    example = load_example(path + ":sized", 12, 3)  # called with batch=12
+    assert example.batch == 12 and example.args[0].shape == (12, 3)
+    example = load_example(path + ":micro", 8, 4)  # one micro-batch of 2, repeated to the full batch
+    assert example.args[0].shape == (8, 3) and torch.equal(example.args[0][:2], example.args[0][6:])
+    with pytest.raises(UsageError, match=r"needs 6 \(a full batch\) or 1.5 \(one micro-batch\)"):
+        load_example(path + ":micro", 6, 4)
+    with pytest.raises(UsageError, match=r"returned int; it must return \(model, example_inputs\)"):
+        load_example(path + ":wrong", None, 1)
+    assert main(["plan", path + ":untraceable", "--devices", "cpu", "--quiet"]) == 1  # the work failed, not the arguments

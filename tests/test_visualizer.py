@@ -1,0 +1,294 @@
+"""The plan's pictures: graph data on the Plan, grouping and layout, HTML in headless Chromium, PNG/SVG/DOT."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import pytest
+import torch
+
+from cost_model.analytic import AnalyticCostModel
+from cost_model.devices import DeviceSpec
+from partitioner.graph import build_graph, compute_nodes
+from partitioner.planner import plan_pipeline
+from partitioner.simulator import simulate
+from partitioner.trace import trace
+from partitioner.visual_html import render_html
+from partitioner.visual_layout import NODES, choose_depth, collapse, layout
+from partitioner.visualizer import Plan, attach_graph, color, page_data, timeline_data, visualize, with_graph
+from runtime import plan as runtime_plan
+from runtime.microbatch import scatter
+from runtime.schedule import gpipe
+from tests import zoo
+
+SPEC = DeviceSpec(name="fixed", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-5, memory_bytes=8 << 30)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)"
+)
+
+
+def make_plan(factory: Any, stages: int, micro_batches: int) -> Plan:
+    """A deterministic plan (fixed device rates) with its graph attached."""
+    model, args, kwargs = factory()
+    traced = trace(model, args, kwargs)
+    first = scatter(traced.flatten_inputs(args, kwargs), micro_batches)[0]
+    graph = build_graph(traced.graph_module, first)
+    cost = AnalyticCostModel(specs={"cpu": SPEC})
+    order = [n.name for n in compute_nodes(traced.graph_module)]
+    plan = plan_pipeline(graph, order, [torch.device("cpu")] * stages, cost, micro_batches)
+    return with_graph(plan, graph, cost)
+
+
+def graph_of(plan: runtime_plan.Plan) -> dict[str, Any]:
+    assert plan.graph is not None, "attach_graph did not run"
+    return plan.graph
+
+
+@pytest.fixture(scope="module")
+def gpt_plan() -> Plan:
+    return make_plan(zoo.tiny_gpt, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def inception_plan() -> Plan:
+    return make_plan(zoo.inception, 4, 4)
+
+
+def toy_graph() -> nx.DiGraph:
+    """x -> a.p -> a.q -> add(root) -> b -> output, with a skip x -> add and a weight w read by b."""
+    g = nx.DiGraph()
+    for i, (name, op, module, nbytes) in enumerate(
+        [("x", "placeholder", "", 40), ("a_p", "call_module", "a.p", 80), ("a_q", "call_module", "a.q", 80),
+         ("add", "call_function", "", 80), ("w", "get_attr", "", 0), ("b", "call_function", "b", 8), ("output", "output", "", 0)]
+    ):  # fmt: skip
+        g.add_node(name, name=name, op=op, target=name, module=module, position=i, shapes=[[2, 5]], dtypes=["float32"],
+                   out_bytes=nbytes, param_bytes=24 if name == "w" else 0, flops=100)  # fmt: skip
+    for a, b in [("x", "a_p"), ("a_p", "a_q"), ("a_q", "add"), ("x", "add"), ("add", "b"), ("w", "b"), ("b", "output")]:
+        g.add_edge(a, b, bytes=g.nodes[a]["out_bytes"])
+    return g
+
+
+def toy_plan() -> runtime_plan.Plan:
+    return runtime_plan.Plan(
+        stages=[
+            runtime_plan.StagePlan(0, "cpu", ["a_p"], compute_ms=3.0, forward_ms=1.0, backward_ms=2.0, send_bytes=80),
+            runtime_plan.StagePlan(1, "cpu", ["a_q", "add", "b"], compute_ms=6.0, forward_ms=2.0, backward_ms=4.0, recv_bytes=120),
+        ],
+        micro_batches=2,
+    )
+
+
+def test_attach_graph_is_plain_data_and_round_trips() -> None:
+    plan = toy_plan()
+    attach_graph(plan, toy_graph())
+    assert plan.graph is not None
+    nodes = {n["name"]: n for n in plan.graph["nodes"]}
+    assert list(nodes) == ["x", "a_p", "a_q", "add", "b", "output"]  # the weight is folded into its reader
+    assert nodes["b"]["param_bytes"] == 24 and nodes["x"]["stage"] == -1 and nodes["add"]["stage"] == 1
+    assert sum(nodes[n]["time"] for n in ("a_q", "add", "b")) == pytest.approx(6.0)  # stage compute shared out
+    assert {(e["src"], e["dst"], e["bytes"]) for e in plan.graph["edges"]} >= {("x", "add", 40), ("a_q", "add", 80)}
+    loaded = Plan.from_json(plan.to_json())
+    assert isinstance(loaded, Plan) and loaded == Plan.from_plan(plan)
+    assert runtime_plan.Plan.from_json(json.dumps({"stages": [], "micro_batches": 3})).graph is None  # old files load
+    attach_graph(plan, toy_graph(), node_ms={"a_p": 9.0})
+    assert [n["time"] for n in plan.graph["nodes"]][:3] == [0.0, 9.0, 0.0]
+
+
+def test_grouping_and_layout_literal() -> None:
+    plan = toy_plan()
+    attach_graph(plan, toy_graph())
+    groups, edges = collapse(graph_of(plan), 1, 2)
+    # "a" is split by the stage boundary into two groups; the root's "add" is its own run.
+    assert [(g.key, g.stage, [m["name"] for m in g.members]) for g in groups] == [
+        ("inputs", -1, ["x"]), ("a", 0, ["a_p"]), ("a", 1, ["a_q"]), ("", 1, ["add"]), ("b", 1, ["b"]), ("output", -1, ["output"]),
+    ]  # fmt: skip
+    assert [(e.src, e.dst, e.bytes, e.cut) for e in edges] == [
+        ("g0", "g1", 40, False), ("g0", "g3", 40, False), ("g1", "g2", 80, True), ("g2", "g3", 80, False),
+        ("g3", "g4", 80, False), ("g4", "g5", 8, False),
+    ]  # fmt: skip
+    assert layout(groups, edges) == 6
+    assert [(g.level, g.lane) for g in groups] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+    assert [e.lane for e in edges] == [-1, 1, -1, -1, -1, -1]  # the skip x -> add runs down lane 1
+    assert [g.key for g in collapse(graph_of(plan), NODES, 2)[0]] == ["inputs", "node:a_p", "node:a_q", "node:add", "node:b", "output"]
+
+
+def test_branches_sit_side_by_side(inception_plan: Plan) -> None:
+    assert inception_plan.graph is not None
+    groups, edges = collapse(graph_of(inception_plan), NODES, 4)
+    layout(groups, edges)
+    lanes = {g.label: g.lane for g in groups}
+    assert lanes["b1"] != lanes["b2_0"]  # two branches of one fork, one level: different lanes
+    taken = [(g.level, g.lane) for g in groups]
+    assert len(taken) == len(set(taken))
+    for e in edges:  # no box sits on a lane kept for a passing edge
+        if e.lane >= 0:
+            src, dst = next(g for g in groups if g.id == e.src), next(g for g in groups if g.id == e.dst)
+            assert all((level, e.lane) not in taken for level in range(src.level + 1, dst.level))
+
+
+def test_default_depth_keeps_a_transformer_readable(gpt_plan: Plan) -> None:
+    assert gpt_plan.graph is not None and len(gpt_plan.graph["nodes"]) > 100
+    depth = choose_depth(graph_of(gpt_plan), 2)
+    assert depth == 2 and len(collapse(graph_of(gpt_plan), depth, 2)[0]) <= 24
+    assert choose_depth(graph_of(make_plan(zoo.mlp, 2, 1)), 2) == NODES  # small graphs: every node
+    labels = [g.label for g in collapse(graph_of(gpt_plan), 1, 2)[0]]
+    assert "blocks [0 … 1]" in labels and "blocks [1 … 2]" in labels  # which blocks each stage holds
+
+
+def test_page_data(gpt_plan: Plan) -> None:
+    data = page_data(gpt_plan)
+    assert [s["index"] for s in data["stages"]] == [0, 1] and len({s["color"] for s in data["stages"]}) == 2
+    assert data["devices"] == [{"name": "cpu", "stages": [0, 1], "param_bytes": sum(s.param_bytes for s in gpt_plan.stages),
+                                "activation_bytes": sum(s.activation_bytes for s in gpt_plan.stages),
+                                "grad_bytes": sum(s.param_bytes for s in gpt_plan.stages),
+                                "capacity_bytes": data["devices"][0]["capacity_bytes"]}]  # fmt: skip
+    (predicted,) = data["timelines"]
+    assert len(predicted["rows"]) == 2 and predicted["makespan"] > 0
+    assert sum(e["kind"] == "F" for e in predicted["rows"][0]["events"]) == 4
+    json.dumps(data, allow_nan=False)
+    assert len({color(s) for s in range(24)}) == 24  # every stage its own color, beyond the palette too
+
+
+def test_measured_timeline_formats() -> None:
+    plan = toy_plan()
+    simulated = simulate(plan, gpipe(2, 2))
+    assert timeline_data(simulated, "t")["makespan"] == simulated.makespan_ms
+    flat = [{"device": "cuda:0", "kind": "forward", "stage": 0, "microbatch": 0, "start": 0.0, "end": 1.0},
+            {"device": "cuda:1", "kind": "B", "stage": 1, "microbatch": 0, "start_ms": 1.0, "end_ms": 3.0}]  # fmt: skip
+    data = timeline_data(flat, "measured")
+    assert [r["device"] for r in data["rows"]] == ["cuda:0", "cuda:1"] and data["makespan"] == 3.0
+    assert data["bubble"] == pytest.approx(1 - 3 / 6)
+    nested = timeline_data({"devices": [{"device": "d", "events": flat[:1]}]}, "m")
+    assert nested["rows"][0]["events"][0]["kind"] == "F"
+    with pytest.raises(TypeError, match="cannot draw a timeline from int"):
+        timeline_data(3, "bad")
+
+
+def test_html_is_self_contained_and_escaped(gpt_plan: Plan) -> None:
+    data = page_data(gpt_plan)
+    data["graph"]["nodes"][1]["target"] = "</script><script>alert(1)</script>"
+    page = render_html(data)
+    assert page.count("</script>") == 2 and "alert(1)" in page  # the name is data, not markup
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|url\(\s*["']?https?:|@import|<link\b""", page, re.IGNORECASE)
+    assert "fetch(" not in page and "XMLHttpRequest" not in page
+
+
+def test_static_pictures_and_dot(tmp_path: Path, inception_plan: Plan) -> None:
+    pytest.importorskip("matplotlib", reason="PNG and SVG need matplotlib (pip install matplotlib)")
+    png = visualize(inception_plan, tmp_path / "plan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in inception_plan.visualize(tmp_path / "plan.svg").read_text()
+    dot = inception_plan.visualize(tmp_path / "plan.dot").read_text()
+    assert dot.startswith("digraph plan {") and dot.count("subgraph cluster_band") == 6  # inputs, 4 stages, output
+    assert "color=\"#b00020\"" in dot and "KiB" in dot  # cut edges carry their bytes
+    if shutil.which("dot"):
+        subprocess.run(["dot", "-Tsvg", "-o", str(tmp_path / "g.svg"), str(tmp_path / "plan.dot")], check=True, timeout=60)
+
+
+def test_bad_arguments(tmp_path: Path, gpt_plan: Plan) -> None:
+    with pytest.raises(ValueError, match=r"cannot write 'plan\.txt': use a name ending in one of \.dot, \.gv, \.htm"):
+        gpt_plan.visualize(tmp_path / "plan.txt")
+    with pytest.raises(ValueError, match="depth must be an integer >= 1"):
+        gpt_plan.visualize(tmp_path / "plan.html", depth=0)
+    bare = runtime_plan.Plan(stages=[runtime_plan.StagePlan(0, "cpu", ["a"], forward_ms=1.0, backward_ms=2.0)])
+    page = visualize(bare, tmp_path / "bare.html").read_text()  # no graph: still a page, with a note
+    assert "no graph attached" in page
+
+
+class _Elements(HTMLParser):
+    """Every start tag's attributes, by tag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self.text: dict[str, str] = {}
+        self._open: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = {k: v or "" for k, v in attrs}
+        self.tags.append((tag, found))
+        self._open = found.get("id")
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self.text[self._open] = self.text.get(self._open, "") + data
+
+    def with_class(self, name: str) -> list[dict[str, str]]:
+        return [a for _, a in self.tags if name in a.get("class", "").split()]
+
+
+def chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium with no network, a fresh profile and nothing in the background."""
+    command = [
+        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+        "--host-resolver-rules=MAP * ~NOTFOUND", f"--user-data-dir={tmp_path / 'chromium-profile'}", *extra, url,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def render_in_browser(tmp_path: Path, plan: Plan, name: str, measured: Any = None, depth: int | None = None) -> _Elements:
+    page = plan.visualize(tmp_path / f"{name}.html", measured=measured, depth=depth)
+    result = chromium(tmp_path, page.resolve().as_uri() + "#selftest", "--dump-dom")
+    dom = _Elements()
+    dom.feed(result.stdout)
+    assert dom.text.get("status", "").strip() == "ok", f"page errors: {dom.text.get('errors')}\n{result.stderr[-2000:]}"
+    assert not dom.text.get("errors", "").strip()
+    body = next(a for t, a in dom.tags if t == "body")
+    assert body["data-selftest"] == "done"
+    return dom
+
+
+def check_screenshot(tmp_path: Path, plan: Plan, name: str, height: int) -> Path:
+    shot = tmp_path / f"{name}.png"
+    chromium(tmp_path, (tmp_path / f"{name}.html").resolve().as_uri(), f"--screenshot={shot}", f"--window-size=1400,{height}")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (1400, height)
+    keep = os.environ.get("PARTITIONER_SCREENSHOTS")  # a folder to keep the screenshots in (CI artifacts)
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(keep) / shot.name)
+    return shot
+
+
+@needs_chromium
+def test_html_in_chromium_gpt(tmp_path: Path, gpt_plan: Plan) -> None:
+    dom = render_in_browser(tmp_path, gpt_plan, "gpt")
+    bands = dom.with_class("stage-band")
+    assert [b["data-stage"] for b in bands] == ["0", "1"] and len({b["data-color"] for b in bands}) == 2
+    assert len(dom.with_class("tl-row")) == len(gpt_plan.stages)  # one timeline row per device
+    body = next(a for t, a in dom.tags if t == "body")
+    assert body["data-expand-grew"] == "yes" and body["data-collapse-restored"] == "yes"
+    # The page groups and lays out the graph exactly as the Python layout does.
+    groups, edges = collapse(graph_of(gpt_plan), choose_depth(graph_of(gpt_plan), 2), 2)
+    layout(groups, edges)
+    boxes = [(b["data-key"], b["data-title"], int(b["data-level"]), int(b["data-lane"])) for b in dom.with_class("box")]
+    assert boxes == [(g.key, g.label, g.level, g.lane) for g in groups]
+    assert dom.with_class("cut-label")  # the edges between the stages carry bytes
+    check_screenshot(tmp_path, gpt_plan, "gpt", 1700)
+    deep = render_in_browser(tmp_path, gpt_plan, "gpt-deep", depth=7)  # deeper than any module: the deepest level
+    assert len(deep.with_class("box")) == len(collapse(graph_of(gpt_plan), 7, 2)[0])
+
+
+@needs_chromium
+def test_html_in_chromium_inception_with_measured_timeline(tmp_path: Path, inception_plan: Plan) -> None:
+    measured = simulate(inception_plan, gpipe(4, 4))  # stands in for a runtime trace
+    dom = render_in_browser(tmp_path, inception_plan, "inception", measured=measured)
+    bands = dom.with_class("stage-band")
+    assert [b["data-stage"] for b in bands] == ["0", "1", "2", "3"] and len({b["data-color"] for b in bands}) == 4
+    panels = dom.with_class("timeline")
+    assert [p["data-rows"] for p in panels] == ["4", "4"]  # predicted and measured, one row per device
+    assert len(dom.with_class("tl-row")) == 8
+    boxes = dom.with_class("box")
+    assert len(boxes) == len(graph_of(inception_plan)["nodes"])  # small graph: every node drawn
+    check_screenshot(tmp_path, inception_plan, "inception", 1900)

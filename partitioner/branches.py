@@ -20,7 +20,8 @@ from typing import Sequence
 import networkx as nx
 import torch
 
-from cost_model.analytic import BACKWARD_FACTOR, CostModel
+from cost_model.analytic import CostModel
+from cost_model.interface import forward_time
 from partitioner.analysis import fork_join_regions, iter_regions
 from runtime.plan import Plan, StagePlan
 
@@ -38,16 +39,21 @@ def _crossing(graph: nx.DiGraph, group: set[str]) -> tuple[float, float]:
 
 
 def assign_branches(
-    branch_times: Sequence[Sequence[float]],
+    branch_times: Sequence[Sequence[tuple[float, float]]],
     comm_times: Sequence[Sequence[float]],
     home: int,
 ) -> tuple[list[int], float]:
-    """Devices for branches minimizing the slowest device's load in the region.
+    """Devices for branches minimizing the region's time in training.
+
+    The join waits for every branch's forward and the fork for every branch's backward,
+    so the region takes (slowest device's forward load) + (slowest device's backward
+    load): the two phases are balanced separately (a branch heavy in forward, such as max
+    pooling, pairs with ones heavy in backward).
 
     Args:
-        branch_times: [branch][device] forward+backward time of the branch on that device.
-        comm_times: [branch][device] extra time to move the branch's inputs there and its
-            outputs back (zero on `home`).
+        branch_times: [branch][device] (forward, backward) time of the branch there.
+        comm_times: [branch][device] time to move the branch's inputs there and its
+            outputs back, forward and backward together (zero on `home`).
         home: the device that runs the region's fork and join.
 
     Returns:
@@ -55,22 +61,28 @@ def assign_branches(
     """
     k, d = len(branch_times), len(branch_times[0])
 
-    def makespan(choice: Sequence[int]) -> float:
-        load = [0.0] * d
+    def makespan(choice: Sequence[int | None]) -> float:
+        fwd, bwd = [0.0] * d, [0.0] * d
         for b, dev in enumerate(choice):
-            load[dev] += branch_times[b][dev] + comm_times[b][dev]
-        return max(load)
+            if dev is None:  # not placed yet
+                continue
+            f, w = branch_times[b][dev]
+            fwd[dev] += f + comm_times[b][dev] / 2
+            bwd[dev] += w + comm_times[b][dev] / 2
+        return max(fwd) + max(bwd)
 
     if d**k <= _EXHAUSTIVE_LIMIT:
         best = min(itertools.product(range(d), repeat=k), key=lambda c: (makespan(c), sum(x != home for x in c)))
         return list(best), makespan(best)
-    load = [0.0] * d
-    choice = [home] * k
-    for b in sorted(range(k), key=lambda b: -branch_times[b][home]):
-        dev = min(range(d), key=lambda x: (load[x] + branch_times[b][x] + comm_times[b][x], x != home))
-        choice[b] = dev
-        load[dev] += branch_times[b][dev] + comm_times[b][dev]
-    return choice, max(load)
+    partial: list[int | None] = [None] * k
+    for b in sorted(range(k), key=lambda b: -sum(branch_times[b][home])):
+        spans = []
+        for dev in range(d):
+            partial[b] = dev
+            spans.append((makespan(partial), dev != home, dev))
+        partial[b] = min(spans)[2]
+    choice = [int(x) for x in partial if x is not None]
+    return choice, makespan(choice)
 
 
 def plan_branches(
@@ -89,6 +101,7 @@ def plan_branches(
     position = {name: i for i, name in enumerate(order)}
     slots = range(len(devices))
     times = {d: {n: cost.node_time(graph.nodes[n], d) for n in order} for d in set(devices)}
+    forward = {d: {n: forward_time(cost, graph.nodes[n], d) for n in order} for d in set(devices)}
     slot_of = {n: 0 for n in order}
     region_of: dict[str, int] = {}
 
@@ -100,7 +113,10 @@ def plan_branches(
         if len(branches) < 2:
             continue
         home = slot_of.get(region.fork, 0) if region.fork in position else 0
-        bt = [[sum(times[devices[d]][n] for n in b) for d in slots] for b in branches]
+        bt = [
+            [(sum(forward[devices[d]][n] for n in b), sum(times[devices[d]][n] - forward[devices[d]][n] for n in b)) for d in slots]
+            for b in branches
+        ]
         ct = []
         for b in branches:
             into, out = _crossing(graph, set(b))
@@ -109,7 +125,7 @@ def plan_branches(
                 for d in slots
             ])
         choice, span = assign_branches(bt, ct, home)
-        if span >= (1 - min_gain) * sum(t[home] for t in bt):
+        if span >= (1 - min_gain) * sum(sum(t[home]) for t in bt):
             continue
         for b, dev in zip(branches, choice):
             for n in b:
@@ -126,7 +142,7 @@ def plan_branches(
             ordered[-1].append(n)
         else:
             ordered.append([n])
-    return _make_plan(graph, ordered, devices, [slot_of[g[0]] for g in ordered], times, cost, micro_batches)
+    return _make_plan(graph, ordered, devices, [slot_of[g[0]] for g in ordered], times, forward, cost, micro_batches)
 
 
 def _grouped_order(graph: nx.DiGraph, order: Sequence[str], label_of: dict[str, tuple[int, int]]) -> list[str]:
@@ -171,6 +187,7 @@ def _make_plan(
     devices: Sequence[torch.device],
     slots: list[int],
     times: dict[torch.device, dict[str, float]],
+    forward: dict[torch.device, dict[str, float]],
     cost: CostModel,
     micro_batches: int,
 ) -> Plan:
@@ -179,17 +196,21 @@ def _make_plan(
     for s, (names, slot) in enumerate(zip(groups, slots)):
         dev = devices[slot]
         compute = sum(times[dev][n] for n in names)
+        fwd = sum(forward[dev][n] for n in names)
         into, out = _crossing(graph, set(names))
         sources = {stage_of.get(u, -1) for n in names for u in graph.predecessors(n) if u not in names}
         src = next((slots[p] for p in sorted(sources) if p >= 0 and slots[p] != slot), slot)
         dst = next((slots[stage_of[v]] for n in names for v in graph.successors(n) if v in stage_of and slots[stage_of[v]] != slot), slot)
-        comm = 2 * (cost.transfer_time(into, devices[src], dev) + cost.transfer_time(out, dev, devices[dst]))
+        comm = 2 * (
+            (cost.transfer_time(into, devices[src], dev) if src != slot else 0.0)
+            + (cost.transfer_time(out, dev, devices[dst]) if dst != slot else 0.0)
+        )
         params = sum(graph.nodes[n]["param_bytes"] for n in names)
         params += sum(graph.nodes[u]["param_bytes"] for n in names for u in graph.predecessors(n) if graph.nodes[u]["op"] == "get_attr")
         stages.append(StagePlan(
             index=s, device=str(dev), nodes=list(names),
             predicted_ms=(compute + comm) * 1e3, compute_ms=compute * 1e3,
-            forward_ms=compute * 1e3 / (1 + BACKWARD_FACTOR), backward_ms=compute * 1e3 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR),
+            forward_ms=fwd * 1e3, backward_ms=(compute - fwd) * 1e3,
             comm_ms=comm * 1e3, param_bytes=int(params),
             activation_bytes=int(sum(graph.nodes[n]["out_bytes"] for n in names) * micro_batches),
             recv_bytes=int(into), send_bytes=int(out), ranks=[slot],

@@ -21,7 +21,8 @@ import networkx as nx
 import numpy as np
 import torch
 
-from cost_model.analytic import BACKWARD_FACTOR, CostModel
+from cost_model.analytic import CostModel
+from cost_model.interface import forward_time
 from partitioner.errors import PartitionError
 from runtime.plan import Plan, StagePlan
 
@@ -236,6 +237,7 @@ def plan_pipeline(
         total = compute + 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
         total /= problem.replicas_of(s)
         names = list(order[a:b])
+        fwd = sum(forward_time(cost, graph.nodes[x], devices[s]) for x in names)
         params = sum(graph.nodes[x]["param_bytes"] for x in names)
         params += sum(graph.nodes[x]["param_bytes"] for x, i in first_use.items() if a <= i < b)
         stages.append(
@@ -245,8 +247,8 @@ def plan_pipeline(
                 nodes=names,
                 predicted_ms=total * 1e3,
                 compute_ms=compute * 1e3,
-                forward_ms=compute * 1e3 / (1 + BACKWARD_FACTOR),
-                backward_ms=compute * 1e3 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR),
+                forward_ms=fwd * 1e3,
+                backward_ms=(compute - fwd) * 1e3,
                 comm_ms=(total - compute) * 1e3,
                 param_bytes=int(params),
                 activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),

@@ -22,25 +22,26 @@ FIXED = DeviceSpec(name="test", flops_per_s=1e9, bytes_per_s=1e10, op_overhead_s
 def test_assignment_equals_brute_force(seed: int) -> None:
     rng = np.random.default_rng(seed)
     k, d = int(rng.integers(2, 6)), int(rng.integers(2, 4))
-    bt = rng.uniform(1, 10, size=(k, d)).tolist()
+    bt = [[(float(f), float(w)) for f, w in row] for row in rng.uniform(1, 10, size=(k, d, 2))]
     ct = rng.uniform(0, 3, size=(k, d))
     ct[:, 0] = 0
     choice, span = assign_branches(bt, ct.tolist(), home=0)
 
-    def makespan(c: tuple[int, ...]) -> float:
-        load = [0.0] * d
+    def makespan(c: tuple[int, ...]) -> float:  # forward and backward phases each wait for the slowest
+        fwd, bwd = [0.0] * d, [0.0] * d
         for b, dev in enumerate(c):
-            load[dev] += bt[b][dev] + ct[b][dev]
-        return max(load)
+            fwd[dev] += bt[b][dev][0] + ct[b][dev] / 2
+            bwd[dev] += bt[b][dev][1] + ct[b][dev] / 2
+        return max(fwd) + max(bwd)
 
     assert span == pytest.approx(min(makespan(c) for c in itertools.product(range(d), repeat=k)))
     assert makespan(tuple(choice)) == pytest.approx(span)
 
 
 def test_greedy_beyond_exhaustive_limit_stays_balanced() -> None:
-    bt = [[1.0] * 4 for _ in range(12)]  # 4**12 assignments: too many, longest-first instead
+    bt = [[(1.0, 2.0)] * 4 for _ in range(12)]  # 4**12 assignments: too many, longest-first instead
     choice, span = assign_branches(bt, [[0.0] * 4 for _ in range(12)], home=0)
-    assert span == 3.0 and sorted(np.bincount(choice).tolist()) == [3, 3, 3, 3]
+    assert span == 9.0 and sorted(np.bincount(choice).tolist()) == [3, 3, 3, 3]
 
 
 def inception_plan(devices: int) -> tuple[object, list[str]]:

@@ -16,6 +16,7 @@ update and the sum equals single-process full-batch training.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -119,6 +120,8 @@ class DistributedPipeline(nn.Module):
         ]
         self.messenger = Messenger(self.device, len(plan.stages), plan.micro_batches, timeout_s, self.describe_rank)
         self._groups = self._make_groups(model, gm)
+        self.tracing = True
+        self.trace: list[dict[str, Any]] = []
         readers = tensor_stages(gm, plan.stage_of())
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:
@@ -231,7 +234,9 @@ class DistributedPipeline(nn.Module):
                 bn.deferring = m > 1
         remaining = {s: sum(1 for a in self._actions if a.stage == s and a.kind == "B") for s in self._stages}
         started: set[int] = set()
+        self._expect_all()
         for action in self._actions:
+            self.messenger.poll()
             if action.kind == "F":
                 self._forward(action.stage, action.microbatch)
             else:
@@ -249,10 +254,12 @@ class DistributedPipeline(nn.Module):
                 bn.commit()
         self.messenger.flush()
         for g in self._groups:
+            start = time.time()
             try:
                 g.finish()
             except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
                 raise self.messenger.group_failure(g.ranks, exc) from None
+            self._record("allreduce", min(g.stages, default=-1), -1, start)
         if self._last not in self._stages:
             return None
         if self._loss_group is not None:
@@ -272,7 +279,9 @@ class DistributedPipeline(nn.Module):
             received[t] = values
             env.update(zip(names, values))
         inputs = [self._on_device(env[name]) for name in stage.inputs]
+        start = time.time()
         outputs = stage.module(*inputs)
+        self._record("forward", s, i, start)
         env.update(zip(stage.outputs, outputs))
         self._saved[(s, i)] = (received, dict(zip(stage.outputs, outputs)))
         for c, names in self._to[s].items():
@@ -302,10 +311,51 @@ class DistributedPipeline(nn.Module):
                         roots.append(value)
                         grads.append(grad.to(value.device))
         if roots:
+            start = time.time()
             torch.autograd.backward(roots, grads)
+            self._record("backward", s, i, start)
         for t, values in received.items():
             self._give(BACKWARD, s, t, i, [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
         self._envs[i] = {k: v for k, v in self._envs[i].items() if k in self._input_names}
+
+    def _expect_all(self) -> None:
+        """Post the header receives of every message this rank gets in the step (see runtime.p2p)."""
+        for a in self._actions:
+            peers = self._from[a.stage] if a.kind == "F" else self._to[a.stage]
+            kind = FORWARD if a.kind == "F" else BACKWARD
+            for other in peers:
+                src = self.rank_of(other, a.microbatch)
+                if src != self.rank:
+                    pair = (other, a.stage) if a.kind == "F" else (other, a.stage)
+                    self.messenger.expect(src, self.messenger.tag(kind, pair[0], pair[1], a.microbatch))
+
+    # ---- trace of what this rank did ----
+
+    def _record(self, kind: str, stage: int, microbatch: int, start: float, peer: int = -1) -> None:
+        if self.tracing:
+            self.trace.append({"kind": kind, "stage": stage, "microbatch": microbatch, "start": start, "end": time.time(), "peer": peer})
+
+    def gather_trace(self, origin: float | None = None) -> dict[str, Any] | None:
+        """Every rank's recorded events on rank 0, as {"devices": [{"device", "events"}]} in ms.
+
+        Call on every rank (it is a collective); the others get None. Times count from
+        `origin` (a time.time() value) or from the earliest event. Recording is on while
+        `pipe.tracing` is True; `pipe.trace` holds this rank's raw events (seconds).
+        """
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.rank, str(self.device), self.trace))
+        if self.rank != 0:
+            return None
+        t0 = origin if origin is not None else min((e["start"] for _, _, ev in gathered for e in ev), default=0.0)
+        return {
+            "devices": [
+                {
+                    "device": f"{device} (rank {rank})",
+                    "events": [{**e, "start": (e["start"] - t0) * 1e3, "end": (e["end"] - t0) * 1e3} for e in events],
+                }
+                for rank, device, events in sorted(gathered, key=lambda g: g[0])
+            ]
+        }
 
     def _take(self, kind: int, src: int, dst: int, i: int) -> list[Any]:
         """Values stage `src` sent stage `dst` for micro-batch i (forward) or their gradients."""
@@ -313,14 +363,19 @@ class DistributedPipeline(nn.Module):
         if key in self._local:
             return self._local.pop(key)
         peer = self.rank_of(src, i)
-        return self.messenger.recv(peer, self.messenger.tag(kind, src, dst, i), self.device)
+        start = time.time()
+        values = self.messenger.recv(peer, self.messenger.tag(kind, src, dst, i), self.device)
+        self._record("recv", dst, i, start, peer)
+        return values
 
     def _give(self, kind: int, src: int, dst: int, i: int, values: list[Any]) -> None:
         peer = self.rank_of(dst, i)
         if peer == self.rank:
             self._local[(kind, src, dst, i)] = pytree.tree_map(_detached, values)
         else:
+            start = time.time()
             self.messenger.send(values, peer, self.messenger.tag(kind, src, dst, i))
+            self._record("send", src, i, start, peer)
 
     def _as_leaf(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled():

@@ -1,8 +1,14 @@
 """Point-to-point messages between pipeline ranks: any structure of tensors and plain values.
 
-A message is a header (its length, then the pickled structure: tree spec, plain leaves,
-shape and dtype of each tensor leaf) followed by one transfer per tensor, all sent with
-isend so a sender never blocks on its receiver. Tags keep concurrent messages apart:
+A message is a fixed-size header (the length and pickled structure of the values, with the
+shape and dtype of each tensor; an overflow part when it does not fit) followed by one
+transfer per tensor, all sent with isend so a sender never blocks on its receiver.
+
+gloo moves data only once the receiver has posted a matching receive, so a receiver that
+posts each part when it needs it pays a round trip per part. Instead the receiver posts
+the headers of every message it expects in a step at once (`expect`), and `poll`, called
+between actions, posts the tensor receives of every header that has arrived: data flows
+while the rank computes. Tags keep concurrent messages apart:
 
     tag = (((kind * stages + src_stage) * stages + dst_stage) * micro_batches + microbatch) * PARTS + part
 
@@ -22,7 +28,8 @@ import torch.distributed as dist
 
 __all__ = ["Messenger", "PeerError"]
 
-PARTS = 256  # header, payload, then up to 254 tensors per message
+PARTS = 256  # header, overflow, then up to 254 tensors per message
+HEADER_BYTES = 4096
 _FAILURE_KEY = "partitioner/failure"
 
 
@@ -40,6 +47,7 @@ class Messenger:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.describe_rank = describe_rank  # rank -> "rank 2 (stage 1)"
         self._pending: list[tuple[Any, Any, int]] = []  # (work, tensors kept alive, peer)
+        self._incoming: dict[tuple[int, int], _Incoming] = {}  # (src, tag) -> receive under way
 
     def tag(self, kind: int, src_stage: int, dst_stage: int, microbatch: int) -> int:
         return (((kind * self.stages + src_stage) * self.stages + dst_stage) * self.micro_batches + microbatch) * PARTS
@@ -51,28 +59,53 @@ class Messenger:
         if len(tensors) > PARTS - 2:
             raise ValueError(f"a message holds {len(tensors)} tensors, more than {PARTS - 2}")
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
-        header = torch.frombuffer(bytearray(pickle.dumps((skeleton, meta))), dtype=torch.uint8).to(self.device)
-        length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
-        self._isend(length, dst, tag)
-        self._isend(header, dst, tag + 1)
+        body = pickle.dumps((skeleton, meta))
+        head = len(body).to_bytes(8, "little") + body[: HEADER_BYTES - 8]
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        header[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._isend(header.to(self.device), dst, tag)
+        if len(body) > HEADER_BYTES - 8:
+            rest = torch.frombuffer(bytearray(body[HEADER_BYTES - 8 :]), dtype=torch.uint8)
+            self._isend(rest.to(self.device), dst, tag + 1)
         for k, t in enumerate(tensors):
             self._isend(t.to(self.device) if t.device != self.device else t, dst, tag + 2 + k)
 
+    def expect(self, src: int, tag: int) -> None:
+        """Post the header receive of a message that will come from `src` with `tag`."""
+        if (src, tag) not in self._incoming:
+            buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            self._incoming[(src, tag)] = _Incoming(self._irecv(buf, src, tag), buf)
+
+    def poll(self) -> None:
+        """Post the tensor receives of every expected message whose header has arrived."""
+        for (src, tag), msg in self._incoming.items():
+            if msg.tensors is None and msg.header_work.is_completed():
+                self._post_tensors(src, tag, msg)
+
     def recv(self, src: int, tag: int, device: torch.device) -> Any:
-        length = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(self._irecv(length, src, tag), src, "a message header")
-        header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._irecv(header, src, tag + 1), src, "a message header")
-        skeleton, meta = pickle.loads(header.cpu().numpy().tobytes())
-        tensors = []
-        works = []
-        for k, (shape, dtype) in enumerate(meta):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(self._irecv(t, src, tag + 2 + k))
-            tensors.append(t)
-        for w in works:
+        self.expect(src, tag)
+        msg = self._incoming[(src, tag)]
+        if msg.tensors is None:
+            self._post_tensors(src, tag, msg)
+        for w in msg.tensor_works:
             self._wait(w, src, "tensors")
-        return _fill(skeleton, [t.to(device) for t in tensors])
+        del self._incoming[(src, tag)]
+        return _fill(msg.skeleton, [t.to(device) for t in msg.tensors])  # type: ignore[union-attr]
+
+    def _post_tensors(self, src: int, tag: int, msg: "_Incoming") -> None:
+        if not msg.header_done:  # a gloo work must be waited on once: a second wait blocks
+            self._wait(msg.header_work, src, "a message header")
+            msg.header_done = True
+        raw = msg.header.cpu().numpy().tobytes()
+        size = int.from_bytes(raw[:8], "little")
+        body = raw[8 : 8 + min(size, HEADER_BYTES - 8)]
+        if size > HEADER_BYTES - 8:
+            rest = torch.empty(size - (HEADER_BYTES - 8), dtype=torch.uint8, device=self.device)
+            self._wait(self._irecv(rest, src, tag + 1), src, "a message header")
+            body += rest.cpu().numpy().tobytes()
+        msg.skeleton, meta = pickle.loads(body)
+        msg.tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta]
+        msg.tensor_works = [self._irecv(t, src, tag + 2 + k) for k, t in enumerate(msg.tensors)]
 
     def flush(self) -> None:
         """Wait for every send of this step to complete."""
@@ -111,6 +144,18 @@ class Messenger:
         first = _first_failure(mine)
         me = self.describe_rank(dist.get_rank())
         return PeerError(f"{first}; {me} stops ({detail}). Restart the job; with torchrun --max-restarts and a checkpoint it resumes.")
+
+
+class _Incoming:
+    """A message being received: its header receive, then its tensors' receives."""
+
+    def __init__(self, header_work: Any, header: torch.Tensor) -> None:
+        self.header_work = header_work
+        self.header = header
+        self.header_done = False
+        self.skeleton: Any = None
+        self.tensors: list[torch.Tensor] | None = None
+        self.tensor_works: list[Any] = []
 
 
 class _Slot:

@@ -1,0 +1,564 @@
+"""Hybrid planning: stages, replicas per stage, micro-batches and schedule for D devices, fastest predicted step.
+
+Devices are an ordered list; a stage with r replicas takes the next r of them (ranks are
+device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has, per step:
+
+    T   = max over its devices of compute(a, b; m) + 2 * (recv + send)      one micro-batch
+    W   = ceil(m / r) * T + allreduce(param bytes of [a, b) over its r devices)
+    mem = (2 + k) * P + f * (A + R) + 2 * (R + S)      per replica (cost_model/memory.py);
+          f = ceil(m / r) (GPipe) or ceil(min(p - s, m) / r) (1F1B) micro-batches in flight
+
+    step = (m + p - 1) / m * max over stages of W
+
+compute(a, b; m) = fixed + whole-batch / m per node: the graph describes one step's whole
+batch, and each node's time is fitted as overhead plus a part that splits with the batch.
+R, S, A (bytes received, sent, saved) are whole-batch bytes / m. Transfers into a stage use
+the slowest link from the device before it; out of it, the slowest to the device after.
+
+A dynamic program over (devices left k, stages left q, first cut a) finds, for every stage
+count, the split and replicas with the smallest max W whose every stage fits its devices'
+memory (the smallest capacity among its replicas); m and p then minimize the step. At the
+same predicted time 1F1B never holds more than GPipe, so GPipe is kept only where it holds
+as little. Cut candidates are compressed to a work budget, then refined around the chosen cuts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+import numpy as np
+import torch
+
+from cost_model.interface import BACKWARD_FACTOR, CostModel
+from cost_model.memory import optimizer_states, saved_activation_bytes
+from partitioner.errors import PartitionError
+from runtime.plan import Plan, StagePlan
+
+__all__ = ["HybridProblem", "HybridSolution", "InfeasibleError", "evaluate", "hybrid_problem", "plan_hybrid", "solve_hybrid"]
+
+SCHEDULES = ("gpipe", "1f1b")
+WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
+
+
+class InfeasibleError(PartitionError):
+    """No split of the devices keeps every stage within its devices' memory."""
+
+    def __init__(self, message: str, needed_bytes: list[int]) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes  # per device, under the split that needs the least
+
+
+@dataclass
+class HybridProblem:
+    """The numbers the hybrid planner needs, with no torch or graph objects (times s, sizes bytes)."""
+
+    fixed_times: np.ndarray  # [kinds, n] per micro-batch, whatever its size (op overheads)
+    batch_times: np.ndarray  # [kinds, n] of the whole batch, split evenly over the micro-batches
+    device_kind: np.ndarray  # [D] row of each device in the two arrays above
+    producers: np.ndarray  # [v] position of the producing node (-1: a pipeline input)
+    consumers: list[np.ndarray]  # [v] sorted positions reading it (n: the model output)
+    value_bytes: np.ndarray  # [v] whole batch
+    param_bytes: np.ndarray  # [n] parameters first used by node i
+    saved_bytes: np.ndarray  # [n] activations node i keeps for backward, whole batch
+    link: np.ndarray  # [D, D, 2] (latency, seconds per byte) from device i to device j
+    allreduce: np.ndarray  # [D, D + 1, 2] (latency, seconds per byte) of a ring over devices w .. w+r-1
+    capacity: np.ndarray  # [D] usable bytes per device (inf: no limit)
+    optimizer_states: int = 2
+    batch: int | None = None  # samples per step: micro-batch counts above it are skipped
+    names: list[str] | None = None  # device names for messages
+
+    @property
+    def n(self) -> int:
+        return int(self.fixed_times.shape[1])
+
+    @property
+    def devices(self) -> int:
+        return int(len(self.device_kind))
+
+
+@dataclass
+class HybridSolution:
+    """A chosen configuration and its predicted costs."""
+
+    bounds: list[int]  # [0, b1, ..., n]
+    replicas: list[int]
+    micro_batches: int
+    schedule: str
+    step_s: float
+    work_s: list[float]  # W per stage
+    memory: list[float]  # bytes per replica of each stage
+
+
+def _boundary_bytes(p: HybridProblem, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whole-batch bytes received (R) and sent (S) by a stage [cuts[i], cuts[j]), for every i, j.
+
+    A value made at p and read at c1 < c2 < ... is received by [a, b) when p < a <= c < b for
+    some c, and sent when a <= p < b <= its last reader (< n; the model output counts as
+    n - 1). Each condition is a rectangle in (a, b); 2-D difference arrays add them all at once.
+    """
+    n, k = p.n, len(cuts)
+    lengths = np.array([len(c) for c in p.consumers], dtype=np.int64)
+    vid = np.repeat(np.arange(len(lengths)), lengths)
+    cons = np.concatenate([np.zeros(0, dtype=np.int64), *p.consumers]).astype(np.int64)
+    first = np.ones(len(cons), dtype=bool)
+    first[1:] = vid[1:] != vid[:-1]
+    prev = np.where(first, p.producers[vid], np.roll(cons, 1))  # the previous reader, or the producer
+    inner = cons < n
+    recv = _rectangles(cuts, prev[inner] + 1, cons[inner], cons[inner] + 1, np.full(inner.sum(), n), p.value_bytes[vid[inner]])
+    has = (lengths > 0) & (p.producers >= 0)
+    last = np.array([c[-1] if len(c) else 0 for c in p.consumers], dtype=np.int64)[has]
+    prod = p.producers[has]
+    send = _rectangles(cuts, 0 * prod, prod, prod + 1, np.minimum(last, n - 1), p.value_bytes[has])
+    return recv[:k, :k], send[:k, :k]
+
+
+def _rectangles(cuts: np.ndarray, r0: np.ndarray, r1: np.ndarray, c0: np.ndarray, c1: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Sum of w over rectangles rows [r0, r1] x cols [c0, c1] (node positions), on the cut grid."""
+    k = len(cuts)
+    i0, i1 = np.searchsorted(cuts, r0, "left"), np.searchsorted(cuts, r1, "right") - 1
+    j0, j1 = np.searchsorted(cuts, c0, "left"), np.searchsorted(cuts, c1, "right") - 1
+    ok = (i0 <= i1) & (j0 <= j1) & (w != 0)
+    i0, i1, j0, j1, w = i0[ok], i1[ok], j0[ok], j1[ok], w[ok]
+    d = np.zeros((k + 1, k + 1))
+    for rows, cols, sign in ((i0, j0, 1), (i0, j1 + 1, -1), (i1 + 1, j0, -1), (i1 + 1, j1 + 1, 1)):
+        np.add.at(d, (rows, cols), sign * w)
+    return np.cumsum(np.cumsum(d, axis=0), axis=1)
+
+
+class _Grid:
+    """Cumulative per-candidate-cut quantities for one set of cut candidates."""
+
+    def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
+        self.cuts = cuts
+        self.recv, self.send = _boundary_bytes(problem, cuts)
+
+        def prefix(x: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)[..., cuts]
+
+        self.fixed, self.batch = prefix(problem.fixed_times), prefix(problem.batch_times)
+        self.params, self.saved = prefix(problem.param_bytes), prefix(problem.saved_bytes)
+
+
+def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
+    return prefix[..., None, cols] - prefix[..., rows, None]
+
+
+def _window(p: HybridProblem, w: int, r: int) -> tuple:
+    """What a stage's costs depend on when it runs on devices w .. w+r-1 (equal keys, equal costs)."""
+    kinds = tuple(np.unique(p.device_kind[w : w + r]).tolist())
+    recv = tuple(p.link[w - 1, w : w + r].max(axis=0).tolist()) if w > 0 else None
+    send = tuple(p.link[w : w + r, w + r].max(axis=0).tolist()) if w + r < p.devices else None
+    reduce = tuple(p.allreduce[w, r].tolist()) if r > 1 else None
+    return r, kinds, recv, send, reduce, float(p.capacity[w : w + r].min())
+
+
+def _stage_parts(p: HybridProblem, g: _Grid, window: tuple, m: int, rows: slice, cols: slice) -> tuple[np.ndarray, ...]:
+    """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
+    r, kinds, recv_link, send_link, reduce, _ = window
+    comp = np.max(_diff(g.fixed[list(kinds)], rows, cols) + _diff(g.batch[list(kinds)], rows, cols) / m, axis=0)
+    recv, send = g.recv[rows, cols] / m, g.send[rows, cols] / m
+    t = comp
+    for link, nbytes in ((recv_link, recv), (send_link, send)):
+        if link is not None:
+            t = t + 2 * np.where(nbytes > 0, link[0] + link[1] * nbytes, 0.0)
+    params = _diff(g.params, rows, cols)
+    work = math.ceil(m / r) * t
+    if reduce is not None:
+        work = work + np.where(params > 0, reduce[0] + reduce[1] * params, 0.0)
+    idx = np.arange(len(g.cuts))
+    work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
+    static = (2 + p.optimizer_states) * params + 2 * (recv + send)
+    flight = _diff(g.saved, rows, cols) / m + recv
+    return work, static, flight
+
+
+def _in_flight(schedule: str, q: int, m: int, r: int) -> int:
+    """Micro-batches one replica holds: the stage is q-th from the end (q = p - s)."""
+    return math.ceil((m if schedule == "gpipe" else min(q, m)) / r)
+
+
+Matrix = Callable[[int, int, slice, slice, np.ndarray], np.ndarray]
+
+
+def _dp(
+    D: int, K: int, qmax: int, rmax: int, matrix: Matrix, schedule: str, m: int,
+    limit: Callable[[int], float] | None = None, exact_stages: bool = False,
+) -> tuple[np.ndarray, dict]:
+    """Suffix DP: f[k][q, i] = smallest max stage value covering cuts[i].. with q stages on the last k devices.
+
+    `matrix(w, r, rows, cols, needs)` gives the value of a stage [cuts[i], cuts[j]) on devices
+    w .. w+r-1 holding needs[x] micro-batches in flight: shape (1 or len(needs), rows, cols).
+    A state is dropped when one with fewer stages is no worse (fewer stages never hold more
+    in flight), or when its value reaches `limit(stages)` (already beaten: exact pruning).
+    """
+    f = [np.full((qmax + 1, K), np.inf) for _ in range(D + 1)]
+    f[0][0, K - 1] = 0.0
+    alive = [np.array([True] + [False] * qmax)]
+    choice: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for k in range(1, D + 1):
+        rows = slice(0, 1) if k == D else slice(1, K - 1)
+        best_r = np.zeros((qmax + 1, K), dtype=np.int32)
+        best_j = np.zeros((qmax + 1, K), dtype=np.int32)
+        for r in range(1, min(k, rmax) + 1):
+            rest = k - r
+            if rest == 0:
+                cols, qs, base = slice(K - 1, K), np.array([1]), np.zeros((1, 1))
+            else:
+                cols = slice(1, K - 1)
+                qs = np.flatnonzero(alive[rest][1 : qmax]) + 2  # q - 1 >= 1 stages after this one
+                if not len(qs):
+                    continue
+                base = f[rest][qs - 1, cols]
+            flight = np.minimum(qs, m) if schedule == "1f1b" else np.full(len(qs), m)
+            cand = np.maximum(matrix(D - k, r, rows, cols, -(-flight // r)), base[:, None, :])
+            j = cand.argmin(axis=2)
+            val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
+            cur = f[k][qs, rows]
+            better = val < cur
+            f[k][qs, rows] = np.where(better, val, cur)
+            best_r[qs, rows] = np.where(better, r, best_r[qs, rows])
+            best_j[qs, rows] = np.where(better, j + cols.start, best_j[qs, rows])
+        if not exact_stages:
+            fewer = np.minimum.accumulate(f[k], axis=0)
+            f[k][1:][fewer[:-1] <= f[k][1:]] = np.inf
+        if limit is not None:
+            f[k][f[k] >= np.array([limit(q + (k < D)) for q in range(qmax + 1)])[:, None]] = np.inf
+        alive.append(np.isfinite(f[k]).any(axis=1))
+        choice[k] = (best_r, best_j)
+    return f[D][:, 0], choice
+
+
+def _pass(
+    problem: HybridProblem, grid: _Grid, windows: dict, m: int, qmax: int, rmax: int, mode: str,
+    exact_stages: bool, limit: Callable[[int], float] | None = None, ratio: bool = False,
+) -> tuple[np.ndarray, dict]:
+    """One DP on `grid` for m micro-batches: max W with memory as a limit, or (ratio) max memory / capacity."""
+    cache: dict[tuple, tuple[np.ndarray, ...]] = {}
+
+    def matrix(w: int, r: int, rows: slice, cols: slice, needs: np.ndarray) -> np.ndarray:
+        window = windows[w, r]
+        key = (window, rows.start, cols.start)
+        if key not in cache:
+            work, static, flight = _stage_parts(problem, grid, window, m, rows, cols)
+            fits = not ratio and bool((static + math.ceil(m / r) * flight <= window[-1]).all())
+            cache[key] = (work,) if fits else (work, static, flight)
+        if len(cache[key]) == 1:
+            return cache[key][0][None]
+        work, static, flight = cache[key]
+        used = static[None] + needs[:, None, None] * flight[None]
+        if ratio:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.where(np.isfinite(work)[None], np.nan_to_num(used / window[-1], nan=np.inf), np.inf)
+        return np.where(used <= window[-1], work[None], np.inf)
+
+    return _dp(problem.devices, len(grid.cuts), qmax, rmax, matrix, mode, m, limit, exact_stages)
+
+
+def _walk(choice: dict, D: int, q: int) -> tuple[list[int], list[int]]:
+    """Cut indices and replicas of the best suffix from (D devices, q stages, cut 0)."""
+    idx, reps, k, i = [0], [], D, 0
+    while k > 0:
+        r, j = int(choice[k][0][q, i]), int(choice[k][1][q, i])
+        reps.append(r)
+        idx.append(j)
+        k, q, i = k - r, q - 1, j
+    return idx, reps
+
+
+def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
+    """Micro-batch counts to try: given, or powers of two up to 4 per device; at most the batch."""
+    top = max(8, 4 * problem.devices)
+    ms = [2**e for e in range(12) if 2**e <= top] if micro_batches is None else (
+        [micro_batches] if isinstance(micro_batches, int) else list(micro_batches))
+    if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
+        raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
+    kept = [m for m in ms if problem.batch is None or m <= problem.batch]
+    return sorted(set(kept or [min(ms)]))
+
+
+def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1) -> np.ndarray:
+    """About `size` candidates at equal node counts and equal times, plus every `stride`-th position within `width` of `around`."""
+    n = problem.n
+    if n + 1 <= size:
+        return np.arange(n + 1)
+    cum = np.concatenate([[0.0], np.cumsum(problem.fixed_times.mean(0) + problem.batch_times.mean(0))])
+    by_time = np.searchsorted(cum, np.linspace(0, cum[-1], size // 2), side="right") - 1
+    parts: list[np.ndarray] = [np.linspace(0, n, size - size // 2).round().astype(int), by_time, np.array([0, n])]
+    for b in around:
+        parts.append(np.arange(b - width, b + width + 1, stride))
+    return np.unique(np.clip(np.concatenate(parts), 0, n)).astype(np.int64)
+
+
+def _windows(problem: HybridProblem, rmax: int) -> dict[tuple[int, int], tuple]:
+    D = problem.devices
+    return {(w, r): _window(problem, w, r) for w in range(D) for r in range(1, min(D - w, rmax) + 1)}
+
+
+def _units(windows: dict[tuple[int, int], tuple], qmax: int, rmax: int) -> int:
+    """DP cost of one pass in units of K^2: q values per (devices left, replicas), plus stage matrices."""
+    D = max(w for w, _ in windows) + 1
+    loops = sum(max(1, min(k - r, qmax - 1)) for k in range(1, D + 1) for r in range(1, min(k, rmax) + 1))
+    return loops + 12 * len({v for (w, r), v in windows.items() if r <= rmax})
+
+
+def solve_hybrid(
+    problem: HybridProblem,
+    micro_batches: int | Sequence[int] | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    stages: int | None = None,
+    replicate: bool = True,
+    budget: float = WORK_BUDGET,
+) -> HybridSolution:
+    """The configuration with the smallest predicted step (see the module docstring).
+
+    Raises:
+        PartitionError: bad arguments; InfeasibleError when nothing fits in memory.
+    """
+    D, n = problem.devices, problem.n
+    if not schedules or any(s not in SCHEDULES for s in schedules):
+        raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(SCHEDULES)}")
+    most = D if not replicate else min(D, n) if stages is None else stages
+    if D < 1 or not 1 <= most <= min(D, n) or (not replicate and stages not in (None, D)) or isinstance(stages, bool):
+        raise PartitionError(
+            f"stages={stages}, replicate={replicate} on {D} devices and {n} compute nodes: use 1 .. {min(D, n)} stages "
+            "(each needs a device and a node); replicate=False puts one stage on every device"
+        )
+    qmax = most
+    ms = _candidates(problem, micro_batches)
+    mode = "1f1b" if "1f1b" in schedules else "gpipe"
+    best: tuple[float, int, int, list[int], list[int]] | None = None
+    windows = _windows(problem, D if replicate else 1)
+    rmax = {m: min(D, m) if replicate else 1 for m in ms}
+
+    def run(m: int, grid: _Grid) -> None:
+        nonlocal best
+
+        def limit(q: int) -> float:  # a max W at or above this cannot beat the best step so far
+            return np.inf if best is None else best[0] * m / (m + q - 1) * (1 + 1e-12)
+
+        finals, choice = _pass(problem, grid, windows, m, qmax, rmax[m], mode, stages is not None, limit)
+        for q in range(1, qmax + 1):
+            step = (m + q - 1) / m * finals[q]
+            if (stages is None or q == stages) and np.isfinite(step) and (best is None or step < best[0]):
+                idx, reps = _walk(choice, problem.devices, q)
+                best = (float(step), m, q, [int(grid.cuts[i]) for i in idx], reps)
+
+    floor = min(n + 1, max(64, 2 * qmax + 2))
+    size = max(floor, int(math.sqrt(budget / sum(_units(windows, qmax, rmax[m]) for m in ms))))
+    coarse = _Grid(problem, _cuts(problem, size))
+    for m in ms:
+        run(m, coarse)
+    stride = math.ceil(n / size)
+    while best is not None and stride > 1:  # zoom in around the chosen cuts
+        m, bounds = best[1], best[3]
+        room = max(floor, int(math.sqrt(budget / 2 / _units(windows, qmax, rmax[m])))) - len(coarse.cuts)
+        finer = max(1, math.ceil(2 * stride * len(bounds) / max(room, 1)))
+        if finer >= stride:
+            break
+        run(m, _Grid(problem, _cuts(problem, size, bounds, stride, finer)))
+        stride = finer
+    if best is None:
+        raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, mode)
+    _, m, _, bounds, reps = best
+    schedule = mode
+    same = mode == "1f1b" and evaluate(problem, bounds, reps, m, "gpipe")[2] == evaluate(problem, bounds, reps, m, mode)[2]
+    if same and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
+        schedule = "gpipe"
+    step, work, memory = evaluate(problem, bounds, reps, m, schedule)
+    return HybridSolution(bounds, reps, m, schedule, step, work, memory)
+
+
+def evaluate(problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str) -> tuple[float, list[float], list[float]]:
+    """Predicted step seconds, W per stage and bytes per replica of a given configuration."""
+    cuts = np.asarray(bounds, dtype=np.int64)
+    grid, p, w = _Grid(problem, cuts), len(replicas), 0
+    work, memory = [], []
+    for s, r in enumerate(replicas):
+        wk, static, flight = _stage_parts(problem, grid, _window(problem, w, r), m, slice(s, s + 1), slice(s + 1, s + 2))
+        work.append(float(wk[0, 0]))
+        memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, r) * flight[0, 0]))
+        w += r
+    return (m + p - 1) / m * max(work), work, memory
+
+
+def _infeasible(
+    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict, stages: int | None, grid: _Grid, windows: dict, mode: str
+) -> InfeasibleError:
+    """The error naming the memory each device would need under the split that needs the least."""
+    D, best = problem.devices, None
+    for m in ms:
+        finals, choice = _pass(problem, grid, windows, m, qmax, rmax[m], mode, stages is not None, ratio=True)
+        for q in range(1, qmax + 1):
+            if (stages is None or q == stages) and np.isfinite(finals[q]) and (best is None or finals[q] < best[0]):
+                idx, reps = _walk(choice, D, q)
+                best = (float(finals[q]), m, [int(grid.cuts[i]) for i in idx], reps)
+    if best is None:
+        return InfeasibleError(
+            f"no split puts all {D} devices to work on {problem.n} compute nodes: every stage needs a node and at "
+            f"most m replicas (micro_batches {ms}); allow more micro-batches, or pass fewer devices or stages={stages}",
+            [],
+        )
+    _, m, bounds, reps = best
+    memory = evaluate(problem, bounds, reps, m, mode)[2]
+    needed = [int(math.ceil(x)) for x, r in zip(memory, reps) for _ in range(r)]
+    names = problem.names or [f"device {d}" for d in range(D)]
+    lines = [f"  {name}: needs {_size(x)} (has {_size(c)})" for name, x, c in zip(names, needed, problem.capacity)]
+    return InfeasibleError(
+        "the model fits on no split of these devices: every choice of stages, replicas and micro-batches "
+        "puts some stage over its device's memory. The smallest memory each device would need "
+        f"({len(reps)} stages, replicas {reps}, {m} micro-batches, {mode}):\n" + "\n".join(lines)
+        + "\nFix: use devices with at least that much memory, add devices, or use an optimizer with fewer states (sgd).",
+        needed,
+    )
+
+
+def _size(x: float) -> str:
+    if not np.isfinite(x):
+        return "no limit"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return ""
+
+
+def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
+    """(latency, seconds per byte) of `time(nbytes, *args)`, a cost affine in the bytes moved."""
+    one, big = time(1.0, *args), time(1.0 + (1 << 20), *args)
+    slope = (big - one) / (1 << 20)
+    return max(0.0, one - slope), max(0.0, slope)
+
+
+def _device_key(cost: CostModel, device: torch.device) -> Any:
+    spec = getattr(cost, "spec", None)
+    if callable(spec):
+        s = spec(device)
+        return (s.flops_per_s, s.bytes_per_s, s.op_overhead_s, s.kind or device.type)
+    return str(device)
+
+
+def hybrid_problem(
+    graph: nx.DiGraph,
+    order: Sequence[str],
+    devices: Sequence[torch.device | str],
+    cost: CostModel,
+    memory_bytes: Sequence[float] | None = None,
+    optimizer: str = "adam",
+    headroom: float = 0.9,
+) -> HybridProblem:
+    """Gather a HybridProblem from a graph annotated for one step's whole batch.
+
+    Node times are asked twice per kind of device (same rates), at the whole batch and at
+    half of it (FLOPs and bytes halved), and fitted as overhead + batch part. Capacity is
+    `memory_bytes` per device, else `headroom` times the cost model's spec memory, else no limit.
+    """
+    devs = [torch.device(d) for d in devices]
+    position = {name: i for i, name in enumerate(order)}
+    n, D = len(order), len(devs)
+    keys: dict[Any, int] = {}
+    kind = np.array([keys.setdefault(_device_key(cost, d), len(keys)) for d in devs])
+    fixed, batch = np.zeros((len(keys), n)), np.zeros((len(keys), n))
+    for k in range(len(keys)):
+        dev = devs[int(np.argmax(kind == k))]
+        for i, name in enumerate(order):
+            attrs = graph.nodes[name]
+            whole = cost.node_time(attrs, dev)
+            half = cost.node_time({**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}, dev)
+            part = min(max(2.0 * (whole - half), 0.0), whole)
+            fixed[k, i], batch[k, i] = whole - part, part
+    producers, consumers, sizes = [], [], []
+    params = np.array([float(graph.nodes[x].get("param_bytes", 0) or 0) for x in order])
+    saved = np.array([float(saved_activation_bytes([graph.nodes[x]])) for x in order])
+    for name, attrs in graph.nodes(data=True):
+        if attrs["op"] == "get_attr":
+            users = [position[u] for u in graph.successors(name) if u in position]
+            if users:
+                params[min(users)] += float(attrs.get("param_bytes", 0) or 0)
+        if attrs["op"] != "placeholder" and name not in position:
+            continue
+        outs = {position.get(u, n) for u in graph.successors(name) if u in position or graph.nodes[u]["op"] == "output"}
+        if outs:
+            producers.append(position.get(name, -1))
+            consumers.append(np.array(sorted(outs), dtype=np.int64))
+            sizes.append(float(attrs.get("out_bytes", 0) or 0))
+    link = np.zeros((D, D, 2))
+    for i, j in ((i, j) for i in range(D) for j in range(D) if devs[i] != devs[j]):
+        link[i, j] = _affine(cost.transfer_time, devs[i], devs[j])
+    allreduce, reduce = np.zeros((D, D + 1, 2)), getattr(cost, "allreduce_time", None)
+    for w, r in ((w, r) for w in range(D) for r in range(2, D - w + 1)):
+        if callable(reduce):
+            allreduce[w, r] = _affine(reduce, devs[w : w + r])
+        else:  # ring all-reduce over the slowest hop (cost_model/comm.py)
+            lat, slope = np.max([link[w + x, w + (x + 1) % r] for x in range(r)], axis=0)
+            allreduce[w, r] = (2 * (r - 1) * lat, 2 * (r - 1) / r * slope)
+    spec = getattr(cost, "spec", None)
+    if memory_bytes is not None and len(memory_bytes) != D:
+        raise PartitionError(f"memory_bytes has {len(memory_bytes)} entries for {D} devices; give one per device")
+    totals = [headroom * float(spec(d).memory_bytes) if callable(spec) else 0.0 for d in devs]
+    capacity = np.array([float(x) for x in memory_bytes] if memory_bytes is not None else [t if t > 0 else np.inf for t in totals])
+    first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
+    size = first["shapes"][0][0] if first and first["shapes"][0] else None
+    try:
+        states = optimizer_states(optimizer)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    return HybridProblem(
+        fixed, batch, kind, np.array(producers, dtype=np.int64), consumers, np.array(sizes), params, saved,
+        link, allreduce, capacity, states, int(size) if size else None, [str(d) for d in devs],
+    )
+
+
+def plan_hybrid(
+    graph: nx.DiGraph,
+    order: Sequence[str],
+    devices: Sequence[torch.device | str],
+    cost: CostModel,
+    *,
+    micro_batches: int | Sequence[int] | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    stages: int | None = None,
+    replicate: bool = True,
+    memory_bytes: Sequence[float] | None = None,
+    optimizer: str = "adam",
+    headroom: float = 0.9,
+) -> Plan:
+    """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
+
+    Args:
+        graph: annotated for one step's whole batch (`build_graph` on the full inputs).
+        devices: every device (rank) of the job, in rank order; stage replicas take
+            consecutive ones, and a stage's time is that of its slowest device.
+        micro_batches: the count to use, or candidates to choose from (default 1, 2, 4, ...).
+        schedules: the schedules the runtime may run ("gpipe" only in one process).
+        stages: force this many stages; replicate=False puts one stage on each device.
+        memory_bytes: usable bytes per device (default: headroom x the spec's memory).
+
+    Raises:
+        InfeasibleError: no split fits; the message names the memory each device would need.
+    """
+    problem = hybrid_problem(graph, order, devices, cost, memory_bytes, optimizer, headroom)
+    sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+    m, names = sol.micro_batches, problem.names or []
+    grid, w, out, allreduce = _Grid(problem, np.asarray(sol.bounds)), 0, [], []
+    for s, (r, a, b) in enumerate(zip(sol.replicas, sol.bounds, sol.bounds[1:])):
+        kinds = np.unique(problem.device_kind[w : w + r])
+        compute = max(float(problem.fixed_times[k, a:b].sum() + problem.batch_times[k, a:b].sum() / m) for k in kinds)
+        params = float(grid.params[s + 1] - grid.params[s])
+        lat, slope = problem.allreduce[w, r] if r > 1 and params > 0 else (0.0, 0.0)
+        reduce = float(lat + slope * params)
+        per_mb = (sol.work_s[s] - reduce) / math.ceil(m / r)
+        allreduce.append(reduce * 1e3)
+        out.append(StagePlan(
+            index=s, device=names[w], nodes=list(order[a:b]), predicted_ms=sol.work_s[s] / m * 1e3,
+            compute_ms=compute * 1e3, forward_ms=compute * 1e3 / (1 + BACKWARD_FACTOR),
+            backward_ms=compute * 1e3 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR), comm_ms=max(0.0, per_mb - compute) * 1e3,
+            param_bytes=int(params), activation_bytes=int(sol.memory[s] - (2 + problem.optimizer_states) * params),
+            recv_bytes=int(grid.recv[s, s + 1] / m), send_bytes=int(grid.send[s, s + 1] / m), ranks=list(range(w, w + r)),
+        ))
+        w += r
+    notes = {"planner": "hybrid", "replicas": sol.replicas, "allreduce_ms": allreduce, "memory_bytes": sol.memory,
+             "capacity_bytes": [float(c) if np.isfinite(c) else None for c in problem.capacity]}
+    return Plan(stages=out, micro_batches=m, schedule=sol.schedule, predicted_step_ms=sol.step_s * 1e3, notes=notes)

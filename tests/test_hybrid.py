@@ -1,0 +1,277 @@
+"""The hybrid planner equals exhaustive search over stages, replicas, micro-batches and schedules."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cost_model.analytic import AnalyticCostModel
+from cost_model.cluster import DeviceSet
+from cost_model.memory import in_flight, stage_memory
+from partitioner.errors import PartitionError
+from partitioner.graph import build_graph, compute_nodes
+from partitioner.hybrid import HybridProblem, InfeasibleError, evaluate, hybrid_problem, plan_hybrid, solve_hybrid
+from partitioner.trace import trace
+from runtime.plan import Plan
+from tests import zoo
+
+
+def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 2, tight: bool = True) -> HybridProblem:
+    producers, consumers, sizes = [], [], []
+    for p in range(-1, n):
+        later = np.arange(max(p + 1, 0), n + 1)
+        k = int(rng.integers(1, min(3, len(later)) + 1))
+        producers.append(p)
+        consumers.append(np.sort(rng.choice(later, size=k, replace=False)))
+        sizes.append(float(rng.integers(1, 100) * 1e3))
+    params = rng.uniform(0, 1e6, n) * (rng.random(n) < 0.7)
+    saved = rng.uniform(0, 2e5, n)
+    capacity = np.full(devices, np.inf)
+    if tight:
+        capacity = rng.uniform(0.6, 1.6, devices) * (4 * params.sum() / devices + saved.sum() / 2)
+    return HybridProblem(
+        fixed_times=rng.uniform(0, 1e-3, (kinds, n)),
+        batch_times=rng.uniform(1e-3, 1e-2, (kinds, n)),
+        device_kind=rng.integers(0, kinds, devices),
+        producers=np.array(producers),
+        consumers=consumers,
+        value_bytes=np.array(sizes),
+        param_bytes=params,
+        saved_bytes=saved,
+        link=np.stack([rng.uniform(0, 1e-4, (devices, devices)), rng.uniform(0, 3e-8, (devices, devices))], axis=-1),
+        allreduce=np.stack([rng.uniform(0, 1e-4, (devices, devices + 1)), rng.uniform(0, 3e-9, (devices, devices + 1))], axis=-1),
+        capacity=capacity,
+        optimizer_states=int(rng.integers(0, 3)),
+    )
+
+
+def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
+    """Whole-batch bytes a stage [a, b) receives (made before a, read inside) and sends (made inside, read at b or later)."""
+    recv = send = 0.0
+    for p, cons, nbytes in zip(pr.producers, pr.consumers, pr.value_bytes):
+        if p < a and any(a <= c < b for c in cons):
+            recv += nbytes
+        if a <= p < b and b < pr.n and any(c >= b for c in cons):
+            send += nbytes
+    return recv, send
+
+
+def stage_numbers(pr: HybridProblem, a: int, b: int, w: int, r: int, m: int) -> tuple[float, float, float, float, float]:
+    """Direct (slow) W, static bytes, bytes per micro-batch in flight, capacity, and recv+send of one stage."""
+    D = pr.devices
+    recv, send = (x / m for x in moved(pr, a, b))
+    devs = range(w, w + r)
+    compute = max(pr.fixed_times[pr.device_kind[d], a:b].sum() + pr.batch_times[pr.device_kind[d], a:b].sum() / m for d in devs)
+    t = compute
+    if w > 0 and recv > 0:
+        t += 2 * (max(pr.link[w - 1, d, 0] for d in devs) + max(pr.link[w - 1, d, 1] for d in devs) * recv)
+    if w + r < D and send > 0:
+        t += 2 * (max(pr.link[d, w + r, 0] for d in devs) + max(pr.link[d, w + r, 1] for d in devs) * send)
+    params = pr.param_bytes[a:b].sum()
+    work = math.ceil(m / r) * t
+    if r > 1 and params > 0:
+        work += pr.allreduce[w, r, 0] + pr.allreduce[w, r, 1] * params
+    static = (2 + pr.optimizer_states) * params + 2 * (recv + send)
+    flight = pr.saved_bytes[a:b].sum() / m + recv
+    return work, static, flight, min(pr.capacity[d] for d in devs), recv + send
+
+
+def compositions(total: int, parts: int):
+    for inner in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *inner, total)
+        yield [y - x for x, y in zip(edges, edges[1:])]
+
+
+def configs(pr: HybridProblem, ms, schedules, stages=None, replicate=True):
+    """Every (step, max memory ratio, bounds, replicas, m, schedule), feasible or not."""
+    n, D = pr.n, pr.devices
+    for m in ms:
+        for p in range(1, min(D, n) + 1):
+            if stages is not None and p != stages:
+                continue
+            for inner in itertools.combinations(range(1, n), p - 1):
+                bounds = (0, *inner, n)
+                for reps in compositions(D, p):
+                    if max(reps) > m or (not replicate and max(reps) > 1):
+                        continue
+                    starts = np.cumsum([0, *reps])
+                    nums = [stage_numbers(pr, a, b, w, r, m) for a, b, w, r in zip(bounds, bounds[1:], starts, reps)]
+                    step = (m + p - 1) / m * max(x[0] for x in nums)
+                    for schedule in schedules:
+                        ratio = 0.0
+                        for s, ((_, static, flight, cap, _), r) in enumerate(zip(nums, reps)):
+                            f = math.ceil(in_flight(schedule, s, p, m) / r)
+                            ratio = max(ratio, (static + f * flight) / cap)
+                        yield step, ratio, bounds, reps, m, schedule
+
+
+def exhaustive(pr: HybridProblem, ms, schedules=("gpipe", "1f1b"), stages=None, replicate=True) -> float:
+    return min((c[0] for c in configs(pr, ms, schedules, stages, replicate) if c[1] <= 1.0), default=math.inf)
+
+
+def check_solution(pr: HybridProblem, sol, ms) -> None:
+    """Valid structure, the step it claims, and every replica within its device's memory."""
+    b, reps, m = sol.bounds, sol.replicas, sol.micro_batches
+    assert b[0] == 0 and b[-1] == pr.n and all(x < y for x, y in zip(b, b[1:]))
+    assert sum(reps) == pr.devices and len(reps) == len(b) - 1 and max(reps) <= m and m in ms
+    starts = np.cumsum([0, *reps])
+    nums = [stage_numbers(pr, x, y, w, r, m) for x, y, w, r in zip(b, b[1:], starts, reps)]
+    assert sol.step_s == pytest.approx((m + len(reps) - 1) / m * max(x[0] for x in nums), rel=1e-9)
+    for s, ((_, static, flight, cap, _), r) in enumerate(zip(nums, reps)):
+        used = static + math.ceil(in_flight(sol.schedule, s, len(reps), m) / r) * flight
+        assert used <= cap * (1 + 1e-12)
+        assert sol.memory[s] == pytest.approx(used, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_equals_exhaustive_search(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    D = int(rng.integers(1, 5))
+    pr = random_problem(rng, int(rng.integers(2, 13)), D, kinds=int(rng.integers(1, 3)), tight=seed % 4 != 0)
+    ms = sorted({int(x) for x in rng.choice([1, 2, 3, 4, 6, 8], size=int(rng.integers(1, 4)), replace=False)})
+    schedules = [("gpipe", "1f1b"), ("gpipe",), ("1f1b",)][seed % 3]
+    expected = exhaustive(pr, ms, schedules)
+    if not np.isfinite(expected):
+        with pytest.raises(InfeasibleError):
+            solve_hybrid(pr, ms, schedules)
+        return
+    sol = solve_hybrid(pr, ms, schedules)
+    assert sol.step_s == pytest.approx(expected, rel=1e-9)
+    assert sol.schedule in schedules
+    check_solution(pr, sol, ms)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fixed_stage_count_and_no_replication_equal_exhaustive(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    D = int(rng.integers(2, 5))
+    pr = random_problem(rng, int(rng.integers(D, 13)), D)
+    ms = [1, 2, 4]
+    stages = int(rng.integers(1, D + 1))
+    for kwargs in ({"stages": stages}, {"replicate": False}):
+        expected = exhaustive(pr, ms, **kwargs)
+        if not np.isfinite(expected):
+            with pytest.raises(InfeasibleError):
+                solve_hybrid(pr, ms, **kwargs)
+            continue
+        sol = solve_hybrid(pr, ms, **kwargs)
+        assert sol.step_s == pytest.approx(expected, rel=1e-9)
+        assert len(sol.replicas) == kwargs.get("stages", D)
+        check_solution(pr, sol, ms)
+
+
+def test_slow_stage_gets_more_replicas() -> None:
+    """Node 0 takes 2 s, node 1 takes 1 s, 3 devices, m = 4: [2 replicas, 1 replica], step 1.25 s."""
+    zero2, zero3 = np.zeros((3, 3, 2)), np.zeros((3, 4, 2))
+    pr = HybridProblem(
+        np.zeros((1, 2)), np.array([[2.0, 1.0]]), np.zeros(3, dtype=int), np.array([-1, 0, 1]),
+        [np.array([0]), np.array([1]), np.array([2])], np.zeros(3), np.zeros(2), np.zeros(2), zero2, zero3, np.full(3, np.inf),
+    )
+    sol = solve_hybrid(pr, 4)
+    assert (sol.bounds, sol.replicas, sol.step_s) == ([0, 1, 2], [2, 1], pytest.approx(1.25))
+
+
+def test_memory_matches_cost_model_formula() -> None:
+    """One replica per stage: the planner's bytes are cost_model.memory.stage_memory's."""
+    rng = np.random.default_rng(7)
+    pr = random_problem(rng, 6, 3, tight=False)
+    for schedule in ("gpipe", "1f1b"):
+        bounds, reps, m = [0, 2, 4, 6], [1, 1, 1], 4
+        memory = evaluate(pr, bounds, reps, m, schedule)[2]
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            recv, send = (x / m for x in moved(pr, a, b))
+            expected = stage_memory(
+                int(pr.param_bytes[a:b].sum()), int(pr.saved_bytes[a:b].sum() / m), stage=s, stages=3, micro_batches=m,
+                schedule=schedule, optimizer=["sgd", "momentum", "adam"][pr.optimizer_states], recv_bytes=int(recv), send_bytes=int(send),
+            ).total
+            assert memory[s] == pytest.approx(expected, abs=32)
+
+
+def test_infeasible_error_names_the_memory_each_device_needs() -> None:
+    rng = np.random.default_rng(3)
+    pr = random_problem(rng, 6, 3, tight=False)
+    pr.capacity = np.array([1e3, 9e2, 1e3])
+    with pytest.raises(InfeasibleError) as info:
+        solve_hybrid(pr, [1, 2, 4])
+    text, needed = str(info.value), info.value.needed_bytes
+    assert "fits on no split" in text and "Fix:" in text
+    for d in range(3):
+        assert f"device {d}: needs " in text and f"(has {pr.capacity[d]:.0f} B)" in text
+    best_ratio = min(c[1] for c in configs(pr, [1, 2, 4], ("1f1b",)))
+    assert max(x / c for x, c in zip(needed, pr.capacity)) == pytest.approx(best_ratio, rel=1e-6)
+    pr.capacity = np.array(needed, dtype=float)  # exactly that much memory: now it plans
+    check_solution(pr, solve_hybrid(pr, [1, 2, 4]), [1, 2, 4])
+
+
+def test_memory_never_exceeded_on_larger_problems() -> None:
+    rng = np.random.default_rng(11)
+    pr = random_problem(rng, 400, 6)
+    pr.capacity = pr.capacity * 0.5
+    try:
+        sol = solve_hybrid(pr, [2, 4, 8], budget=2e6)
+    except InfeasibleError as exc:
+        pr.capacity = np.array(exc.needed_bytes, dtype=float)
+        sol = solve_hybrid(pr, [2, 4, 8], budget=2e6)
+    check_solution(pr, sol, [2, 4, 8])
+
+
+def test_bad_arguments_raise_partition_error() -> None:
+    pr = random_problem(np.random.default_rng(0), 4, 3, tight=False)
+    for kwargs in ({"schedules": ("zb",)}, {"stages": 5}, {"micro_batches": 0}, {"replicate": False, "stages": 2}):
+        with pytest.raises(PartitionError):
+            solve_hybrid(pr, **kwargs)
+
+
+CLUSTER = DeviceSet.from_dict({
+    "devices": {
+        "cuda:0": {"flops_per_s": 4e9, "bytes_per_s": 2e10, "memory_bytes": "120KiB"},
+        "cuda:1": {"flops_per_s": 2e9, "bytes_per_s": 1e10, "memory_bytes": "48KiB"},
+        "cuda:2": {"flops_per_s": 4e9, "bytes_per_s": 2e10, "memory_bytes": "120KiB"},
+        "cuda:3": {"flops_per_s": 1e9, "bytes_per_s": 1e10, "memory_bytes": "64KiB"},
+    },
+    "links": [{"between": ["cuda:0", "cuda:1"], "kind": "nvlink"}],
+    "default_link": {"kind": "slow", "latency_s": 1e-5, "bandwidth": 1e8},
+})
+
+
+@pytest.mark.parametrize("name", ["mlp", "inception"])
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_traced_models_equal_exhaustive_search(name: str, devices: int) -> None:
+    model, args, kwargs = zoo.ZOO[name]()
+    traced = trace(model, args, kwargs)
+    graph = build_graph(traced.graph_module, traced.flatten_inputs(args, kwargs))
+    order = [n.name for n in compute_nodes(traced.graph_module)]
+    assert len(order) <= 16
+    names = [f"cuda:{i}" for i in range(devices)]
+    cost = AnalyticCostModel(CLUSTER)
+    pr = hybrid_problem(graph, order, names, cost)
+    assert pr.batch == zoo.BATCH and pr.devices == devices
+    ms = [1, 2, 4]
+    expected = exhaustive(pr, ms)
+    plan = plan_hybrid(graph, order, names, cost)
+    assert plan.predicted_step_ms == pytest.approx(expected * 1e3, rel=1e-9)
+    assert [x for s in plan.stages for x in s.nodes] == order
+    assert [r for s in plan.stages for r in s.ranks] == list(range(devices))
+    assert all(s.device == names[s.ranks[0]] for s in plan.stages)
+    caps = plan.notes["capacity_bytes"]
+    for s, used in zip(plan.stages, plan.notes["memory_bytes"]):
+        assert all(used <= caps[r] for r in s.ranks)
+    assert Plan.from_json(json.dumps(json.loads(plan.to_json()))).notes["replicas"] == [len(s.ranks) for s in plan.stages]
+
+
+def test_traced_model_too_big_names_each_device() -> None:
+    model, args, kwargs = zoo.mlp()
+    traced = trace(model, args, kwargs)
+    graph = build_graph(traced.graph_module, traced.flatten_inputs(args, kwargs))
+    order = [n.name for n in compute_nodes(traced.graph_module)]
+    names = ["cuda:0", "cuda:1", "cuda:2"]
+    with pytest.raises(InfeasibleError) as info:
+        plan_hybrid(graph, order, names, AnalyticCostModel(CLUSTER), memory_bytes=[8e3, 4e3, 8e3])
+    text = str(info.value)
+    assert all(f"{name}: needs " in text for name in names) and "(has 7.81 KiB)" in text
+    plan = plan_hybrid(graph, order, names, AnalyticCostModel(CLUSTER), memory_bytes=info.value.needed_bytes)
+    assert all(used <= info.value.needed_bytes[s.ranks[0]] for s, used in zip(plan.stages, plan.notes["memory_bytes"]))

@@ -16,6 +16,7 @@ from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.branches import plan_branches, stage_producers
+from partitioner.hybrid import plan_hybrid
 from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
 from partitioner.trace import trace
@@ -41,7 +42,7 @@ def partition(
     plan: Plan | None = None,
     threads: bool | None = None,
     schedule: str = "gpipe",
-    replicas: Sequence[int] | None = None,
+    replicas: Sequence[int] | str | None = None,
     virtual_stages: int = 2,
     timeout: float = 300.0,
     placement: str = "pipeline",
@@ -65,6 +66,8 @@ def partition(
             several processes.
         replicas: multi-process only: processes per stage, e.g. [2, 1] puts stage 0 on ranks
             0 and 1 (taking micro-batches in turn) and stage 1 on rank 2. Default: one each.
+            "auto": the hybrid planner chooses the number of stages and each stage's replicas
+            (all-reduce and memory included) for the given micro-batches and schedule.
         timeout: multi-process only: seconds to wait for another rank before failing with
             an error that names it.
         placement: "pipeline" (contiguous stages, one per device), "branches" (parallel
@@ -90,6 +93,8 @@ def partition(
         raise PartitionError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
+    if replicas == "auto" and not _distributed():
+        raise PartitionError("replicas='auto' needs one process per replica: launch with torchrun")
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
 
@@ -210,7 +215,7 @@ def _partition_distributed(
     cost_model: CostModel | None,
     plan: Plan | None,
     schedule: str,
-    replicas: Sequence[int] | None,
+    replicas: Sequence[int] | str | None,
     virtual_stages: int,
     timeout: float,
     placement: str = "pipeline",
@@ -222,7 +227,10 @@ def _partition_distributed(
         raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; pass one device per rank")
     if devices[rank].type == "cuda":
         torch.cuda.set_device(devices[rank])
-    layout = _layout(world, schedule, replicas, virtual_stages)
+    auto = replicas == "auto"
+    if auto and (schedule == "interleaved" or placement != "pipeline"):
+        raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
+    layout = [[r] for r in range(world)] if auto else _layout(world, schedule, replicas, virtual_stages)  # type: ignore[arg-type]
     if micro_batches < max(len(r) for r in layout):
         raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least {max(len(r) for r in layout)}")
 
@@ -242,7 +250,10 @@ def _partition_distributed(
             cost = _prepared(cost_model, gm, first_chunk)
             if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
                 raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-            if placement == "pipeline":
+            if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
+                whole = build_graph(gm, traced.flatten_inputs(args, kwargs))
+                made = plan_hybrid(whole, order, devices, cost, micro_batches=micro_batches, schedules=(schedule,))
+            elif placement == "pipeline":
                 made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, counts, schedule)
                 for stage, ranks in zip(made.stages, layout):
                     stage.ranks = ranks

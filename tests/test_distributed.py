@@ -63,7 +63,9 @@ def test_three_ranks_schedules_and_uneven_replicas() -> None:
 
 def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
     check_equivalence(
-        4, ["tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:gpipe:[2,2]", "tiny_gpt:1f1b:[2,2]", "inception:gpipe:-"]
+        4,
+        ["tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:gpipe:[2,2]", "tiny_gpt:1f1b:[2,2]", "inception:gpipe:-",
+         "tiny_gpt:1f1b:auto"],  # auto: the hybrid planner picks stages and replicas
     )
 
 

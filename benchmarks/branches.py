@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from models import InceptionNet  # noqa: E402
 
 from partitioner import partition
 from partitioner.branches import stage_producers
@@ -26,32 +31,6 @@ from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.schedule import dag_gpipe, dag_levels
-
-
-class Block(nn.Module):
-    """Four branches (1x1; 1x1-3x3; 1x1-3x3-3x3; pool-1x1) joined by concat, plus a residual."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        q = c // 4
-        self.b1 = nn.Conv2d(c, q, 1)
-        self.b2 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
-        self.b3 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
-        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1))
-
-
-class InceptionNet(nn.Module):
-    def __init__(self, c: int = 64, blocks: int = 3, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(*[Block(c) for _ in range(blocks)])
-        self.fc = nn.Linear(c, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))
 
 
 def timed(step, steps: int) -> float:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Models bundled with the examples: a small GPT built from a config, random weights."""
+"""Models bundled with the examples and benchmarks: a small GPT and an Inception-style net, random weights."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "InceptionBlock", "InceptionNet"]
 
 
 @dataclass
@@ -62,3 +63,31 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(positions))))
+
+
+class InceptionBlock(nn.Module):
+    """Four branches (1x1; 1x1-3x3; 1x1-3x3-3x3; pool-1x1) joined by concat, plus a residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        q = c // 4
+        self.b1 = nn.Conv2d(c, q, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1))
+
+
+class InceptionNet(nn.Module):
+    """A stem, Inception blocks of four parallel branches, global pooling and a classifier."""
+
+    def __init__(self, c: int = 64, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*[InceptionBlock(c) for _ in range(blocks)])
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))

@@ -234,8 +234,8 @@ def plan_pipeline(
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         recv, send = recvs[s], sends[s]
         compute = float(problem.node_times[s, a:b].sum())
-        total = compute + 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
-        total /= problem.replicas_of(s)
+        comm = 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
+        total = (compute + comm) / problem.replicas_of(s)  # replicas share the micro-batches
         names = list(order[a:b])
         fwd = sum(forward_time(cost, graph.nodes[x], devices[s]) for x in names)
         params = sum(graph.nodes[x]["param_bytes"] for x in names)
@@ -249,7 +249,7 @@ def plan_pipeline(
                 compute_ms=compute * 1e3,
                 forward_ms=fwd * 1e3,
                 backward_ms=(compute - fwd) * 1e3,
-                comm_ms=(total - compute) * 1e3,
+                comm_ms=comm * 1e3,
                 param_bytes=int(params),
                 activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),
                 recv_bytes=int(recv),

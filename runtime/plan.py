@@ -20,7 +20,7 @@ class StagePlan:
     index: int
     device: str
     nodes: list[str]
-    predicted_ms: float = 0.0  # forward + backward of one micro-batch, transfers included
+    predicted_ms: float = 0.0  # forward + backward + transfers of one micro-batch, divided by the replicas
     compute_ms: float = 0.0
     forward_ms: float = 0.0  # compute_ms split into its forward and backward parts
     backward_ms: float = 0.0

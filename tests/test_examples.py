@@ -18,3 +18,26 @@ def test_demo_trains_and_prints_the_plan() -> None:
     assert "bottleneck" in result.stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+def test_inception_branches_places_branches_and_trains(tmp_path: Path) -> None:
+    out = tmp_path / "plan.png"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "inception_branches.py"), "--steps", "4", "--channels", "16",
+         "--size", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "branches on 2 of 2 devices" in result.stdout and out.stat().st_size > 10_000
+
+
+def test_gpt_hybrid_under_torchrun_with_uneven_replicas(tmp_path: Path) -> None:
+    out = tmp_path / "plan.html"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "examples" / "gpt_hybrid.py"), "--replicas", "2,1,1", "--steps", "6", "--layers", "3",
+           "--width", "64", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    assert re.search(r"step 1 loss ([\d.]+), one process \1", text)  # equal to one process's loss
+    assert "samples/s" in text and out.exists()

@@ -16,6 +16,7 @@ in the model's own parameters.
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -98,6 +99,8 @@ class Pipeline(nn.Module):
         producer = {name: s.index for s in stages for name in s.outputs}
         self._levels = dag_levels([sorted({producer[n] for n in s.inputs if n in producer}) for s in stages])
         self._workers: dict[Any, ThreadPoolExecutor] = {}
+        self.tracing = False  # set True to record `trace` (see `measured_timeline`)
+        self.trace: list[dict[str, Any]] = []
 
     @property
     def model(self) -> nn.Module:
@@ -153,14 +156,57 @@ class Pipeline(nn.Module):
         for _, s, i in sorted((i + self._levels[s], s, i) for s in range(len(self._stages)) for i in range(chunks)):
             yield i, self._stages[s]
 
-    def _run_task(self, env: dict[str, Any], stage: Stage) -> None:
+    def _run_task(self, env: dict[str, Any], stage: Stage, microbatch: int = -1) -> None:
         inputs = [_to(env[name], stage.device) for name in stage.inputs]
-        env.update(zip(stage.outputs, stage.module(*inputs)))
+        if not self.tracing:
+            env.update(zip(stage.outputs, stage.module(*inputs)))
+            return
+        start = time.time()
+        outputs = stage.module(*inputs)
+        self._event("forward", stage, microbatch, start, time.time())
+        env.update(zip(stage.outputs, outputs))
+        self._trace_backward(stage, microbatch, inputs, outputs)
+
+    def _event(self, kind: str, stage: Stage, microbatch: int, start: float, end: float) -> None:
+        self.trace.append({"kind": kind, "stage": stage.index, "microbatch": microbatch, "start": start, "end": end,
+                           "device": f"{stage.device} (worker {self._worker_of[stage.index]})"})
+
+    def _trace_backward(self, stage: Stage, microbatch: int, inputs: list[Any], outputs: Any) -> None:
+        """Record a stage's backward: from its outputs' gradients arriving to its inputs' being done."""
+        outs = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs or not torch.is_grad_enabled():
+            return
+        began: list[float] = []
+
+        def first(_: Any) -> None:
+            began.append(time.time())
+
+        def done(_: Any) -> None:
+            if began:
+                self._event("backward", stage, microbatch, began[0], time.time())
+
+        torch.autograd.graph.register_multi_grad_hook(outs, first, mode="any")
+        if ins:
+            torch.autograd.graph.register_multi_grad_hook(ins, done, mode="all")
+
+    def measured_timeline(self, origin: float | None = None) -> dict[str, Any]:
+        """The recorded trace as {"devices": [{"device", "events"}]} in ms, for plan.visualize(measured=...).
+
+        Forward events are timed directly; a stage's backward runs from its outputs'
+        gradients arriving to its inputs' gradients being computed (stages whose inputs
+        need no gradient, such as the first, have no backward event).
+        """
+        t0 = origin if origin is not None else min((e["start"] for e in self.trace), default=0.0)
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for e in self.trace:
+            rows.setdefault(e["device"], []).append({**e, "start": (e["start"] - t0) * 1e3, "end": (e["end"] - t0) * 1e3})
+        return {"devices": [{"device": d, "events": ev} for d, ev in rows.items()]}
 
     def _run(self, envs: list[dict[str, Any]]) -> None:
         if not self._threaded:
             for i, stage in self._tasks(len(envs)):
-                self._run_task(envs[i], stage)
+                self._run_task(envs[i], stage, i)
             return
         grad = torch.is_grad_enabled()  # thread-local: each worker takes the caller's
         producer = {name: s.index for s in self._stages for name in s.outputs}
@@ -170,7 +216,7 @@ class Pipeline(nn.Module):
             for w in waits:
                 w.result()
             with torch.set_grad_enabled(grad), _device_context(stage.device):
-                self._run_task(envs[i], stage)
+                self._run_task(envs[i], stage, i)
 
         for i, stage in self._tasks(len(envs)):
             waits = [done[(i, producer[n])] for n in stage.inputs if n in producer]

@@ -305,3 +305,16 @@ def test_call_with_too_few_samples_for_micro_batches() -> None:
     pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=4)
     with pytest.raises(ValueError, match="micro_batches=4 but the batch has 2 samples"):
         pipe(x[:2])
+
+
+def test_in_process_trace_records_every_forward_and_later_backwards() -> None:
+    model, (x,), _ = zoo.tiny_gpt()
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=3)
+    pipe.tracing = True
+    pipe(x).sum().backward()
+    events = [e for d in pipe.measured_timeline()["devices"] for e in d["events"]]
+    forwards = {(e["stage"], e["microbatch"]) for e in events if e["kind"] == "forward"}
+    backwards = {(e["stage"], e["microbatch"]) for e in events if e["kind"] == "backward"}
+    assert forwards == {(s, i) for s in range(3) for i in range(3)}
+    assert backwards == {(s, i) for s in (1, 2) for i in range(3)}  # stage 0's inputs need no gradient
+    assert all(e["end"] >= e["start"] >= 0 for e in events)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_model import default_cost_model
+from cost_model.devices import host_memory
 from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
@@ -123,7 +124,9 @@ def partition(
     graph = build_graph(gm, first_chunk)
     order = [n.name for n in compute_nodes(gm)]
     if plan is None:
-        plan = _choose(graph, order, resolved, _prepared(cost_model, gm, first_chunk), micro_batches, placement)
+        cost = _prepared(cost_model, gm, first_chunk)
+        plan = _choose(graph, order, resolved, cost, micro_batches, placement)
+        plan = _within_memory(plan, lambda: build_graph(gm, flat), order, resolved, cost, micro_batches)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
     plan = with_graph(plan, graph, cost_model)  # drawable: pipe.plan.visualize("plan.html")
@@ -158,6 +161,38 @@ def _choose(
     best = branches if times["branches"] < times["pipeline"] else chain
     best.notes["predicted_ms"] = times
     return best
+
+
+def device_capacity(cost: CostModel, device: torch.device) -> int:
+    """Bytes a device holds: the cost model's (possibly hand-described) spec, else what is there."""
+    for model in (cost, getattr(cost, "fallback", None)):
+        spec = getattr(model, "spec", None)
+        if callable(spec):
+            memory = int(spec(device).memory_bytes)
+            if memory > 0:
+                return memory
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return host_memory()[0]
+
+
+def _within_memory(
+    plan: Plan, whole_graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int
+) -> Plan:
+    """`plan` if every device holds its stages (weights, gradients, activations in flight), else a
+    memory-aware split from the hybrid planner; InfeasibleError names what each device would need."""
+    need: dict[str, int] = {}
+    for stage in plan.stages:
+        need[stage.device] = need.get(stage.device, 0) + 2 * stage.param_bytes + stage.activation_bytes
+    capacity = {d: device_capacity(cost, torch.device(d)) for d in need}
+    if all(n <= capacity[d] for d, n in need.items()):
+        return plan
+    shares = {d: sum(1 for x in devices if str(x) == d) for d in need}  # stages sharing one device split it
+    limits = [capacity[str(d)] / shares[str(d)] for d in devices]
+    return plan_hybrid(
+        whole_graph(), order, devices, cost, micro_batches=micro_batches, schedules=("gpipe",),
+        replicate=False, stages=len(devices), memory_bytes=limits, optimizer="sgd",
+    )
 
 
 def _prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:

@@ -318,3 +318,26 @@ def test_in_process_trace_records_every_forward_and_later_backwards() -> None:
     assert forwards == {(s, i) for s in range(3) for i in range(3)}
     assert backwards == {(s, i) for s in (1, 2) for i in range(3)}  # stage 0's inputs need no gradient
     assert all(e["end"] >= e["start"] >= 0 for e in events)
+
+
+def test_model_too_big_for_the_devices_names_what_each_needs() -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from cost_model.devices import DeviceSpec
+    from partitioner.hybrid import InfeasibleError
+
+    small = DeviceSpec(name="small", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=20_000)
+    model, (x,), _ = zoo.tiny_gpt()  # about 160 KB of weights: no split of two 20 KB devices holds it
+    before = snapshot(model)
+    with pytest.raises(InfeasibleError, match=r"needs .* \(has .*\)"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel(measure=lambda d: small))
+    assert_untouched(model, before)
+
+
+def test_plan_fits_in_memory_when_it_can() -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from cost_model.devices import DeviceSpec
+
+    roomy = DeviceSpec(name="roomy", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 30)
+    model, (x,), _ = zoo.tiny_gpt()
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel(measure=lambda d: roomy))
+    assert len(pipe.plan.stages) == 2

@@ -19,7 +19,7 @@ import networkx as nx
 import torch
 
 from runtime import plan as runtime_plan
-from runtime.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b
+from runtime.schedule import dag_gpipe, dag_levels, Action, gpipe, interleaved_one_f_one_b, one_f_one_b
 
 __all__ = ["Plan", "attach_graph", "page_data", "visualize", "with_graph"]
 
@@ -214,11 +214,28 @@ def schedule_lists(plan: runtime_plan.Plan) -> tuple[list[list[Action]], str | N
     return make(m, p), None
 
 
+def _stage_producers(plan: runtime_plan.Plan) -> list[list[int]] | None:
+    """For a branch-parallel plan with its graph attached, the stages each stage reads; else None."""
+    if plan.notes.get("placement") != "branches" or not plan.graph:
+        return None
+    stage = {n["name"]: n.get("stage") for n in plan.graph.get("nodes", [])}
+    producers: list[set[int]] = [set() for _ in plan.stages]
+    for e in plan.graph.get("edges", []):
+        a, b = stage.get(e["src"]), stage.get(e["dst"])
+        if a is not None and b is not None and a >= 0 and b >= 0 and a != b:
+            producers[b].add(a)
+    return [sorted(p) for p in producers]
+
+
 def simulated_timeline(plan: runtime_plan.Plan) -> tuple[Any, str | None]:
     """The simulator's timeline of `plan` under its schedule (None if it cannot run), and a note or None."""
     from partitioner.simulator import simulate
 
     try:
+        producers = _stage_producers(plan)
+        if producers is not None:  # branches side by side: the DAG schedule on the device slots
+            owners = [s.ranks[0] if s.ranks else s.index for s in plan.stages]
+            return simulate(plan, dag_gpipe(plan.micro_batches, dag_levels(producers), owners), producers=producers), None
         schedule, note = schedule_lists(plan)
         return simulate(plan, schedule), note
     except (ValueError, KeyError, IndexError) as exc:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "InceptionBlock", "InceptionNet"]
+__all__ = ["GPT", "GPTConfig", "InceptionBlock", "InceptionNet", "make_gpt"]
 
 
 @dataclass
@@ -91,3 +91,9 @@ class InceptionNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))
+
+
+def make_gpt(batch: int = 8) -> tuple[GPT, tuple[torch.Tensor]]:
+    """A small GPT and a batch of token ids: a MODULE:FACTORY for `python -m partitioner`."""
+    cfg = GPTConfig()
+    return GPT(cfg), (torch.randint(0, cfg.vocab, (batch, cfg.seq)),)

@@ -24,7 +24,7 @@ from partitioner.trace import trace
 from partitioner.visualizer import Plan as DrawablePlan
 from partitioner.visualizer import with_graph
 from runtime.distributed import DistributedPipeline
-from runtime.microbatch import scatter
+from runtime.microbatch import batch_size, scatter
 from runtime.pipeline import Pipeline
 from runtime.plan import Plan
 from runtime.schedule import Action, dag_gpipe, dag_levels, interleaved_one_f_one_b, one_f_one_b
@@ -118,6 +118,7 @@ def partition(
     gm = traced.graph_module
     flat = traced.flatten_inputs(args, kwargs)
     try:
+        batch_size(flat)
         first_chunk = scatter(flat, micro_batches)[0]
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None
@@ -272,6 +273,7 @@ def _partition_distributed(
     traced = trace(model, args, kwargs)
     gm = traced.graph_module
     try:
+        batch_size(traced.flatten_inputs(args, kwargs))
         first_chunk = scatter(traced.flatten_inputs(args, kwargs), micro_batches)[0]
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None

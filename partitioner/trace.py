@@ -98,6 +98,8 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
     def flatten_inputs(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
+        if not call_kwargs and len(call_args) == len(names):  # every argument given by position
+            return list(call_args)
         b = signature.bind(*call_args, **call_kwargs)
         b.apply_defaults()
         return [b.arguments[n] for n in names]

@@ -33,11 +33,11 @@ def scatter(values: Sequence[Any], chunks: int) -> list[list[Any]]:
     Sizes differ by at most one (10 samples in 4 chunks: 3, 3, 2, 2). Tensors of another
     size and non-tensors are given whole to every micro-batch.
     """
+    if chunks == 1 and isinstance(chunks, int):
+        return [list(values)]  # nothing to split (partition() checked the batch once)
     size = batch_size(values)
     if not 1 <= chunks <= size:
         raise ValueError(f"micro_batches={chunks} but the batch has {size} samples; use 1 <= micro_batches <= {size}")
-    if chunks == 1:
-        return [list(values)]
     leaves, spec = pytree.tree_flatten(list(values))
     split = [
         torch.tensor_split(x, chunks) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -99,6 +99,7 @@ class Pipeline(nn.Module):
         producer = {name: s.index for s in stages for name in s.outputs}
         self._levels = dag_levels([sorted({producer[n] for n in s.inputs if n in producer}) for s in stages])
         self._workers: dict[Any, ThreadPoolExecutor] = {}
+        self._task_order: dict[int, list[tuple[int, Stage]]] = {}
         self.tracing = False  # set True to record `trace` (see `measured_timeline`)
         self.trace: list[dict[str, Any]] = []
 
@@ -151,10 +152,13 @@ class Pipeline(nn.Module):
             return env[node.name]
         return self._constants[node.name]
 
-    def _tasks(self, chunks: int) -> Iterator[tuple[int, Stage]]:
+    def _tasks(self, chunks: int) -> list[tuple[int, Stage]]:
         """(micro-batch, stage) in clock-tick order: forward of stage s on micro-batch i at i + level(s)."""
-        for _, s, i in sorted((i + self._levels[s], s, i) for s in range(len(self._stages)) for i in range(chunks)):
-            yield i, self._stages[s]
+        order = self._task_order.get(chunks)
+        if order is None:
+            ticks = sorted((i + self._levels[s], s, i) for s in range(len(self._stages)) for i in range(chunks))
+            order = self._task_order[chunks] = [(i, self._stages[s]) for _, s, i in ticks]
+        return order
 
     def _run_task(self, env: dict[str, Any], stage: Stage, microbatch: int = -1) -> None:
         inputs = [_to(env[name], stage.device) for name in stage.inputs]

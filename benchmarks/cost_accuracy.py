@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import statistics
 import sys
@@ -31,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -42,107 +40,8 @@ from cost_model.timing import Clock, make_timer, materialize, steady_host_alloca
 from partitioner import partition  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
 from runtime.microbatch import scatter  # noqa: E402
-
-
-# ----------------------------------------------------------------------------- models
-class MLP(nn.Module):
-    def __init__(self, width: int = 1024, depth: int = 8) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.GELU()]
-        self.body = nn.Sequential(*layers)
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-class ResBlock(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(h)))
-
-
-class ResCNN(nn.Module):
-    def __init__(self, c: int = 48, blocks: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.blocks = nn.Sequential(*[ResBlock(c) for _ in range(blocks)])
-        self.fc = nn.Linear(c, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.blocks(self.stem(x)).mean(dim=(2, 3)))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        att = ((q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(y)
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer whose LM head projects onto a large vocabulary."""
-
-    def __init__(self, vocab: int = 16384, width: int = 256, heads: int = 4, layers: int = 4, seq: int = 64) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.randn(1, seq, width) * 0.02)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
-        return self.head(self.ln(self.blocks(x)))
-
-
-class InceptionBlock(nn.Module):
-    def __init__(self, cin: int, c: int) -> None:
-        super().__init__()
-        self.b1 = nn.Conv2d(cin, c, 1)
-        self.b2 = nn.Sequential(nn.Conv2d(cin, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
-        self.b3 = nn.Sequential(nn.Conv2d(cin, c, 1), nn.ReLU(), nn.Conv2d(c, c, 5, padding=2))
-        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(cin, c, 1))
-        self.mix = nn.Conv2d(4 * c, cin, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1)
-        return F.relu(self.mix(h)) + x
-
-
-class Inception(nn.Module):
-    def __init__(self, cin: int = 64, c: int = 32, blocks: int = 3) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, cin, 3, padding=1)
-        self.blocks = nn.Sequential(*[InceptionBlock(cin, c) for _ in range(blocks)])
-        self.fc = nn.Linear(cin, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))
+from examples.models import GPT, GPTConfig, InceptionNet  # noqa: E402
+from tests import zoo  # noqa: E402
 
 
 @dataclass
@@ -163,10 +62,11 @@ class Config:
 def models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]]:
     """Name -> factory of (model, one full batch); the batch splits into `micro_batches`."""
     return {
-        "mlp": lambda: (MLP(), torch.randn(64, 1024)),
-        "rescnn": lambda: (ResCNN(), torch.randn(16, 3, 32, 32)),
-        "gpt": lambda: (GPT(), torch.randint(0, 16384, (8, 64))),
-        "inception": lambda: (Inception(), torch.randn(16, 3, 32, 32)),
+        "mlp": lambda: (zoo.MLP(width=1024, depth=8), torch.randn(64, 1024)),
+        "rescnn": lambda: (zoo.ResCNN(channels=48, blocks=4), torch.randn(16, 3, 32, 32)),
+        "gpt": lambda: (GPT(GPTConfig(vocab=16384, width=256, heads=4, layers=4, seq=64, tied=False)),
+                        torch.randint(0, 16384, (8, 64))),
+        "inception": lambda: (InceptionNet(c=64, blocks=3), torch.randn(16, 3, 32, 32)),
     }
 
 

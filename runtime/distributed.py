@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from runtime import checkpoint
-from runtime.microbatch import scatter
+from runtime.microbatch import plain_containers, scatter
 from runtime.p2p import Messenger
 from runtime.plan import Plan
 from runtime.schedule import Action
@@ -289,7 +289,7 @@ class DistributedPipeline(nn.Module):
         if s == self._last:
             out = torch.fx.node.map_arg(self._output_node.args[0], lambda n: env[n.name] if n.name in env else self._constants[n.name])
             target = pytree.tree_map(self._on_device, self._targets[i])
-            loss = self._loss_fn(self._unflatten(_plain(out)), target) * self._weights[i]
+            loss = self._loss_fn(self._unflatten(plain_containers(out)), target) * self._weights[i]
             self._saved[(s, i)] += (loss,)
             self._loss += loss.detach()
 
@@ -386,16 +386,6 @@ class DistributedPipeline(nn.Module):
         if isinstance(x, torch.Tensor) and x.device != self.device:
             return x.to(self.device)
         return x
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["batch_size", "gather", "scatter"]
+__all__ = ["batch_size", "gather", "plain_containers", "scatter"]
 
 
 def batch_size(values: Any) -> int:
@@ -73,3 +73,14 @@ def gather(outputs: Sequence[Any]) -> Any:
         else:
             merged.append(first)
     return pytree.tree_unflatten(merged, spec)
+
+
+def plain_containers(value: Any) -> Any:
+    """fx's immutable_dict / immutable_list as the plain dict / list the model itself returns."""
+    if isinstance(value, dict):
+        return {k: plain_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_containers(v) for v in value]
+    if type(value) is tuple:
+        return tuple(plain_containers(v) for v in value)
+    return value

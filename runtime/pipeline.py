@@ -25,7 +25,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from runtime.microbatch import gather, scatter
+from runtime.microbatch import gather, plain_containers, scatter
 from runtime.plan import Plan
 from runtime.schedule import dag_levels
 from runtime.stage import Stage
@@ -45,17 +45,6 @@ def _to(value: Any, device: torch.device) -> Any:
         return x
 
     return pytree.tree_map(move, value)
-
-
-def _plain(value: Any) -> Any:
-    """fx's immutable_dict / immutable_list as the plain dict / list the model returned."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -142,7 +131,7 @@ class Pipeline(nn.Module):
                 for bn in stage.deferred_bns:
                     bn.commit()
         outputs = [
-            _plain(torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env)))
+            plain_containers(torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env)))
             for env in envs
         ]
         return self._unflatten(_to(gather(outputs), self.output_device))

@@ -10,6 +10,7 @@ models here answers them, so swapping one for another needs no change in the pla
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import cache_dir
+from cost_model.processes import BetweenProcesses
 from cost_model.calibration import CalibratedCostModel, Calibration, stage_records
 from cost_model.cluster import DeviceDescriptionError, DeviceSet, parse_bytes
 from cost_model.comm import LINK_KINDS, Link, default_link, p2p_time, ring_allreduce_time, slowest
@@ -21,6 +22,7 @@ from cost_model.memory import OPTIMIZER_STATES, StageMemory, in_flight, saved_ac
 from cost_model.profiler import Profile, ProfiledCostModel, profile_graph
 
 __all__ = [
+    "BetweenProcesses",
     "AnalyticCostModel",
     "BACKWARD_FACTOR",
     "CalibratedCostModel",

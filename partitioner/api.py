@@ -12,6 +12,7 @@ from torch import nn
 
 from cost_model import default_cost_model
 from cost_model.devices import host_memory
+from cost_model.processes import BetweenProcesses
 from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
@@ -284,7 +285,8 @@ def _partition_distributed(
             order = [n.name for n in compute_nodes(gm)]
             stage_devices = [devices[r[0]] for r in layout]
             counts = [len(r) for r in layout]
-            cost = _prepared(cost_model, gm, first_chunk)
+            # every stage replica is a process: ranks on one device still pay for transfers
+            cost = BetweenProcesses(_prepared(cost_model, gm, first_chunk))
             if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
                 raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
             if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout

@@ -485,7 +485,7 @@ def hybrid_problem(
             consumers.append(np.array(sorted(outs), dtype=np.int64))
             sizes.append(float(attrs.get("out_bytes", 0) or 0))
     link = np.zeros((D, D, 2))
-    for i, j in ((i, j) for i in range(D) for j in range(D) if devs[i] != devs[j]):
+    for i, j in ((i, j) for i in range(D) for j in range(D) if i != j):  # ranks: a device may repeat
         link[i, j] = _affine(cost.transfer_time, devs[i], devs[j])
     allreduce, reduce = np.zeros((D, D + 1, 2)), getattr(cost, "allreduce_time", None)
     for w, r in ((w, r) for w in range(D) for r in range(2, D - w + 1)):

@@ -23,7 +23,7 @@ import torch
 
 from cost_model.interface import CostModel, forward_time
 
-__all__ = ["CalibratedCostModel", "Calibration", "stage_records"]
+__all__ = ["CalibratedCostModel", "Calibration", "measured_stage_ms", "stage_records"]
 
 
 def _get(record: Any, *names: str) -> Any:
@@ -33,6 +33,25 @@ def _get(record: Any, *names: str) -> Any:
         if hasattr(record, name):
             return getattr(record, name)
     raise ValueError(f"a run record needs one of {names}; got {record!r}")
+
+
+def measured_stage_ms(trace: Mapping[str, Any]) -> dict[int, float]:
+    """Each stage's measured compute per micro-batch (forward + backward, ms) from a runtime trace.
+
+    `trace` is plain data, {"devices": [{"device", "events": [{kind, stage, microbatch,
+    start, end}]}]} in ms, as `Pipeline.measured_timeline()` or
+    `DistributedPipeline.gather_trace()` give it; replicas' micro-batches average together.
+    """
+    per: dict[tuple[int, int], float] = {}
+    for row in trace.get("devices", []):
+        for e in row.get("events", []):
+            if e.get("kind") in ("forward", "backward", "F", "B") and int(e.get("stage", -1)) >= 0:
+                key = (int(e["stage"]), int(e.get("microbatch", -1)))
+                per[key] = per.get(key, 0.0) + float(e["end"]) - float(e["start"])
+    stages: dict[int, list[float]] = {}
+    for (stage, _), ms in per.items():
+        stages.setdefault(stage, []).append(ms)
+    return {s: sum(v) / len(v) for s, v in sorted(stages.items())}
 
 
 def stage_records(stages: Sequence[Any], measured_ms: Sequence[float]) -> list[dict[str, Any]]:

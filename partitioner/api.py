@@ -31,7 +31,7 @@ from runtime.plan import Plan
 from runtime.schedule import Action, dag_gpipe, dag_levels, interleaved_one_f_one_b, one_f_one_b
 from runtime.stage import build_stages, stage_io
 
-__all__ = ["partition"]
+__all__ = ["describe_model", "partition"]
 
 
 def partition(
@@ -142,6 +142,16 @@ def partition(
     except BaseException:
         undo()
         raise
+
+
+def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None = None) -> str:
+    """A printable report of the model's structure: fork/join regions (parallel branches,
+    nested), the critical path and the cheapest cut points. The model is left untouched."""
+    from partitioner.analysis import describe
+
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    traced = trace(model, args, dict(example_kwargs or {}))
+    return describe(build_graph(traced.graph_module, traced.flatten_inputs(args, dict(example_kwargs or {}))))
 
 
 def _choose(

@@ -226,3 +226,12 @@ def test_ten_thousand_vertices_is_fast() -> None:
     assert path.length == 1 + 5 * 1112 + 1  # x, then c d dj cat add per block, then output
     assert cuts.cheapest[0] == Cut(0, "a0", "c0", 4)  # only a0 crosses: x is an input
     assert elapsed < 5.0, f"analysis of 10,010 vertices took {elapsed:.2f} s"
+
+
+def test_describe_model_prints_the_branches_of_a_model() -> None:
+    from partitioner import describe_model
+    from tests import zoo
+
+    model, args, _ = zoo.inception()
+    text = describe_model(model, args)
+    assert "4 branches" in text and "critical path" in text and "cheapest cuts" in text

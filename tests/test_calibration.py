@@ -81,3 +81,25 @@ def test_bad_records() -> None:
         cal.update([{"device": "cpu", "predicted_ms": 1.0}])
     with pytest.raises(ValueError, match=">= 0"):
         cal.observe("cpu", -1.0, 1.0)
+
+
+def test_measured_stage_times_from_a_runtime_trace_feed_calibration() -> None:
+    from cost_model.calibration import measured_stage_ms
+
+    trace = {"devices": [
+        {"device": "cpu (rank 0)", "events": [
+            {"kind": "forward", "stage": 0, "microbatch": 0, "start": 0.0, "end": 1.0},
+            {"kind": "forward", "stage": 0, "microbatch": 1, "start": 1.0, "end": 2.0},
+            {"kind": "send", "stage": 0, "microbatch": 0, "start": 1.0, "end": 1.5},
+            {"kind": "backward", "stage": 0, "microbatch": 1, "start": 5.0, "end": 7.0},
+            {"kind": "backward", "stage": 0, "microbatch": 0, "start": 7.0, "end": 9.0}]},
+        {"device": "cpu (rank 1)", "events": [
+            {"kind": "forward", "stage": 1, "microbatch": 0, "start": 2.0, "end": 4.0},
+            {"kind": "backward", "stage": 1, "microbatch": 0, "start": 4.0, "end": 8.0}]},
+    ]}
+    measured = measured_stage_ms(trace)
+    assert measured == {0: 3.0, 1: 6.0}  # forward + backward per micro-batch; sends left out
+    calibration = Calibration()
+    calibration.update(stage_records([{"device": "cpu", "compute_ms": 1.5}, {"device": "cpu", "compute_ms": 3.0}],
+                                     [measured[0], measured[1]]))
+    assert calibration.factor("cpu") == pytest.approx(2.0)

@@ -11,7 +11,7 @@ models here answers them, so swapping one for another needs no change in the pla
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import cache_dir
 from cost_model.processes import BetweenProcesses
-from cost_model.calibration import CalibratedCostModel, Calibration, stage_records
+from cost_model.calibration import CalibratedCostModel, Calibration, measured_stage_ms, stage_records
 from cost_model.cluster import DeviceDescriptionError, DeviceSet, parse_bytes
 from cost_model.comm import LINK_KINDS, Link, default_link, p2p_time, ring_allreduce_time, slowest
 from cost_model.devices import DeviceError, DeviceSpec, measure_device, resolve_devices
@@ -48,6 +48,7 @@ __all__ = [
     "in_flight",
     "measure_copy_link",
     "measure_device",
+    "measured_stage_ms",
     "measure_gloo_link",
     "measure_gloo_p2p",
     "p2p_time",

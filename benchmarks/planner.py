@@ -36,7 +36,8 @@ from cost_model.cluster import DeviceSet  # noqa: E402
 from cost_model.devices import DeviceSpec  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partitioner.graph import build_graph, compute_nodes  # noqa: E402
-from partitioner.hybrid import HybridProblem, evaluate, hybrid_problem, plan_hybrid, solve_hybrid  # noqa: E402
+from partitioner.hybrid import HybridProblem, evaluate, solve_hybrid  # noqa: E402
+from partitioner.hybrid_plan import hybrid_problem, plan_hybrid  # noqa: E402
 from partitioner.planner import SplitProblem, plan_pipeline, solve  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
 from tests import zoo  # noqa: E402

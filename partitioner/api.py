@@ -18,7 +18,7 @@ from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.branches import plan_branches, stage_producers
-from partitioner.hybrid import plan_hybrid
+from partitioner.hybrid_plan import plan_hybrid
 from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
 from partitioner.trace import trace

@@ -14,7 +14,8 @@ from cost_model.cluster import DeviceSet
 from cost_model.memory import in_flight, stage_memory
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid import HybridProblem, InfeasibleError, evaluate, hybrid_problem, plan_hybrid, solve_hybrid
+from partitioner.hybrid import HybridProblem, InfeasibleError, evaluate, solve_hybrid
+from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
 from partitioner.trace import trace
 from runtime.plan import Plan
 from tests import zoo

@@ -12,7 +12,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid import plan_hybrid
+from partitioner.hybrid_plan import plan_hybrid
 from partitioner.pippy_policy import _example_inputs, split_policy
 from tests import zoo
 

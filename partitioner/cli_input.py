@@ -123,7 +123,13 @@ def load_example(spec: str, batch: int | None, micro_batches: int) -> Example:
             neither --batch nor --batch / --micro-batches.
     """
     factory = load_factory(spec)
-    result = factory(batch=batch) if batch is not None and _takes_batch(factory) else factory()
+    try:
+        result = factory(batch=batch) if batch is not None and _takes_batch(factory) else factory()
+    except Exception as exc:  # noqa: BLE001 - whatever the user's factory raises, say so plainly
+        raise UsageError(
+            f"calling {spec} failed: {type(exc).__name__}: {exc}; FACTORY must be a function that takes no "
+            "arguments (or `batch`) and returns (model, example_inputs)"
+        ) from None
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         got = type(result).__name__ if not isinstance(result, tuple) else f"a tuple of {len(result)}"
         raise UsageError(f"{spec} returned {got}; it must return (model, example_inputs) or (model, example_inputs, example_kwargs)")

@@ -104,6 +104,8 @@ def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
         (["plan", "tests.zoo:nope"], "tests.zoo has no 'nope'; callables there:"),
         (["plan", "tests.zoo:BATCH"], "BATCH is a int, not a function"),
+        (["plan", "tests.zoo:MLP"], "tests.zoo:MLP returned MLP; it must return (model, example_inputs)"),
+        (["plan", "tests.zoo:Block"], "calling tests.zoo:Block failed: TypeError"),  # needs arguments
         (["plan", "missing.py:make"], "no file missing.py"),
         (["plan", "tests.zoo:mlp", "--devices", "cpu,,cpu"], "--devices 'cpu,,cpu' has an empty entry"),
         (["plan", "tests.zoo:mlp", "--devices", "cuda:99"], "--devices:"),

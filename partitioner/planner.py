@@ -26,7 +26,7 @@ from cost_model.interface import forward_time
 from partitioner.errors import PartitionError
 from runtime.plan import Plan, StagePlan
 
-__all__ = ["SplitProblem", "plan_pipeline", "solve"]
+__all__ = ["SplitProblem", "boundary_bytes", "plan_pipeline", "solve"]
 
 # Above this many nodes, cuts are only considered every few nodes (memory is O(cuts^2)).
 MAX_CUTS = 3000
@@ -79,47 +79,45 @@ def _link(link: np.ndarray, nbytes: Any) -> Any:
     return np.where(np.asarray(nbytes) > 0, link[0] + link[1] * np.asarray(nbytes), 0.0)
 
 
-def _boundary_bytes(problem: SplitProblem, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """R and S on the grid cuts x cuts via rectangle updates of a 2-D difference array."""
+def boundary_bytes(
+    producers: np.ndarray, consumers: Sequence[np.ndarray], value_bytes: np.ndarray, n: int, cuts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes received (R) and sent (S) by a stage [cuts[i], cuts[j]), for every i, j.
+
+    A value made at p (-1: a pipeline input) and read at c1 < c2 < ... (n: the model output)
+    is received by [a, b) when p < a <= c < b for some c, and sent when a <= p < b <= its
+    last reader (the model output counts as n - 1). Each condition is a rectangle in (a, b);
+    2-D difference arrays add them all at once. Shared by the chain and hybrid planners.
+    """
     k = len(cuts)
-    n = problem.n
-    rows0, rows1, cols0, cols1, weights = [], [], [], [], []
+    lengths = np.array([len(c) for c in consumers], dtype=np.int64)
+    vid = np.repeat(np.arange(len(lengths)), lengths)
+    cons = np.concatenate([np.zeros(0, dtype=np.int64), *consumers]).astype(np.int64)
+    first = np.ones(len(cons), dtype=bool)
+    first[1:] = vid[1:] != vid[:-1]
+    prev = np.where(first, producers[vid], np.roll(cons, 1))  # the previous reader, or the producer
+    inner = cons < n
+    recv = _rectangles(cuts, prev[inner] + 1, cons[inner], cons[inner] + 1, np.full(inner.sum(), n), value_bytes[vid[inner]])
+    has = (lengths > 0) & (producers >= 0)
+    last = np.array([c[-1] if len(c) else 0 for c in consumers], dtype=np.int64)[has]
+    prod = producers[has]
+    send = _rectangles(cuts, 0 * prod, prod, prod + 1, np.minimum(last, n - 1), value_bytes[has])
+    return recv[:k, :k], send[:k, :k]
 
-    def rect(r0: int, r1: int, c0: int, c1: int, w: float) -> None:
-        # rows a in [r0, r1], cols b in [c0, c1], in node positions; compress to cut indices.
-        i0, i1 = np.searchsorted(cuts, r0, "left"), np.searchsorted(cuts, r1, "right") - 1
-        j0, j1 = np.searchsorted(cuts, c0, "left"), np.searchsorted(cuts, c1, "right") - 1
-        if i0 <= i1 and j0 <= j1 and w:
-            rows0.append(i0), rows1.append(i1), cols0.append(j0), cols1.append(j1), weights.append(w)
 
-    def build() -> np.ndarray:
-        d = np.zeros((k + 1, k + 1))
-        r0, r1, c0, c1, w = (np.asarray(x) for x in (rows0, rows1, cols0, cols1, weights))
-        if len(w):
-            np.add.at(d, (r0, c0), w)
-            np.add.at(d, (r0, c1 + 1), -w)
-            np.add.at(d, (r1 + 1, c0), -w)
-            np.add.at(d, (r1 + 1, c1 + 1), w)
-        rows0.clear(), rows1.clear(), cols0.clear(), cols1.clear(), weights.clear()
-        np.cumsum(d, axis=0, out=d)
-        np.cumsum(d, axis=1, out=d)
-        return d[:k, :k]
-
-    for p, cons, w in zip(problem.producers, problem.consumers, problem.value_bytes):
-        prev = int(p)
-        for c in cons:
-            if c >= n:
-                break
-            rect(prev + 1, int(c), int(c) + 1, n, float(w))
-            prev = int(c)
-    recv = build()
-    for p, cons, w in zip(problem.producers, problem.consumers, problem.value_bytes):
-        if p < 0 or not len(cons):
-            continue
-        last = int(cons[-1])
-        rect(0, int(p), int(p) + 1, n - 1 if last >= n else last, float(w))
-    send = build()
-    return recv, send
+def _rectangles(cuts: np.ndarray, r0: np.ndarray, r1: np.ndarray, c0: np.ndarray, c1: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Sum of w over rectangles rows [r0, r1] x cols [c0, c1] (node positions), on the cut grid."""
+    k = len(cuts)
+    i0, i1 = np.searchsorted(cuts, r0, "left"), np.searchsorted(cuts, r1, "right") - 1
+    j0, j1 = np.searchsorted(cuts, c0, "left"), np.searchsorted(cuts, c1, "right") - 1
+    ok = (i0 <= i1) & (j0 <= j1) & (w != 0)
+    i0, i1, j0, j1, w = i0[ok], i1[ok], j0[ok], j1[ok], w[ok]
+    d = np.zeros((k + 1, k + 1))
+    for rows, cols, sign in ((i0, j0, 1), (i0, j1 + 1, -1), (i1 + 1, j0, -1), (i1 + 1, j1 + 1, 1)):
+        np.add.at(d, (rows, cols), sign * w)
+    np.cumsum(d, axis=0, out=d)
+    np.cumsum(d, axis=1, out=d)
+    return d
 
 
 def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], float]:
@@ -135,7 +133,7 @@ def _solve(problem: SplitProblem, max_cuts: int) -> tuple[list[int], float, list
         raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
     step = max(1, math.ceil(n / max_cuts))
     cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n]]))
-    recv, send = _boundary_bytes(problem, cuts)
+    recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, n, cuts)
     k = len(cuts)
     not_after = cuts[None, :] <= cuts[:, None]  # b <= a: no such stage
     comm_of: dict[tuple[float, ...], np.ndarray] = {}  # one matrix per distinct pair of links

@@ -13,7 +13,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
-from partitioner.planner import SplitProblem, _boundary_bytes, make_problem, plan_pipeline, solve
+from partitioner.planner import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
 from partitioner.trace import trace
 from tests import zoo
 
@@ -50,7 +50,7 @@ def brute_force(problem: SplitProblem) -> float:
 def test_boundary_matrices_match_direct_count(seed: int) -> None:
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, int(rng.integers(2, 10)), 2)
-    recv, send = _boundary_bytes(problem, np.arange(problem.n + 1))
+    recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n, np.arange(problem.n + 1))
     for a in range(problem.n):
         for b in range(a + 1, problem.n + 1):
             assert (recv[a, b], send[a, b]) == pytest.approx(problem.bytes_in_out(a, b))

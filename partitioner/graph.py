@@ -9,6 +9,7 @@ Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import networkx as nx
@@ -73,9 +74,7 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
         module = gm.get_submodule(str(node.target))
         tensors = list(module.parameters()) + list(module.buffers())
     elif node.op == "get_attr":
-        obj = gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
+        obj = operator.attrgetter(str(node.target))(gm)
         tensors = [obj] if isinstance(obj, torch.Tensor) else []
     else:
         return 0

@@ -10,6 +10,7 @@ the one parameter.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
@@ -36,13 +37,6 @@ class Stage:
     inputs: list[str]
     outputs: list[str]
     deferred_bns: list[DeferredBatchNorm] = field(default_factory=list)
-
-
-def _resolve(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -72,7 +66,7 @@ def tensor_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> dict[in
                 users = [stage_of[node.name]] if node.name in stage_of else []
             else:
                 users = sorted({stage_of[u.name] for u in node.users if u.name in stage_of})
-            for t in _tensors_of(_resolve(gm, str(node.target))):
+            for t in _tensors_of(operator.attrgetter(str(node.target))(gm)):
                 entry = found.setdefault(id(t), (t, []))
                 entry[1].extend(u for u in users if u not in entry[1])
     return {k: v for k, v in found.items() if v[1]}
@@ -195,7 +189,7 @@ def _build_one(
 
     def attr(n: torch.fx.Node) -> None:
         target = str(n.target)
-        obj = _resolve(gm, target)
+        obj = operator.attrgetter(target)(gm)
         attrs[target] = obj
         value = graph.get_attr(target)
         home = homes.get(id(obj))

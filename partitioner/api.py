@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 from typing import Any, Mapping, Sequence
 
@@ -21,7 +22,7 @@ from partitioner.branches import plan_branches, stage_producers
 from partitioner.hybrid_plan import plan_hybrid
 from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
-from partitioner.trace import trace
+from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
 from partitioner.visualizer import with_graph
 from runtime.distributed import DistributedPipeline
@@ -115,33 +116,47 @@ def partition(
             "torchrun (or initialize torch.distributed) and call pipe.train_step; one process runs 'gpipe'"
         )
 
-    traced = trace(model, args, kwargs)
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
     gm = traced.graph_module
+    graph = build_graph(gm, first_chunk)
+    order = [n.name for n in compute_nodes(gm)]
+    cost = _prepared(cost_model, gm, first_chunk) if plan is None else cost_model
+    if plan is None:
+        plan = _choose(graph, order, resolved, cost, micro_batches, placement)
+        plan = _within_memory(plan, lambda: build_graph(gm, flat), order, resolved, cost, micro_batches)
+    elif plan.micro_batches != micro_batches:
+        plan.micro_batches = micro_batches
+    plan = with_graph(plan, graph, cost)  # drawable, with the times it was planned with
+
+    stages, undo = build_stages(gm, plan)
+    try:
+        output_node, placeholders, constants = _graph_io(gm)
+        return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, threads)
+    except BaseException:
+        undo()
+        raise
+
+
+def _trace_example(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int
+) -> tuple[Traced, list[Any], list[Any]]:
+    """Trace the model; return it, the example's placeholder values and its first micro-batch."""
+    traced = trace(model, args, kwargs)
     flat = traced.flatten_inputs(args, kwargs)
     try:
         batch_size(flat)
         first_chunk = scatter(flat, micro_batches)[0]
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None
-    graph = build_graph(gm, first_chunk)
-    order = [n.name for n in compute_nodes(gm)]
-    if plan is None:
-        cost = _prepared(cost_model, gm, first_chunk)
-        plan = _choose(graph, order, resolved, cost, micro_batches, placement)
-        plan = _within_memory(plan, lambda: build_graph(gm, flat), order, resolved, cost, micro_batches)
-    elif plan.micro_batches != micro_batches:
-        plan.micro_batches = micro_batches
-    plan = with_graph(plan, graph, cost_model)  # drawable: pipe.plan.visualize("plan.html")
+    return traced, flat, first_chunk
 
-    stages, undo = build_stages(gm, plan)
-    try:
-        output_node = next(n for n in gm.graph.nodes if n.op == "output")
-        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-        return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, threads)
-    except BaseException:
-        undo()
-        raise
+
+def _graph_io(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[str], dict[str, Any]]:
+    """The graph's output node, its placeholder names, and the objects its get_attr nodes name."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = {n.name: operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes if n.op == "get_attr"}
+    return output_node, placeholders, constants
 
 
 def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None = None) -> str:
@@ -277,43 +292,30 @@ def _partition_distributed(
     auto = replicas == "auto"
     if auto and (schedule == "interleaved" or placement != "pipeline"):
         raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
+    if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
+        raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
     layout = [[r] for r in range(world)] if auto else _layout(world, schedule, replicas, virtual_stages)  # type: ignore[arg-type]
     if micro_batches < max(len(r) for r in layout):
         raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least {max(len(r) for r in layout)}")
 
-    traced = trace(model, args, kwargs)
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
     gm = traced.graph_module
-    try:
-        batch_size(traced.flatten_inputs(args, kwargs))
-        first_chunk = scatter(traced.flatten_inputs(args, kwargs), micro_batches)[0]
-    except ValueError as exc:
-        raise PartitionError(f"example_inputs: {exc}") from None
     if plan is None:
-        text = [None]
+        text: list[Any] = [None]
+        failure: BaseException | None = None
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
-            graph = build_graph(gm, first_chunk)
-            order = [n.name for n in compute_nodes(gm)]
-            stage_devices = [devices[r[0]] for r in layout]
-            counts = [len(r) for r in layout]
-            # every stage replica is a process: ranks on one device still pay for transfers
-            cost = BetweenProcesses(_prepared(cost_model, gm, first_chunk))
-            if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
-                raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-            if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
-                whole = build_graph(gm, traced.flatten_inputs(args, kwargs))
-                made = plan_hybrid(whole, order, devices, cost, micro_batches=micro_batches, schedules=(schedule,))
-            elif placement == "pipeline":
-                made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, counts, schedule)
-                for stage, ranks in zip(made.stages, layout):
-                    stage.ranks = ranks
-            else:
-                made = _choose(graph, order, devices, cost, micro_batches, placement)
-                if made.notes.get("placement") != "branches":
-                    for stage, ranks in zip(made.stages, layout):
-                        stage.ranks = ranks
-            text = [with_graph(made, graph, cost).to_json()]
+            try:
+                text = [("plan", _plan_for_ranks(gm, flat, first_chunk, devices, layout, cost_model, micro_batches,
+                                                 schedule, auto, placement))]
+            except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
+                failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]
         dist.broadcast_object_list(text, src=0)
-        plan = DrawablePlan.from_json(text[0])
+        kind, payload = text[0]
+        if kind == "error":
+            if failure is not None:
+                raise failure
+            raise PartitionError(f"rank 0 could not plan: {payload}")
+        plan = DrawablePlan.from_json(payload)
     plan.micro_batches = micro_batches
     if any(not s.ranks for s in plan.stages):
         for stage, ranks in zip(plan.stages, layout):
@@ -325,8 +327,7 @@ def _partition_distributed(
     lists = _schedule_lists(plan, io, schedule, world)
     stages, undo = build_stages(gm, plan, local=mine)
     try:
-        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        constants = {n.name: _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+        _, placeholders, constants = _graph_io(gm)
         return DistributedPipeline(
             model, gm, plan, stages, io, lists,
             traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, timeout,
@@ -334,6 +335,38 @@ def _partition_distributed(
     except BaseException:
         undo()
         raise
+
+
+def _plan_for_ranks(
+    gm: torch.fx.GraphModule,
+    flat: list[Any],
+    first_chunk: list[Any],
+    devices: list[torch.device],
+    layout: list[list[int]],
+    cost_model: CostModel | None,
+    micro_batches: int,
+    schedule: str,
+    auto: bool,
+    placement: str,
+) -> str:
+    """Rank 0's plan for the whole job, as JSON with ranks filled and the graph attached."""
+    graph = build_graph(gm, first_chunk)
+    order = [n.name for n in compute_nodes(gm)]
+    # every stage replica is a process: ranks on one device still pay for transfers
+    cost = BetweenProcesses(_prepared(cost_model, gm, first_chunk))
+    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
+        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches, schedules=(schedule,))
+    elif placement == "pipeline":
+        stage_devices = [devices[r[0]] for r in layout]
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout], schedule)
+        for stage, ranks in zip(made.stages, layout):
+            stage.ranks = ranks
+    else:
+        made = _choose(graph, order, devices, cost, micro_batches, placement)
+        if made.notes.get("placement") != "branches":
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    return with_graph(made, graph, cost).to_json()
 
 
 def _schedule_lists(plan: Plan, io: list[tuple[list[str], list[str]]], schedule: str, world: int) -> list[list[Action]]:
@@ -350,10 +383,3 @@ def _schedule_lists(plan: Plan, io: list[tuple[list[str], list[str]]], schedule:
         return one_f_one_b(m, p)
     single = all(len(s.ranks) == 1 for s in plan.stages)
     return dag_gpipe(m, levels, [s.ranks[0] for s in plan.stages] if single else list(range(p)))
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -6,6 +6,7 @@ Modes:
   checkpoint DIR     train 3, save, train 3, then rebuild with another plan, load, train 3
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
   resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
+  infeasible         plan for devices far too small: every rank must raise, none may wait
 Prints 'RESULT ...' lines; exits non-zero on any mismatch.
 """
 
@@ -166,12 +167,31 @@ def resume(directory: str, out: str) -> int:
     return 0
 
 
+def infeasible() -> int:
+    from cost_model.analytic import AnalyticCostModel
+    from cost_model.devices import DeviceSpec
+    from partitioner.hybrid import InfeasibleError
+
+    tiny = DeviceSpec(name="tiny", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=10_000)
+    model, x, _ = data("tiny_gpt")
+    try:
+        partition(model, ["cpu"] * int(os.environ["WORLD_SIZE"]), example_inputs=(x,), micro_batches=4,
+                  replicas="auto", cost_model=AnalyticCostModel(measure=lambda d: tiny), timeout=120)
+    except (InfeasibleError, ValueError) as exc:
+        print(f"RESULT rank={dist.get_rank()} raised {type(exc).__name__}: {str(exc).splitlines()[0]} ok=True", flush=True)
+        return 0
+    print(f"RESULT rank={dist.get_rank()} planned a model that cannot fit ok=False", flush=True)
+    return 1
+
+
 def main() -> int:
     mode, *rest = sys.argv[1:]
     if mode == "equivalence":
         code = equivalence(rest)
     elif mode == "checkpoint":
         code = checkpoint(rest[0])
+    elif mode == "infeasible":
+        code = infeasible()
     elif mode == "fault":
         code = fault(int(rest[0]))
     else:

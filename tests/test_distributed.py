@@ -115,3 +115,12 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> No
         loss.backward()
         opt.step()
         assert abs(by_step[step][1] - loss.item()) <= 1e-5 * abs(loss.item()), step
+
+
+def test_a_planning_error_on_rank_0_reaches_every_rank() -> None:
+    start = time.monotonic()
+    run = torchrun(2, "infeasible", timeout=110)  # each rank would otherwise wait 120 s for the plan
+    lines = results(run.stdout)
+    assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]
+    assert any("InfeasibleError" in line for line in lines) and any("rank 0 could not plan" in line for line in lines)
+    assert time.monotonic() - start < 100

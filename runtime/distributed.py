@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from runtime import checkpoint
-from runtime.microbatch import plain_containers, scatter
+from runtime.microbatch import graph_output, scatter, to_device
 from runtime.p2p import Messenger
 from runtime.plan import Plan
 from runtime.schedule import Action
@@ -119,10 +119,10 @@ class DistributedPipeline(nn.Module):
             if a.stage in self._stages and self.rank_of(a.stage, a.microbatch) == self.rank
         ]
         self.messenger = Messenger(self.device, len(plan.stages), plan.micro_batches, timeout_s, self.describe_rank)
-        self._groups = self._make_groups(model, gm)
+        readers = tensor_stages(gm, plan.stage_of())
+        self._groups = self._make_groups(model, readers)
         self.tracing = True
         self.trace: list[dict[str, Any]] = []
-        readers = tensor_stages(gm, plan.stage_of())
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:
             everything = list(model.parameters()) + list(model.buffers())
@@ -173,10 +173,10 @@ class DistributedPipeline(nn.Module):
                     self._from[s].setdefault(producer[name], []).append(name)
                     self._to[producer[name]].setdefault(s, []).append(name)
 
-    def _make_groups(self, model: nn.Module, gm: torch.fx.GraphModule) -> list[_GradGroup]:
+    def _make_groups(self, model: nn.Module, readers: dict[int, tuple[torch.Tensor, list[int]]]) -> list[_GradGroup]:
         names = {id(p): n for n, p in model.named_parameters()}
         by_ranks: dict[tuple[int, ...], list[tuple[str, nn.Parameter, list[int]]]] = {}
-        for t, stages in tensor_stages(gm, self.plan.stage_of()).values():
+        for t, stages in readers.values():
             if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in names:
                 ranks = tuple(sorted({r for s in stages for r in self.plan.stages[s].ranks}))
                 by_ranks.setdefault(ranks, []).append((names[id(t)], t, stages))
@@ -278,7 +278,7 @@ class DistributedPipeline(nn.Module):
             values = pytree.tree_map(self._as_leaf, values)
             received[t] = values
             env.update(zip(names, values))
-        inputs = [self._on_device(env[name]) for name in stage.inputs]
+        inputs = [to_device(env[name], self.device) for name in stage.inputs]
         start = time.time()
         outputs = stage.module(*inputs)
         self._record("forward", s, i, start)
@@ -287,9 +287,8 @@ class DistributedPipeline(nn.Module):
         for c, names in self._to[s].items():
             self._give(FORWARD, s, c, i, [env[n] for n in names])
         if s == self._last:
-            out = torch.fx.node.map_arg(self._output_node.args[0], lambda n: env[n.name] if n.name in env else self._constants[n.name])
-            target = pytree.tree_map(self._on_device, self._targets[i])
-            loss = self._loss_fn(self._unflatten(plain_containers(out)), target) * self._weights[i]
+            out = graph_output(self._output_node, env, self._constants)
+            loss = self._loss_fn(self._unflatten(out), to_device(self._targets[i], self.device)) * self._weights[i]
             self._saved[(s, i)] += (loss,)
             self._loss += loss.detach()
 
@@ -382,10 +381,6 @@ class DistributedPipeline(nn.Module):
             return x.detach().requires_grad_(True)
         return x
 
-    def _on_device(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device != self.device:
-            return x.to(self.device)
-        return x
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["batch_size", "gather", "plain_containers", "scatter"]
+__all__ = ["batch_size", "gather", "graph_output", "plain_containers", "scatter", "to_device"]
 
 
 def batch_size(values: Any) -> int:
@@ -84,3 +85,28 @@ def plain_containers(value: Any) -> Any:
     if type(value) is tuple:
         return tuple(plain_containers(v) for v in value)
     return value
+
+
+def graph_output(output_node: torch.fx.Node, values: dict[str, Any], constants: dict[str, Any]) -> Any:
+    """The graph's output for one micro-batch, in the model's own structure.
+
+    `values` holds computed values by node name; get_attr nodes come from `constants`.
+    """
+    return plain_containers(
+        torch.fx.node.map_arg(output_node.args[0], lambda n: values[n.name] if n.name in values else constants[n.name])
+    )
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """`value` (a tensor, a structure of them, or anything else) with its tensors on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=device.type == "cuda")
+    if not isinstance(value, (list, tuple, dict)):
+        return value
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != device:
+            return x.to(device, non_blocking=device.type == "cuda")
+        return x
+
+    return pytree.tree_map(move, value)

@@ -25,26 +25,12 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from runtime.microbatch import gather, plain_containers, scatter
+from runtime.microbatch import gather, graph_output, scatter, to_device
 from runtime.plan import Plan
 from runtime.schedule import dag_levels
 from runtime.stage import Stage
 
 __all__ = ["Pipeline"]
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device, non_blocking=device.type == "cuda")
-    if not isinstance(value, (list, tuple, dict)):
-        return value
-
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device != device:
-            return x.to(device, non_blocking=device.type == "cuda")
-        return x
-
-    return pytree.tree_map(move, value)
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -130,16 +116,8 @@ class Pipeline(nn.Module):
             for stage in self._stages:
                 for bn in stage.deferred_bns:
                     bn.commit()
-        outputs = [
-            plain_containers(torch.fx.node.map_arg(self._output_node.args[0], lambda n, env=env: self._value(n, env)))
-            for env in envs
-        ]
-        return self._unflatten(_to(gather(outputs), self.output_device))
-
-    def _value(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
-        if node.name in env:
-            return env[node.name]
-        return self._constants[node.name]
+        outputs = [graph_output(self._output_node, env, self._constants) for env in envs]
+        return self._unflatten(to_device(gather(outputs), self.output_device))
 
     def _tasks(self, chunks: int) -> list[tuple[int, Stage]]:
         """(micro-batch, stage) in clock-tick order: forward of stage s on micro-batch i at i + level(s)."""
@@ -150,7 +128,7 @@ class Pipeline(nn.Module):
         return order
 
     def _run_task(self, env: dict[str, Any], stage: Stage, microbatch: int = -1) -> None:
-        inputs = [_to(env[name], stage.device) for name in stage.inputs]
+        inputs = [to_device(env[name], stage.device) for name in stage.inputs]
         if not self.tracing:
             env.update(zip(stage.outputs, stage.module(*inputs)))
             return
@@ -166,8 +144,8 @@ class Pipeline(nn.Module):
 
     def _trace_backward(self, stage: Stage, microbatch: int, inputs: list[Any], outputs: Any) -> None:
         """Record a stage's backward: from its outputs' gradients arriving to its inputs' being done."""
-        outs = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs or not torch.is_grad_enabled():
             return
         began: list[float] = []

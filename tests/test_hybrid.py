@@ -19,16 +19,11 @@ from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
 from partitioner.trace import trace
 from runtime.plan import Plan
 from tests import zoo
+from tests.values import random_values
 
 
 def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 2, tight: bool = True) -> HybridProblem:
-    producers, consumers, sizes = [], [], []
-    for p in range(-1, n):
-        later = np.arange(max(p + 1, 0), n + 1)
-        k = int(rng.integers(1, min(3, len(later)) + 1))
-        producers.append(p)
-        consumers.append(np.sort(rng.choice(later, size=k, replace=False)))
-        sizes.append(float(rng.integers(1, 100) * 1e3))
+    producers, consumers, sizes = random_values(rng, n)
     params = rng.uniform(0, 1e6, n) * (rng.random(n) < 0.7)
     saved = rng.uniform(0, 2e5, n)
     capacity = np.full(devices, np.inf)
@@ -38,9 +33,9 @@ def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 
         fixed_times=rng.uniform(0, 1e-3, (kinds, n)),
         batch_times=rng.uniform(1e-3, 1e-2, (kinds, n)),
         device_kind=rng.integers(0, kinds, devices),
-        producers=np.array(producers),
+        producers=producers,
         consumers=consumers,
-        value_bytes=np.array(sizes),
+        value_bytes=sizes,
         param_bytes=params,
         saved_bytes=saved,
         link=np.stack([rng.uniform(0, 1e-4, (devices, devices)), rng.uniform(0, 3e-8, (devices, devices))], axis=-1),

@@ -16,22 +16,17 @@ from partitioner.graph import build_graph, compute_nodes
 from partitioner.planner import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
 from partitioner.trace import trace
 from tests import zoo
+from tests.values import random_values
 
 
 def random_problem(rng: np.random.Generator, n: int, stages: int) -> SplitProblem:
-    producers, consumers, sizes = [], [], []
-    for p in range(-1, n):
-        later = np.arange(max(p + 1, 0), n + 1)
-        k = int(rng.integers(1, min(3, len(later)) + 1))
-        producers.append(p)
-        consumers.append(np.sort(rng.choice(later, size=k, replace=False)))
-        sizes.append(float(rng.integers(1, 100) * 1e3))
+    producers, consumers, sizes = random_values(rng, n)
     links = rng.uniform(0, 1e-4, size=(stages, 2)) * np.array([1.0, 1e-7])
     return SplitProblem(
         node_times=rng.uniform(1e-4, 1e-2, size=(stages, n)),
-        producers=np.array(producers),
+        producers=producers,
         consumers=consumers,
-        value_bytes=np.array(sizes),
+        value_bytes=sizes,
         recv_link=np.vstack([[0.0, 0.0], links[1:]]),
         send_link=np.vstack([links[:-1], [0.0, 0.0]]),
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,24 +22,15 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import InceptionNet  # noqa: E402
 
-from partitioner import partition
-from partitioner.branches import stage_producers
-from cost_model import default_cost_model
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.planner import plan_pipeline
-from partitioner.simulator import simulate
-from partitioner.trace import trace
-from runtime.schedule import dag_gpipe, dag_levels
-
-
-def timed(step, steps: int) -> float:  # type: ignore[no-untyped-def]
-    step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
+from cost_model import default_cost_model  # noqa: E402
+from partitioner import partition  # noqa: E402
+from partitioner.branches import stage_producers  # noqa: E402
+from partitioner.graph import build_graph, compute_nodes  # noqa: E402
+from partitioner.planner import plan_pipeline  # noqa: E402
+from partitioner.simulator import simulate  # noqa: E402
+from partitioner.trace import trace  # noqa: E402
+from rank_timing import timed  # noqa: E402
+from runtime.schedule import dag_gpipe, dag_levels  # noqa: E402
 
 
 def predicted_ms(model: nn.Module, x: torch.Tensor, plan=None) -> float:  # type: ignore[no-untyped-def]
@@ -79,7 +69,7 @@ def main() -> None:
         if rank == 0:
             F.cross_entropy(single(x), y).backward()
 
-    t_single = timed(single_step, args.steps)
+    t_single = timed(single_step, args.steps, warmup=1)
 
     model = copy.deepcopy(base)
     pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=args.micro_batches, placement="branches")
@@ -87,7 +77,7 @@ def main() -> None:
     def branch_step() -> None:
         pipe.train_step(x, y, F.cross_entropy)
 
-    t_branch = timed(branch_step, args.steps)
+    t_branch = timed(branch_step, args.steps, warmup=1)
     if rank == 0:
         p_single = predicted_ms(base, x)
         p_branch = predicted_ms(base, x, pipe.plan)

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,22 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import GPT, GPTConfig  # noqa: E402
 
 from partitioner import partition  # noqa: E402
+from rank_timing import timed  # noqa: E402
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def timed(step: Callable[[], None], steps: int, warmup: int = 2) -> float:
-    """Seconds per step, measured on every rank between barriers."""
-    for _ in range(warmup):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
+from runtime.plan import human_bytes
 
 __all__ = ["main"]
 
@@ -198,12 +199,6 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
     return plan, example
 
 
-def _human(n: float) -> str:
-    from partitioner.visual_layout import human_bytes
-
-    return human_bytes(n)
-
-
 def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
     """The plan as a rich table `width` characters wide at most: one row per stage, the bottleneck in red."""
     header = ("stage", "device", "nodes", "first .. last node", "compute ms", "comm ms", "total ms", "params",
@@ -212,7 +207,7 @@ def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
         (
             str(s.index), s.device, str(len(s.nodes)), f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-",
             f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.predicted_ms:.3f}",
-            _human(s.param_bytes), _human(s.activation_bytes), _human(s.send_bytes),
+            human_bytes(s.param_bytes), human_bytes(s.activation_bytes), human_bytes(s.send_bytes),
         )
         for s in plan.stages
     ]
@@ -303,8 +298,8 @@ def _profile(args: argparse.Namespace, out: Console, err: Console) -> int:
         f, t = fwd.get(name, 0.0), total.get(name, 0.0)
         table.add_row(
             str(a["position"]), name, kinds.get(name, str(a["target"])), a["module"] or "-",
-            " ".join(str(list(s)) for s in a["shapes"]) or "-", f"{a['flops']:,}", _human(a["out_bytes"]),
-            _human(a["param_bytes"]), f"{f * 1e3:.4f}", f"{(t - f) * 1e3:.4f}", f"{t / whole:.1%}",
+            " ".join(str(list(s)) for s in a["shapes"]) or "-", f"{a['flops']:,}", human_bytes(a["out_bytes"]),
+            human_bytes(a["param_bytes"]), f"{f * 1e3:.4f}", f"{(t - f) * 1e3:.4f}", f"{t / whole:.1%}",
         )  # fmt: skip
     out.print(table)
     more = f" ({len(rows) - len(shown)} more rows: --top 0 shows all)" if len(shown) < len(rows) else ""

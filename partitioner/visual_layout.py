@@ -204,12 +204,3 @@ def choose_depth(graph: Mapping[str, Any], stages: int, limit: int = 24) -> int:
         if len(collapse(graph, depth, stages)[0]) <= limit:
             best = depth
     return best
-
-
-def human_bytes(nbytes: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"

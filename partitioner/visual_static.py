@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from partitioner.visual_layout import Edge, Group, choose_depth, collapse, human_bytes, layout
+from partitioner.visual_layout import Edge, Group, choose_depth, collapse, layout
+from runtime.plan import human_bytes
 
 __all__: list[str] = []
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Plan", "StagePlan"]
+__all__ = ["Plan", "StagePlan", "human_bytes"]
 
 
 @dataclass
@@ -79,8 +79,8 @@ class Plan:
                 f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-",
                 f"{s.predicted_ms:.3f}",
                 f"{s.comm_ms:.3f}",
-                _human(s.param_bytes),
-                _human(s.activation_bytes),
+                human_bytes(s.param_bytes),
+                human_bytes(s.activation_bytes),
             )
             for s in self.stages
         ]
@@ -98,9 +98,10 @@ class Plan:
         return self.summary()
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
+def human_bytes(nbytes: float) -> str:
+    """1536 -> '1.5 KiB' (the unit of the plan table and the pictures)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} GiB"

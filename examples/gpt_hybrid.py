@@ -71,7 +71,7 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         if step > 1:
             x, y = batch(cfg, args.batch, generator)
-        pipe.trace.clear()
+        pipe.tracing = step == args.steps  # record the last step, for the picture
         optimizer.zero_grad()
         loss = pipe.train_step(x, y, loss_fn)
         optimizer.step()

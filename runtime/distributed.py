@@ -121,7 +121,7 @@ class DistributedPipeline(nn.Module):
         self.messenger = Messenger(self.device, len(plan.stages), plan.micro_batches, timeout_s, self.describe_rank)
         readers = tensor_stages(gm, plan.stage_of())
         self._groups = self._make_groups(model, readers)
-        self.tracing = True
+        self.tracing = False  # set True to record `trace` (see `gather_trace`); off, it cannot grow
         self.trace: list[dict[str, Any]] = []
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:

@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-__all__ = ["Plan", "StagePlan", "human_bytes"]
+from runtime.program import Op, Program
+
+__all__ = ["Placement", "Plan", "Schedule", "StagePlan", "human_bytes"]
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Placement = Literal["pipeline", "branches", "hybrid"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
 @dataclass
 class StagePlan:
-    """One pipeline stage: a contiguous run of graph nodes (topological order) on one device."""
+    """One pipeline stage: a run of graph nodes (topological order) on one device.
+
+    `ranks` are the programs running a replica of the stage each: process ranks under
+    torchrun, worker slots in one process (micro-batch i runs on ranks[i % len(ranks)]).
+    `reads_from` are the stages whose values it reads (a chain: the one before it).
+    """
 
     index: int
     device: str
@@ -25,11 +37,19 @@ class StagePlan:
     forward_ms: float = 0.0  # compute_ms split into its forward and backward parts
     backward_ms: float = 0.0
     comm_ms: float = 0.0
+    allreduce_ms: float = 0.0  # the gradient all-reduce over the replicas, once per step
     param_bytes: int = 0
     activation_bytes: int = 0  # activations held for backward across all micro-batches in flight
+    memory_bytes: int = 0  # predicted peak on each device of the stage (0: not predicted)
+    capacity_bytes: int | None = None  # usable bytes of that device, where the planner knew them
     recv_bytes: int = 0  # per micro-batch, forward direction
     send_bytes: int = 0
-    ranks: list[int] = field(default_factory=list)  # processes running a replica each (multi-process runs)
+    ranks: list[int] = field(default_factory=list)
+    reads_from: list[int] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        return max(1, len(self.ranks))
 
 
 @dataclass
@@ -38,9 +58,14 @@ class Plan:
 
     stages: list[StagePlan]
     micro_batches: int = 1
-    schedule: str = "gpipe"
+    schedule: Schedule = "gpipe"
     predicted_step_ms: float = 0.0
-    notes: dict[str, Any] = field(default_factory=dict)
+    placement: Placement = "pipeline"
+    virtual_stages: int = 1  # interleaved: stages per rank
+    # What each rank (worker) runs in one training step, with predicted times: see runtime.program.
+    programs: list[Program] = field(default_factory=list)
+    # Predicted step ms of the candidates an "auto" choice compared, by name ({} when none).
+    alternatives: dict[str, float] = field(default_factory=dict)
     # The model graph for drawing, as plain node-link data (JSON-ready), or None:
     # {"nodes": [{name, op, module, stage, shapes, out_bytes, param_bytes, flops, time}, ...],
     #  "edges": [{src, dst, bytes}, ...], "capacity": {device: bytes or None}};
@@ -59,14 +84,49 @@ class Plan:
         """Node name -> stage index."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
+    @property
+    def ranks(self) -> int:
+        """How many programs (processes under torchrun, workers in one process) the plan runs on."""
+        return len(self.programs) or 1 + max((r for s in self.stages for r in s.ranks), default=len(self.stages) - 1)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        data["programs"] = [
+            {"rank": p.rank, "device": p.device, "ops": [str(op) for op in p.ops], "predicted": p.predicted}
+            for p in self.programs
+        ]
+        return json.dumps(data, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
+        """Read `to_json` output back (a hand-edited file too); unknown keys are an error."""
         data = json.loads(text)
+        data.pop("notes", None)  # written by 0.1; its facts are typed fields now
         stages = [StagePlan(**s) for s in data.pop("stages")]
-        return cls(stages=stages, **data)
+        programs = [
+            Program(p["rank"], p["device"], [Op.parse(o) for o in p["ops"]], [tuple(x) for x in p.get("predicted", [])])
+            for p in data.pop("programs", [])
+        ]
+        plan = cls(stages=stages, programs=programs, **data)
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Raise ValueError naming every field that holds a value the runtime cannot run."""
+        problems = []
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.placement not in PLACEMENTS:
+            problems.append(f"placement={self.placement!r}; use one of {', '.join(PLACEMENTS)}")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            problems.append(f"micro_batches={self.micro_batches!r}; use an integer >= 1")
+        for k, s in enumerate(self.stages):
+            if s.index != k:
+                problems.append(f"stages[{k}].index is {s.index}; number stages 0, 1, 2, ... in order")
+            if any(p >= k or p < 0 for p in s.reads_from):
+                problems.append(f"stage {k} reads from stages {s.reads_from}; a stage reads only earlier stages")
+        if problems:
+            raise ValueError("invalid plan:\n" + "\n".join(f"- {p}" for p in problems))
 
     def summary(self) -> str:
         """The plan as a fixed-width table, one row per stage."""
@@ -89,7 +149,7 @@ class Plan:
         out = [line.format(*header), line.format(*("-" * w for w in widths))]
         out += [line.format(*r) for r in rows]
         out.append(
-            f"{len(self.stages)} stages, {self.micro_batches} micro-batches, schedule {self.schedule}; "
+            f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, schedule {self.schedule}; "
             f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
         )
         return "\n".join(out)

@@ -15,6 +15,7 @@ __all__ = [
     "interleaved_one_f_one_b",
     "one_f_one_b",
     "parse_schedule",
+    "rank_schedule",
 ]
 
 
@@ -30,7 +31,7 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         for kind in ("F", "B"):
             stage, sep, mb = text.partition(kind)
             if sep:
@@ -202,4 +203,52 @@ def parse_schedule(text: str) -> list[list[Action]]:
                 )
             line = rest
         lists.append([Action.parse(token) for token in line.split()])
+    return lists
+
+
+def rank_schedule(
+    schedule: str,
+    micro_batches: int,
+    stage_ranks: Sequence[Sequence[int]],
+    producers: Sequence[Sequence[int]],
+) -> list[list[Action]]:
+    """Each rank's forward and backward actions, in order, for the named schedule.
+
+    The one place a schedule name becomes action lists: a new schedule is a generator above
+    and a branch here. `stage_ranks[s]` are the ranks of stage s's replicas (micro-batch i on
+    replica i mod r); `producers[s]` the stages s reads.
+
+    Raises:
+        ValueError: the schedule cannot run this layout (the message says what can).
+    """
+    p = len(stage_ranks)
+    _check_counts(micro_batches, p)
+    world = 1 + max(r for ranks in stage_ranks for r in ranks)
+    levels = dag_levels(producers)
+    single = all(len(ranks) == 1 for ranks in stage_ranks)
+    if schedule == "interleaved":
+        if not single or any(ranks[0] != s % world for s, ranks in enumerate(stage_ranks)) or p % world:
+            raise ValueError(
+                f"interleaved runs a chain of stages round robin over the ranks (stage s on rank s % {world}), one "
+                f"replica each; got stage ranks {[list(r) for r in stage_ranks]}"
+            )
+        return interleaved_one_f_one_b(micro_batches, world, p // world)
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
+    # 1F1B's per-stage order is built for a chain; stages numbered in topological order that
+    # depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
+    if schedule == "gpipe" and single:
+        return dag_gpipe(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
+    per_stage = one_f_one_b(micro_batches, p) if schedule == "1f1b" else dag_gpipe(micro_batches, levels, list(range(p)))
+    lists: list[list[Action]] = [[] for _ in range(world)]
+    owner: dict[int, int] = {}
+    for s, actions in enumerate(per_stage):
+        for a in actions:
+            r = stage_ranks[s][a.microbatch % len(stage_ranks[s])]
+            if owner.setdefault(r, s) != s:
+                raise ValueError(
+                    f"rank {r} runs stages {owner[r]} and {s} under {schedule!r}; give each rank one stage "
+                    "(or use 'interleaved' for several stages per rank)"
+                )
+            lists[r].append(a)
     return lists

@@ -1,8 +1,13 @@
-"""The Plan is plain data: JSON round trip and a readable table."""
+"""The Plan is plain data: typed fields and programs through JSON, a readable table, clear errors."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from runtime.plan import Plan, StagePlan
+from runtime.program import plan_programs
 
 
 def make() -> Plan:
@@ -28,4 +33,33 @@ def test_summary_table() -> None:
     assert lines[0].split()[:3] == ["stage", "device", "nodes"]
     assert lines[2].split()[:3] == ["0", "cuda:0", "2"] and "3.0 MiB" in lines[2]
     assert "1.5 KiB" in lines[3]
-    assert "2 stages, 4 micro-batches" in lines[-1] and "bottleneck 3.000 ms" in lines[-1]
+    assert "2 stages (pipeline), 4 micro-batches" in lines[-1] and "bottleneck 3.000 ms" in lines[-1]
+
+
+def test_typed_fields_and_programs_round_trip() -> None:
+    plan = make()
+    plan.placement, plan.schedule, plan.alternatives = "branches", "1f1b", {"pipeline": 20.0, "branches": 15.0}
+    plan.stages[0].ranks, plan.stages[1].ranks, plan.stages[1].reads_from = [0, 1], [2], [0]
+    plan.stages[0].allreduce_ms, plan.stages[0].memory_bytes, plan.stages[0].capacity_bytes = 1.5, 4096, 1 << 20
+    plan.programs = plan_programs(plan, [([0, 1], [0])])
+    plan.programs[2].predicted = [(0.5 * k, 0.5 * k + 0.25) for k in range(len(plan.programs[2].ops))]
+    text = plan.to_json()
+    loaded = Plan.from_json(text)
+    assert loaded == plan and loaded.ranks == 3 and loaded.stages[0].replicas == 2
+    assert json.loads(text)["programs"][0]["ops"][-2:] == ["AR r0,1 t9", "STEP"]  # readable as text
+
+
+def test_old_files_load_and_bad_fields_are_named() -> None:
+    old = json.dumps({"stages": [{"index": 0, "device": "cpu", "nodes": ["a"]}], "micro_batches": 2,
+                      "schedule": "gpipe", "predicted_step_ms": 1.0, "notes": {"placement": "pipeline"}})  # fmt: skip
+    assert Plan.from_json(old) == Plan([StagePlan(0, "cpu", ["a"])], micro_batches=2, predicted_step_ms=1.0)
+    bad = json.loads(make().to_json())
+    bad["schedule"], bad["micro_batches"], bad["stages"][1]["reads_from"] = "zigzag", 0, [1]
+    with pytest.raises(ValueError) as error:
+        Plan.from_json(json.dumps(bad))
+    assert str(error.value).splitlines() == [
+        "invalid plan:",
+        "- schedule='zigzag'; use one of gpipe, 1f1b, interleaved",
+        "- micro_batches=0; use an integer >= 1",
+        "- stage 1 reads from stages [1]; a stage reads only earlier stages",
+    ]

@@ -1,0 +1,279 @@
+"""Per-rank programs: a schedule's compute actions lowered to everything a rank does in a step.
+
+A schedule (runtime.schedule) says which forwards and backwards each rank runs, in order.
+`lower` turns it into each rank's whole step: compute, the sends and receives that connect
+stages on different ranks, gradient all-reduces, and the end of the step. The same programs
+are run by the interpreter (runtime.interpreter), priced by the simulator and drawn by the
+visualizer, so what is drawn is what runs.
+
+[Note: one agreed order]
+NCCL pairs the point-to-point operations of two ranks in posting order, in both directions
+on one stream, and ignores tags. `lower` therefore replays the schedule in lock-step ticks
+(every rank whose next action has its inputs runs it) and gives each transfer the tick of
+the action that produced it. After its compute of tick t, a rank posts one batch with every
+send and receive of tick t, sorted by one key on both sides:
+
+    tick:    0           1                 2
+    rank 0:  F s0 mb0 |  F s0 mb1        |  ...
+             SEND s0->s1 mb0 r1 t0   SEND s0->s1 mb1 r1 t1
+    rank 1:           |  F s1 mb0        |  F s1 mb1
+             RECV s0->s1 mb0 r0 t0   RECV s0->s1 mb1 r0 t1
+
+Batch t only waits for work of ticks below t, so by induction every batch completes: no
+rank pair can wait on each other, whatever NCCL serializes. All-reduces of a group of ranks
+come after the tick of the group's last backward, in one global order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+
+from runtime.schedule import Action, rank_schedule
+
+if TYPE_CHECKING:
+    from runtime.plan import Plan
+
+__all__ = ["Op", "OpKind", "Program", "format_program", "lower", "parse_program", "plan_programs"]
+
+OpKind = Literal["F", "B", "W", "SEND", "RECV", "AR", "STEP"]
+_COMPUTE = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One thing a rank does in a step; prints as text (see `Op.parse`).
+
+    F/B/W: compute of `stage` on `microbatch` (W: the weight-gradient part of a split backward).
+    SEND/RECV: the values `src` sends `dst` for `microbatch` (activations when src < dst,
+    gradients when src > dst), to or from rank `peer`. AR: all-reduce of the gradients of the
+    weights held by exactly `group`. STEP: the end of the step. `tick` orders batches.
+    """
+
+    kind: OpKind
+    stage: int = -1
+    microbatch: int = -1
+    src: int = -1
+    dst: int = -1
+    peer: int = -1
+    tick: int = -1
+    group: tuple[int, ...] = ()
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in _COMPUTE
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in ("SEND", "RECV")
+
+    @property
+    def gradient(self) -> bool:
+        """A SEND/RECV of gradients (backward direction)."""
+        return self.src > self.dst
+
+    def key(self) -> tuple[int, int, int]:
+        """(src, dst, microbatch): the message a SEND/RECV moves; both sides sort a batch by it."""
+        return (self.src, self.dst, self.microbatch)
+
+    def __str__(self) -> str:
+        if self.is_compute:
+            return f"{self.kind} s{self.stage} mb{self.microbatch} t{self.tick}"
+        if self.is_p2p:
+            return f"{self.kind} s{self.src}->s{self.dst} mb{self.microbatch} r{self.peer} t{self.tick}"
+        if self.kind == "AR":
+            return f"AR r{','.join(map(str, self.group))} t{self.tick}"
+        return "STEP"
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        """Read `str(op)` back: 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9', 'STEP'."""
+        words = text.split()
+        if words == ["STEP"]:
+            return cls("STEP")
+        match = _PATTERNS.get(words[0] if words else "", (None,))[0]
+        found = match.fullmatch(" ".join(words)) if match else None
+        if found is None:
+            raise ValueError(
+                f"cannot parse op {text!r}; expected e.g. 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9' or 'STEP'"
+            )
+        kind = words[0]
+        g = found.groupdict()
+        if kind in _COMPUTE:
+            return cls(kind, stage=int(g["stage"]), microbatch=int(g["mb"]), tick=int(g["tick"]))  # type: ignore[arg-type]
+        if kind == "AR":
+            return cls("AR", group=tuple(int(r) for r in g["group"].split(",")), tick=int(g["tick"]))
+        return cls(kind, microbatch=int(g["mb"]), src=int(g["src"]), dst=int(g["dst"]),  # type: ignore[arg-type]
+                   peer=int(g["peer"]), tick=int(g["tick"]))
+
+
+_COMPUTE_RE = re.compile(r"[FBW] s(?P<stage>\d+) mb(?P<mb>\d+) t(?P<tick>\d+)")
+_P2P_RE = re.compile(r"(SEND|RECV) s(?P<src>\d+)->s(?P<dst>\d+) mb(?P<mb>\d+) r(?P<peer>\d+) t(?P<tick>\d+)")
+_AR_RE = re.compile(r"AR r(?P<group>\d+(,\d+)*) t(?P<tick>\d+)")
+_PATTERNS = {"F": (_COMPUTE_RE,), "B": (_COMPUTE_RE,), "W": (_COMPUTE_RE,), "SEND": (_P2P_RE,), "RECV": (_P2P_RE,),
+             "AR": (_AR_RE,)}
+
+
+@dataclass
+class Program:
+    """Everything one rank (or, in one process, one worker) does in a step, in order.
+
+    `predicted` holds the simulator's (start, end) in ms for each op, or is empty.
+    """
+
+    rank: int
+    device: str
+    ops: list[Op]
+    predicted: list[tuple[float, float]] = field(default_factory=list)
+
+    def text(self) -> str:
+        return format_program(self.ops)
+
+    def compute(self) -> list[Action]:
+        """The schedule's actions of this rank (F and B, W folded into nothing), in order."""
+        return [Action(op.stage, op.kind, op.microbatch) for op in self.ops if op.kind in ("F", "B")]  # type: ignore[arg-type]
+
+
+def format_program(ops: Sequence[Op]) -> str:
+    """One op per line; `parse_program` reads it back."""
+    return "\n".join(str(op) for op in ops)
+
+
+def parse_program(text: str) -> list[Op]:
+    """Ops from `format_program` text ('#' starts a comment, blank lines are skipped)."""
+    return [Op.parse(line) for raw in text.splitlines() if (line := raw.split("#", 1)[0].strip())]
+
+
+def _deps(a: Action, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]]) -> list[Action]:
+    """What `a` waits for: a forward, its producers' forwards; a backward, its forward and consumers' backwards."""
+    if a.kind == "F":
+        return [Action(p, "F", a.microbatch) for p in producers[a.stage]]
+    return [Action(a.stage, "F", a.microbatch)] + [Action(c, "B", a.microbatch) for c in consumers[a.stage]]
+
+
+def lower(
+    schedule: Sequence[Sequence[Action]],
+    producers: Sequence[Sequence[int]],
+    stage_ranks: Sequence[Sequence[int]],
+    devices: Sequence[str],
+    groups: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+    *,
+    forward_only: bool = False,
+) -> list[Program]:
+    """Each rank's program for one step of `schedule` (see [Note: one agreed order]).
+
+    Args:
+        schedule: per rank, its forward and backward actions in order (`schedule[r]`).
+        producers: for each stage, the stages whose values it reads.
+        stage_ranks: for each stage, the ranks of its replicas; micro-batch i runs on
+            replica i mod r.
+        devices: the device of each rank.
+        groups: (ranks, stages) of each set of weights held by several ranks: their
+            gradients are all-reduced over `ranks` after the last backward of `stages`.
+        forward_only: drop backwards, gradient messages and all-reduces (inference).
+
+    Raises:
+        ValueError: an action on a rank that does not run its stage's micro-batch, or a
+            schedule whose lists wait on each other forever (named, with what each waits on).
+    """
+    stages = len(producers)
+    consumers: list[list[int]] = [[] for _ in range(stages)]
+    for s, ps in enumerate(producers):
+        for p in ps:
+            consumers[p].append(s)
+    lists = [[a for a in actions if not (forward_only and a.kind == "B")] for actions in schedule]
+
+    def rank_of(stage: int, mb: int) -> int:
+        ranks = stage_ranks[stage]
+        return ranks[mb % len(ranks)]
+
+    for r, actions in enumerate(lists):
+        for a in actions:
+            if rank_of(a.stage, a.microbatch) != r:
+                raise ValueError(f"rank {r}'s schedule runs {a}, but stage {a.stage} runs micro-batch {a.microbatch} "
+                                 f"on rank {rank_of(a.stage, a.microbatch)}")
+    tick_of: dict[Action, int] = {}
+    pointer = [0] * len(lists)
+    total = sum(len(actions) for actions in lists)
+    tick = 0
+    while len(tick_of) < total:
+        ready = [
+            r for r, actions in enumerate(lists)
+            if pointer[r] < len(actions)
+            and all(d in tick_of for d in _deps(actions[pointer[r]], producers, consumers)
+                    if not (forward_only and d.kind == "B"))
+        ]
+        if not ready:
+            waiting = "; ".join(
+                f"rank {r} at {lists[r][pointer[r]]}" for r in range(len(lists)) if pointer[r] < len(lists[r])
+            )
+            raise ValueError(f"the schedule deadlocks: no rank can run its next action ({waiting})")
+        for r in ready:
+            tick_of[lists[r][pointer[r]]] = tick
+            pointer[r] += 1
+        tick += 1
+
+    batches: dict[tuple[int, int], list[Op]] = {}  # (rank, tick) -> its sends and receives
+    for a, t in tick_of.items():
+        src_rank = rank_of(a.stage, a.microbatch)
+        targets = consumers[a.stage] if a.kind == "F" else producers[a.stage]
+        for other in targets:
+            dst_rank = rank_of(other, a.microbatch)
+            if dst_rank == src_rank:
+                continue
+            batches.setdefault((src_rank, t), []).append(Op("SEND", microbatch=a.microbatch, src=a.stage, dst=other,
+                                                            peer=dst_rank, tick=t))
+            batches.setdefault((dst_rank, t), []).append(Op("RECV", microbatch=a.microbatch, src=a.stage, dst=other,
+                                                            peer=src_rank, tick=t))
+    reduce_after: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # tick -> (group ranks)
+    if not forward_only:
+        for ranks, group_stages in groups:
+            members = tuple(sorted(set(ranks)))
+            if len(members) < 2:
+                continue
+            last = max((t for a, t in tick_of.items() if a.kind == "B" and a.stage in group_stages), default=tick - 1)
+            reduce_after.setdefault(last, []).append(members)
+
+    programs: list[Program] = []
+    for r, actions in enumerate(lists):
+        ops: list[Op] = []
+        by_tick = {tick_of[a]: a for a in actions}
+        for t in range(tick):
+            a = by_tick.get(t)
+            if a is not None:
+                ops.append(Op(a.kind, stage=a.stage, microbatch=a.microbatch, tick=t))
+            ops += sorted(batches.get((r, t), []), key=lambda op: (op.key(), op.kind))
+            for members in sorted(reduce_after.get(t, [])):
+                if r in members:
+                    ops.append(Op("AR", group=members, tick=t))
+        ops.append(Op("STEP"))
+        programs.append(Program(rank=r, device=devices[r], ops=ops))
+    return programs
+
+
+def plan_programs(
+    plan: "Plan",
+    groups: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+    *,
+    forward_only: bool = False,
+    devices: Mapping[int, str] | None = None,
+) -> list[Program]:
+    """The programs of `plan`: its schedule's action lists (runtime.schedule.rank_schedule), lowered.
+
+    Stage s runs on `plan.stages[s].ranks` (default: rank s) and reads `reads_from`. `groups`
+    are (ranks, stages) of weights held by several ranks. Every rank up to the highest in
+    `devices` or the stages gets a program; one that runs no stage (an unused device slot)
+    only STEP. A rank's device is `devices[rank]`, else that of its first stage.
+    """
+    stage_ranks = [list(s.ranks) or [s.index] for s in plan.stages]
+    producers = [list(s.reads_from) for s in plan.stages]
+    names: dict[int, str] = dict(devices or {})
+    for s, ranks in zip(plan.stages, stage_ranks):
+        for r in ranks:
+            names.setdefault(r, s.device)
+    world = 1 + max(names)
+    lists = rank_schedule(plan.schedule, plan.micro_batches, stage_ranks, producers)
+    lists += [[] for _ in range(world - len(lists))]
+    return lower(lists, producers, stage_ranks, [names.get(r, "cpu") for r in range(world)], groups,
+                 forward_only=forward_only)

@@ -5,8 +5,7 @@ from __future__ import annotations
 __all__ = ["PartitionError", "TraceError"]
 
 
-class PartitionError(ValueError):
-    """The model, devices or options cannot be partitioned as asked; the message says how to fix it."""
+from runtime.errors import PartitionError  # defined there so the runtime raises it too
 
 
 class TraceError(PartitionError):

@@ -1,13 +1,12 @@
-"""One pipeline rank under torch.distributed: its stages, its share of the schedule, its gradients.
+"""One pipeline rank under torch.distributed: its stages, its program, its gradients.
 
-Every rank holds the stages the plan gives it and runs its action list (GPipe, 1F1B or
-interleaved 1F1B); replicas of a stage take micro-batches in turn (micro-batch i goes to
-replica i mod r). Stage boundaries are detached: a forward sends its outputs to the ranks
-that read them, a backward receives their gradients, runs autograd locally and sends the
-gradients of its own inputs back.
+Every rank holds the stages the plan gives it and runs its program (runtime.program) with
+the one execution core (runtime.interpreter) over the peer-to-peer transport: forwards send
+outputs to the ranks that read them, backwards send gradients back, all in the order every
+pair of ranks agreed on, so the same code is safe on gloo and NCCL.
 
-    rank 0 (stage 0): F0 F1 . . B0 B1        -> activations ->
-    rank 1 (stage 1):    F0 F1 B0 B1         <- gradients  <-
+    rank 0 (stage 0): F0 SEND F1 SEND . RECV B0 RECV B1 AR STEP   -> activations ->
+    rank 1 (stage 1): RECV F0 B0 SEND RECV F1 B1 SEND STEP        <- gradients  <-
 
 A weight held by several ranks (replicas of a stage, or a tied weight read by two stages)
 has its gradient summed over exactly the ranks holding it, so every copy takes the same
@@ -16,63 +15,59 @@ update and the sum equals single-process full-batch training.
 
 from __future__ import annotations
 
+import atexit
+import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from runtime import checkpoint
-from runtime.microbatch import graph_output, scatter, to_device
-from runtime.p2p import Messenger
+from runtime.comm import Comm, TorchComm
+from runtime.interpreter import Interpreter, Routes
 from runtime.plan import Plan
-from runtime.schedule import Action
+from runtime.errors import PartitionError
+from runtime.pipeline import StageGraph
+from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
+from runtime.steps import train_step_inputs, transaction, write_back
+from runtime.transport_p2p import P2PTransport
 
-__all__ = ["DistributedPipeline"]
+__all__ = ["DistributedPipeline", "NCCL_RULES_ENV"]
 
 _BUCKET_BYTES = 25 << 20
-FORWARD, BACKWARD = 0, 1
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _leaves(tree: Any) -> list[Any]:
-    return pytree.tree_flatten(tree, is_leaf=_is_none)[0]
+NCCL_RULES_ENV = "PARTITIONER_NCCL_RULES"  # "1": run messages through runtime.nccl_rules (tests on gloo)
 
 
 class _GradGroup:
     """Weights held by the same set of ranks, all-reduced together in buckets."""
 
-    def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], stages: set[int]) -> None:
+    def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], handle: Any) -> None:
         self.ranks = ranks
         self.params = params
-        self.stages = stages  # local stages reading these weights
-        self.group: Any = None
+        self.group = handle
         self.pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
 
-    def start(self) -> None:
+    def start(self, comm: Comm) -> None:
         bucket: list[nn.Parameter] = []
         size = 0
-        for p in self.params + [None]:  # type: ignore[list-item]
+        for p in [*self.params, None]:
             if p is None or (bucket and size + p.numel() * p.element_size() > _BUCKET_BYTES):
                 if bucket:
                     flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in bucket])
-                    self.pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
+                    self.pending.append((comm.all_reduce(flat, self.group), flat, bucket))
                 bucket, size = [], 0
             if p is not None:
                 bucket.append(p)
                 size += p.numel() * p.element_size()
 
-    def finish(self) -> None:
+    def finish(self, wait: Callable[[Any], None]) -> None:
         pending, self.pending = self.pending, []
         for work, flat, bucket in pending:
-            work.wait()
+            wait(work)
             offset = 0
             for q in bucket:
                 part = flat[offset : offset + q.numel()].view_as(q)
@@ -93,36 +88,59 @@ class DistributedPipeline(nn.Module):
         plan: Plan,
         stages: list[Stage],
         io: list[tuple[list[str], list[str]]],
-        schedule: Sequence[Sequence[Action]],
         flatten_inputs: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
         unflatten_outputs: Callable[[Any], Any],
         input_names: list[str],
         constants: Mapping[str, Any],
         timeout_s: float,
+        groups: Sequence[tuple[tuple[int, ...], list[int]]] = (),
+        mutated_inputs: Sequence[str] = (),
+        other_mode: StageGraph | None = None,
+        other_mode_error: str | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.rank = dist.get_rank()
-        self.stage_modules = nn.ModuleList([s.module for s in stages])
+        extra = other_mode.stages if other_mode is not None else []
+        self.stage_modules = nn.ModuleList([s.module for s in stages + extra])
         self._model = [model]
         self._stages = {s.index: s for s in stages}
         self._flatten = flatten_inputs
-        self._unflatten = unflatten_outputs
         self._input_names = input_names
-        self._constants = dict(constants)
-        self._output_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self._mutated = list(mutated_inputs)
         self._last = len(plan.stages) - 1
         self.device = stages[0].device
-        self._route(io)
-        self._actions = [
-            a for actions in schedule for a in actions
-            if a.stage in self._stages and self.rank_of(a.stage, a.microbatch) == self.rank
-        ]
-        self.messenger = Messenger(self.device, len(plan.stages), plan.micro_batches, timeout_s, self.describe_rank)
+        if not plan.programs:
+            plan.programs = plan_programs(plan, groups)
+        if len(plan.programs) != dist.get_world_size():
+            raise ValueError(f"the plan has programs for {len(plan.programs)} ranks but the job has {dist.get_world_size()}")
+        self._program = plan.programs[self.rank].ops
         readers = tensor_stages(gm, plan.stage_of())
         self._groups = self._make_groups(model, readers)
-        self.tracing = False  # set True to record `trace` (see `gather_trace`); off, it cannot grow
-        self.trace: list[dict[str, Any]] = []
+        reduced = {op.group for op in self._program if op.kind == "AR"}
+        missing = [g.ranks for g in self._groups if g.ranks not in reduced]
+        if missing:
+            raise ValueError(
+                f"rank {self.rank} holds weights shared with ranks {missing}, but its program never all-reduces them; "
+                "re-plan, or regenerate the plan's programs (plan.programs = []) so they include those all-reduces"
+            )
+        comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.comm = _make_comm(timeout_s)
+        self.transport = P2PTransport(self.comm, comm_device, dist.new_group(backend="gloo"), timeout_s, self.describe_rank)
+        output_node = next(n for n in gm.graph.nodes if n.op == "output")
+        graphs = {model.training: StageGraph(stages, output_node, constants, plan, io)}
+        if other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
+            graphs[not model.training] = other_mode
+            if not other_mode.plan.programs:
+                other_mode.plan.programs = plan_programs(other_mode.plan, groups)
+        self._modes = {
+            training: (Interpreter(g.stages, g.routes(), self.transport, self.rank_of, self.rank, g.output_node, g.constants, unflatten_outputs,
+                                   reduce=self._start_reduce), g.plan.programs[self.rank].ops)
+            for training, g in graphs.items()
+        }
+        self._traced_mode = model.training
+        self._other_mode_error = other_mode_error
+        self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:
             everything = list(model.parameters()) + list(model.buffers())
@@ -137,6 +155,36 @@ class DistributedPipeline(nn.Module):
     @property
     def stages(self) -> list[Stage]:
         return list(self._stages.values())
+
+    @property
+    def interpreter(self) -> Interpreter:
+        """The interpreter of the model's mode now (see StageGraph)."""
+        return self._mode()[0]
+
+    def _mode(self) -> tuple[Interpreter, list[Op]]:
+        mode = self._modes.get(self.model.training)
+        if mode is not None:
+            return mode
+        if self._other_mode_error is not None:
+            raise PartitionError(
+                f"the model is in {'training' if self.model.training else 'eval'} mode, but its forward could not be "
+                f"traced in that mode ({self._other_mode_error}); partition the model in the mode you run it in"
+            )
+        return self._modes[self._traced_mode]
+
+    @property
+    def tracing(self) -> bool:
+        """While True, this rank records each op's start and end (see `gather_trace`); off, nothing grows."""
+        return any(i.tracing for i, _ in self._modes.values())
+
+    @tracing.setter
+    def tracing(self, on: bool) -> None:
+        for interpreter, _ in self._modes.values():
+            interpreter.tracing = on
+
+    @property
+    def trace(self) -> list[dict[str, Any]]:
+        return [e for interpreter, _ in self._modes.values() for e in interpreter.trace]
 
     def held_tensor_ids(self) -> set[int]:
         """Weights this rank holds: those its stages read, and (rank 0) those no stage reads."""
@@ -158,30 +206,15 @@ class DistributedPipeline(nn.Module):
         stages = [s.index for s in self.plan.stages if rank in s.ranks]
         return f"rank {rank} (stage {', '.join(map(str, stages))})"
 
-    def _route(self, io: list[tuple[list[str], list[str]]]) -> None:
-        producer = {name: s for s, (_, outs) in enumerate(io) for name in outs}
-        out_names: list[str] = []
-        torch.fx.node.map_arg(self._output_node.args[0], lambda n: out_names.append(n.name) or n)
-        needs = [list(ins) for ins, _ in io]
-        needs[self._last] += [n for n in out_names if producer.get(n, self._last) != self._last and n not in needs[self._last]]
-        # from_stage[s][t]: names stage s reads from stage t; to_stage[t][s]: the same, seen by t.
-        self._from: list[dict[int, list[str]]] = [{} for _ in io]
-        self._to: list[dict[int, list[str]]] = [{} for _ in io]
-        for s, names in enumerate(needs):
-            for name in names:
-                if name in producer:
-                    self._from[s].setdefault(producer[name], []).append(name)
-                    self._to[producer[name]].setdefault(s, []).append(name)
-
     def _make_groups(self, model: nn.Module, readers: dict[int, tuple[torch.Tensor, list[int]]]) -> list[_GradGroup]:
         names = {id(p): n for n, p in model.named_parameters()}
-        by_ranks: dict[tuple[int, ...], list[tuple[str, nn.Parameter, list[int]]]] = {}
+        by_ranks: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]] = {}
         for t, stages in readers.values():
             if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in names:
                 ranks = tuple(sorted({r for s in stages for r in self.plan.stages[s].ranks}))
-                by_ranks.setdefault(ranks, []).append((names[id(t)], t, stages))
+                by_ranks.setdefault(ranks, []).append((names[id(t)], t))
         last_ranks = tuple(sorted(self.plan.stages[self._last].ranks))
-        all_sets = sorted(set(k for k in by_ranks if len(k) > 1) | ({last_ranks} if len(last_ranks) > 1 else set()))
+        all_sets = sorted({k for k in by_ranks if len(k) > 1} | ({last_ranks} if len(last_ranks) > 1 else set()))
         groups: list[_GradGroup] = []
         self._loss_group = None
         for ranks in all_sets:  # every rank creates every group, in the same order
@@ -191,12 +224,16 @@ class DistributedPipeline(nn.Module):
             if ranks == last_ranks:
                 self._loss_group = handle
             if ranks in by_ranks:
-                entries = sorted(by_ranks[ranks], key=lambda e: e[0])
-                local = {s for _, _, st in entries for s in st if s in self._stages}
-                group = _GradGroup(ranks, [p for _, p, _ in entries], local)
-                group.group = handle
-                groups.append(group)
+                groups.append(_GradGroup(ranks, [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])], handle))
         return groups
+
+    def _start_reduce(self, ranks: tuple[int, ...]) -> None:
+        for g in self._groups:
+            if g.ranks == ranks:
+                try:
+                    g.start(self.comm)
+                except Exception as exc:  # noqa: BLE001
+                    raise self.transport.group_failure(g.ranks, exc) from None
 
     # ---- one training step ----
 
@@ -206,133 +243,40 @@ class DistributedPipeline(nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         input_kwargs: Mapping[str, Any] | None = None,
-        loss_reduction: str = "mean",
+        loss_reduction: Literal["mean", "sum"] = "mean",
     ) -> torch.Tensor | None:
         """Forward and backward of one batch over all ranks; every rank calls it with the same batch.
 
-        Each micro-batch's loss is weighted by its share of the batch (`loss_reduction="mean"`,
-        for losses that average over samples) or not at all ("sum"), so gradients equal
-        `loss_fn(model(inputs), targets).backward()` on the whole batch. Returns that loss on
-        the ranks of the last stage, None elsewhere; the optimizer then steps on local weights.
+        Gradients equal `loss_fn(model(inputs), targets).backward()` on the whole batch (see
+        runtime.steps for `loss_reduction`). Returns that loss on the ranks of the last stage,
+        None elsewhere; the optimizer then steps on local weights.
         """
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        m = self.plan.micro_batches
-        chunks = scatter(self._flatten(args, dict(input_kwargs or {})), m)
-        target_chunks = scatter([targets], m)
-        total = sum(int(c[0].shape[0]) for c in target_chunks)
-        self._envs = [dict(zip(self._input_names, c)) for c in chunks]
-        self._targets = [c[0] for c in target_chunks]
-        self._weights = [c[0].shape[0] / total if loss_reduction == "mean" else 1.0 for c in target_chunks]
-        self._saved: dict[tuple[int, int], Any] = {}
-        self._local: dict[tuple[int, int, int, int], Any] = {}
-        self._loss = torch.zeros((), device=self.device)
-        self._loss_fn = loss_fn
-        for stage in self._stages.values():
-            for bn in stage.deferred_bns:
-                bn.deferring = m > 1
-        remaining = {s: sum(1 for a in self._actions if a.stage == s and a.kind == "B") for s in self._stages}
-        started: set[int] = set()
-        self._expect_all()
-        for action in self._actions:
-            self.messenger.poll()
-            if action.kind == "F":
-                self._forward(action.stage, action.microbatch)
-            else:
-                self._backward(action.stage, action.microbatch)
-                remaining[action.stage] -= 1
-                for k, g in enumerate(self._groups):
-                    if k not in started and all(remaining[s] == 0 for s in g.stages):
-                        started.add(k)
-                        try:
-                            g.start()
-                        except Exception as exc:  # noqa: BLE001
-                            raise self.messenger.group_failure(g.ranks, exc) from None
-        for stage in self._stages.values():
-            for bn in stage.deferred_bns:
-                bn.commit()
-        self.messenger.flush()
-        for g in self._groups:
-            start = time.time()
-            try:
-                g.finish()
-            except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
-                raise self.messenger.group_failure(g.ranks, exc) from None
-            self._record("allreduce", min(g.stages, default=-1), -1, start)
-        if self._last not in self._stages:
+        step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
+                                 self.plan.micro_batches, loss_reduction, self._mutated)
+        bns = list(dict.fromkeys(bn for stage in self._stages.values() for bn in stage.deferred_bns))
+        with transaction(self._params, bns, grads=True):
+            interpreter, program = self._mode()
+            self.transport.begin_step((self.model.training, _signature(step.envs)))
+            interpreter.begin(step, {})
+            interpreter.run(program)
+            self.transport.flush()
+            for g in self._groups:
+                start = time.time()
+                try:
+                    g.finish(lambda work, g=g: self.transport._wait(work, -1, f"the all-reduce over ranks {list(g.ranks)}"))
+                except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
+                    raise self.transport.group_failure(g.ranks, exc) from None
+                interpreter._record("allreduce-wait", min(self._stages), -1, start)
+        write_back(step)
+        loss = interpreter.loss
+        if loss is None:
             return None
         if self._loss_group is not None:
             try:
-                dist.all_reduce(self._loss, group=self._loss_group)
+                dist.all_reduce(loss, group=self._loss_group)
             except Exception as exc:  # noqa: BLE001
-                raise self.messenger.group_failure(self.plan.stages[self._last].ranks, exc) from None
-        return self._loss
-
-    def _forward(self, s: int, i: int) -> None:
-        stage = self._stages[s]
-        env = self._envs[i]
-        received: dict[int, list[Any]] = {}
-        for t, names in self._from[s].items():
-            values = self._take(FORWARD, t, s, i)
-            values = pytree.tree_map(self._as_leaf, values)
-            received[t] = values
-            env.update(zip(names, values))
-        inputs = [to_device(env[name], self.device) for name in stage.inputs]
-        start = time.time()
-        outputs = stage.module(*inputs)
-        self._record("forward", s, i, start)
-        env.update(zip(stage.outputs, outputs))
-        self._saved[(s, i)] = (received, dict(zip(stage.outputs, outputs)))
-        for c, names in self._to[s].items():
-            self._give(FORWARD, s, c, i, [env[n] for n in names])
-        if s == self._last:
-            out = graph_output(self._output_node, env, self._constants)
-            loss = self._loss_fn(self._unflatten(out), to_device(self._targets[i], self.device)) * self._weights[i]
-            self._saved[(s, i)] += (loss,)
-            self._loss += loss.detach()
-
-    def _backward(self, s: int, i: int) -> None:
-        saved = self._saved.pop((s, i))
-        received, outputs = saved[0], saved[1]
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if s == self._last:
-            roots, grads = [saved[2]], [None]
-        else:
-            summed: dict[str, Any] = {}
-            for c, names in self._to[s].items():
-                for name, g in zip(names, self._take(BACKWARD, c, s, i)):
-                    summed[name] = g if name not in summed else pytree.tree_map(_add, summed[name], g, is_leaf=_is_none)
-            for name, g in summed.items():
-                for value, grad in zip(_leaves(outputs[name]), _leaves(g)):
-                    if isinstance(value, torch.Tensor) and value.requires_grad and grad is not None:
-                        roots.append(value)
-                        grads.append(grad.to(value.device))
-        if roots:
-            start = time.time()
-            torch.autograd.backward(roots, grads)
-            self._record("backward", s, i, start)
-        for t, values in received.items():
-            self._give(BACKWARD, s, t, i, [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
-        self._envs[i] = {k: v for k, v in self._envs[i].items() if k in self._input_names}
-
-    def _expect_all(self) -> None:
-        """Post the header receives of every message this rank gets in the step (see runtime.p2p)."""
-        for a in self._actions:
-            peers = self._from[a.stage] if a.kind == "F" else self._to[a.stage]
-            kind = FORWARD if a.kind == "F" else BACKWARD
-            for other in peers:
-                src = self.rank_of(other, a.microbatch)
-                if src != self.rank:
-                    pair = (other, a.stage) if a.kind == "F" else (other, a.stage)
-                    self.messenger.expect(src, self.messenger.tag(kind, pair[0], pair[1], a.microbatch))
-
-    # ---- trace of what this rank did ----
-
-    def _record(self, kind: str, stage: int, microbatch: int, start: float, peer: int = -1) -> None:
-        if self.tracing:
-            self.trace.append({"kind": kind, "stage": stage, "microbatch": microbatch, "start": start, "end": time.time(), "peer": peer})
+                raise self.transport.group_failure(self.plan.stages[self._last].ranks, exc) from None
+        return loss
 
     def gather_trace(self, origin: float | None = None) -> dict[str, Any] | None:
         """Every rank's recorded events on rank 0, as {"devices": [{"device", "events"}]} in ms.
@@ -356,48 +300,20 @@ class DistributedPipeline(nn.Module):
             ]
         }
 
-    def _take(self, kind: int, src: int, dst: int, i: int) -> list[Any]:
-        """Values stage `src` sent stage `dst` for micro-batch i (forward) or their gradients."""
-        key = (kind, src, dst, i)
-        if key in self._local:
-            return self._local.pop(key)
-        peer = self.rank_of(src, i)
-        start = time.time()
-        values = self.messenger.recv(peer, self.messenger.tag(kind, src, dst, i), self.device)
-        self._record("recv", dst, i, start, peer)
-        return values
 
-    def _give(self, kind: int, src: int, dst: int, i: int, values: list[Any]) -> None:
-        peer = self.rank_of(dst, i)
-        if peer == self.rank:
-            self._local[(kind, src, dst, i)] = pytree.tree_map(_detached, values)
-        else:
-            start = time.time()
-            self.messenger.send(values, peer, self.messenger.tag(kind, src, dst, i))
-            self._record("send", src, i, start, peer)
-
-    def _as_leaf(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled():
-            return x.detach().requires_grad_(True)
-        return x
+def _signature(envs: list[dict[str, Any]]) -> tuple[Any, ...]:
+    """What decides every message's shapes: each micro-batch's input shapes, dtypes and plain values."""
+    return tuple(
+        tuple((k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)) for k, v in env.items())
+        for env in envs
+    )
 
 
+def _make_comm(timeout_s: float) -> Comm:
+    if os.environ.get(NCCL_RULES_ENV) == "1":
+        from runtime.nccl_rules import NcclRulesComm
 
-def _add(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
-
-
-def _grad_of(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.requires_grad:
-        return x.grad
-    return None
-
-
-def _detached(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    return x
+        comm = NcclRulesComm(timeout_s=min(timeout_s, 60.0))
+        atexit.register(comm.close)  # its threads must not outlive a hang into process teardown
+        return comm
+    return TorchComm()

@@ -1,82 +1,146 @@
-"""Run stages over micro-batches in one process with the GPipe fill-drain schedule.
+"""The partitioned model in one process: the plan's programs run by the one execution core.
 
-One worker thread per distinct device runs that device's (micro-batch, stage) tasks in
-clock-tick order; a task waits for the tasks that produce its inputs. With a single
-distinct device the tasks run inline in the caller's thread (no thread hand-offs) unless
-`threads=True` asks for one worker per stage (how the threaded path is tested on CPU).
+Each rank of the plan is a worker here (a slot on a device); its program runs on its own
+thread when the stages sit on several devices (or `threads=True`), else every program runs
+in the caller's thread, tick by tick. Values between workers go through a LocalTransport.
 
-    device 0: 0F0 0F1 0F2                 tick:  0   1   2   3
-    device 1:     1F0 1F1 1F2             dev0: F0  F1  F2
-                                          dev1:     F0  F1  F2
-
-Backward is autograd's: the merged output's graph spans every device, and gradients land
-in the model's own parameters.
+    worker 0 (cpu:0): F s0 mb0 | SEND | F s0 mb1 | SEND | ...       pipe(x): forwards only,
+    worker 1 (cpu:1):          | RECV | F s1 mb0 | RECV | F s1 mb1  autograd across stages
+                                                                    train_step: the whole
+                                                                    schedule (GPipe, 1F1B, ...)
+`pipe(x)` returns the model's output and `loss.backward()` runs through every stage into the
+model's own parameters; `pipe.train_step(x, y, loss_fn)` runs forward and backward of the
+plan's schedule, so 1F1B holds at most the pipeline depth's activations.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-from runtime.microbatch import gather, graph_output, scatter, to_device
+from runtime.errors import PartitionError
+from runtime.interpreter import Interpreter, Routes, StepInputs, thread_state
+from runtime.microbatch import gather, to_device
 from runtime.plan import Plan
-from runtime.schedule import dag_levels
+from runtime.program import Op, Program, plan_programs
 from runtime.stage import Stage
+from runtime.steps import forward_step, train_step_inputs, transaction, write_back
+from runtime.transport_local import LocalTransport, WorkerFailed
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "StageGraph"]
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@dataclass
+class StageGraph:
+    """One traced graph of the model as the runtime runs it: its stages, output, plan and programs.
+
+    A model whose forward reads `self.training` has one per mode, cut alike (see Pipeline).
+    """
+
+    stages: list[Stage]  # this process's (all of them in one process)
+    output_node: torch.fx.Node
+    constants: Mapping[str, Any]
+    plan: Plan
+    io: list[tuple[list[str], list[str]]] | None = None  # every stage's input and output names; default: `stages`'
+
+    def routes(self) -> Routes:
+        return Routes.of(self.io if self.io is not None else [(s.inputs, s.outputs) for s in self.stages],
+                         self.output_node)
+
+
+class _Mode:
+    """The workers of one StageGraph: an interpreter per rank, and its train and forward programs."""
+
+    def __init__(self, graph: StageGraph, transport: LocalTransport, rank_of: list[int],
+                 unflatten: Callable[[Any], Any]) -> None:
+        plan = graph.plan
+        if not plan.programs:
+            plan.programs = plan_programs(plan)
+        self.stages = graph.stages
+        self.programs = {"train": plan.programs, "forward": plan_programs(plan, forward_only=True)}
+        routes = graph.routes()
+        self.workers = [
+            Interpreter([s for s in graph.stages if rank_of[s.index] == r], routes, transport,
+                        lambda stage, mb: rank_of[stage], r, graph.output_node, graph.constants, unflatten)
+            for r in range(len(plan.programs))
+        ]
+        self.bns = list(dict.fromkeys(bn for stage in graph.stages for bn in stage.deferred_bns))
+
+
 class Pipeline(nn.Module):
     """The partitioned model: call it like the original; `plan` says where everything runs.
 
-    Parameters, `state_dict()` and `load_state_dict()` are the original model's own.
+    Parameters, `state_dict()` and `load_state_dict()` are the original model's own. Where
+    forward reads `self.training`, each mode has its own graph with the same cuts, and every
+    call runs the one of the model's current mode (`pipe.train()`, `pipe.eval()`, or the
+    model's own `train()`): switching costs nothing.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        stages: list[Stage],
-        plan: Plan,
-        output_node: torch.fx.Node,
+        graph: StageGraph,
         flatten_inputs: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]],
         unflatten_outputs: Callable[[Any], Any],
         input_names: list[str],
-        constants: Mapping[str, Any],
         threads: bool | None = None,
+        mutated_inputs: Sequence[str] = (),
+        other_mode: StageGraph | None = None,
+        other_mode_error: str | None = None,
     ) -> None:
         super().__init__()
-        self.stage_modules = nn.ModuleList([s.module for s in stages])
+        stages, plan = graph.stages, graph.plan
+        extra = other_mode.stages if other_mode is not None else []
+        self.stage_modules = nn.ModuleList([s.module for s in stages + extra])
         self.plan = plan
         self._model = [model]  # a list so nn.Module does not register it twice
         self._stages = stages
-        self._output_node = output_node
         self._flatten = flatten_inputs
         self._unflatten = unflatten_outputs
         self._input_names = input_names
-        self._constants = dict(constants)
-        # A worker per device, or per (device, slot) where the plan gives stages slots (ranks),
-        # as branch-parallel plans do to run branches side by side on one device.
-        keys = [(s.device, tuple(plan.stages[s.index].ranks[:1])) for s in stages]
-        distinct = len(set(keys))
-        self._threaded = distinct > 1 if threads is None else threads
-        self._worker_of: list[Any] = keys if distinct > 1 else [s.index for s in stages]
-        producer = {name: s.index for s in stages for name in s.outputs}
-        self._levels = dag_levels([sorted({producer[n] for n in s.inputs if n in producer}) for s in stages])
-        self._workers: dict[Any, ThreadPoolExecutor] = {}
-        self._task_order: dict[int, list[tuple[int, Stage]]] = {}
-        self.tracing = False  # set True to record `trace` (see `measured_timeline`)
-        self.trace: list[dict[str, Any]] = []
+        self._mutated = list(mutated_inputs)
+        ranks = [list(s.ranks) or [s.index] for s in plan.stages]
+        if any(len(r) > 1 for r in ranks):
+            raise ValueError(f"stage replicas {[len(r) for r in ranks]} need one process each: launch with torchrun")
+        self._rank_of = [r[0] for r in ranks]
+        self._transport = LocalTransport([s.device for s in stages])
+        traced_mode = model.training
+        self._modes = {traced_mode: _Mode(graph, self._transport, self._rank_of, unflatten_outputs)}
+        if other_mode is not None:
+            self._modes[not traced_mode] = _Mode(other_mode, self._transport, self._rank_of, unflatten_outputs)
+        self._other_mode_error = other_mode_error
+        self._traced_mode = traced_mode
+        # Threads where work can overlap: several devices, or branches side by side in slots.
+        overlap = len({s.device for s in stages}) > 1 or plan.placement == "branches"
+        self._threaded = overlap if threads is None else threads
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
+
+    def _mode(self) -> _Mode:
+        """The graph of the model's mode now."""
+        mode = self._modes.get(self.model.training)
+        if mode is not None:
+            return mode
+        if self._other_mode_error is not None:
+            raise PartitionError(
+                f"the model is in {'training' if self.model.training else 'eval'} mode, but its forward could not be "
+                f"traced in that mode ({self._other_mode_error}); partition the model in the mode you run it in"
+            )
+        return self._modes[self._traced_mode]  # the same graph in both modes
+
+    @property
+    def _workers(self) -> list[Interpreter]:
+        return self._mode().workers
 
     @property
     def model(self) -> nn.Module:
@@ -91,6 +155,17 @@ class Pipeline(nn.Module):
     def output_device(self) -> torch.device:
         return self._stages[-1].device
 
+    @property
+    def tracing(self) -> bool:
+        """While True, every op's start and end are recorded (see `measured_timeline`)."""
+        return any(w.tracing for mode in self._modes.values() for w in mode.workers)
+
+    @tracing.setter
+    def tracing(self, on: bool) -> None:
+        for mode in self._modes.values():
+            for w in mode.workers:
+                w.tracing = on
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return self.model.state_dict(*args, **kwargs)
 
@@ -99,114 +174,121 @@ class Pipeline(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace parameters the pipeline holds; use assign=False")
         return self.model.load_state_dict(state_dict, strict=strict)
 
-    def train(self, mode: bool = True) -> "Pipeline":
+    def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self._flatten(args, kwargs)
-        chunks = scatter(flat, self.plan.micro_batches)
-        envs = [dict(zip(self._input_names, chunk)) for chunk in chunks]
-        deferring = len(chunks) > 1
-        for stage in self._stages:
-            for bn in stage.deferred_bns:
-                bn.deferring = deferring
-        self._run(envs)
-        if deferring:
-            for stage in self._stages:
-                for bn in stage.deferred_bns:
-                    bn.commit()
-        outputs = [graph_output(self._output_node, env, self._constants) for env in envs]
+        step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated)
+        self._run(step)
+        last = self._workers[self._rank_of[-1]]
+        outputs = [last.outputs[i] for i in range(len(step.envs))]
         return self._unflatten(to_device(gather(outputs), self.output_device))
 
-    def _tasks(self, chunks: int) -> list[tuple[int, Stage]]:
-        """(micro-batch, stage) in clock-tick order: forward of stage s on micro-batch i at i + level(s)."""
-        order = self._task_order.get(chunks)
-        if order is None:
-            ticks = sorted((i + self._levels[s], s, i) for s in range(len(self._stages)) for i in range(chunks))
-            order = self._task_order[chunks] = [(i, self._stages[s]) for _, s, i in ticks]
-        return order
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        input_kwargs: Mapping[str, Any] | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+    ) -> torch.Tensor:
+        """Forward and backward of one batch under the plan's schedule; returns the batch's loss.
 
-    def _run_task(self, env: dict[str, Any], stage: Stage, microbatch: int = -1) -> None:
-        inputs = [to_device(env[name], stage.device) for name in stage.inputs]
-        if not self.tracing:
-            env.update(zip(stage.outputs, stage.module(*inputs)))
-            return
-        start = time.time()
-        outputs = stage.module(*inputs)
-        self._event("forward", stage, microbatch, start, time.time())
-        env.update(zip(stage.outputs, outputs))
-        self._trace_backward(stage, microbatch, inputs, outputs)
+        Gradients land in the model's parameters as `loss_fn(model(inputs), targets).backward()`
+        would put them (see runtime.steps); then step the optimizer as usual.
+        """
+        step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
+                                 self.plan.micro_batches, loss_reduction, self._mutated)
+        self._run(step)
+        loss = self._workers[self._rank_of[-1]].loss
+        assert loss is not None
+        return loss
 
-    def _event(self, kind: str, stage: Stage, microbatch: int, start: float, end: float) -> None:
-        self.trace.append({"kind": kind, "stage": stage.index, "microbatch": microbatch, "start": start, "end": end,
-                           "device": f"{stage.device} (worker {self._worker_of[stage.index]})"})
+    def _run(self, step: StepInputs) -> None:
+        mode = self._mode()
+        programs = mode.programs[step.mode]
+        self._transport.reset()
+        local: dict[Any, Any] = {}
+        for w in mode.workers:
+            w.begin(step, local)
+        with transaction(self._params, mode.bns, grads=step.mode == "train"):
+            if self._threaded:
+                self._run_threads(programs, mode.workers)
+            else:
+                self._run_inline(programs, mode.workers)
+        write_back(step)
 
-    def _trace_backward(self, stage: Stage, microbatch: int, inputs: list[Any], outputs: Any) -> None:
-        """Record a stage's backward: from its outputs' gradients arriving to its inputs' being done."""
-        outs = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not outs or not torch.is_grad_enabled():
-            return
-        began: list[float] = []
+    def _run_inline(self, programs: Sequence[Program], workers: list[Interpreter]) -> None:
+        """Every program in this thread, tick by tick: all ops of tick t, then the sends they posted."""
+        self._transport.blocking = False
+        by_tick: dict[int, list[tuple[int, Op]]] = {}
+        for p in programs:
+            for op in p.ops:
+                if op.kind != "STEP":
+                    by_tick.setdefault(op.tick, []).append((p.rank, op))
+        for t in sorted(by_tick):
+            for rank, op in by_tick[t]:
+                workers[rank].execute(op)
+            for w in workers:
+                w.flush_batch()
 
-        def first(_: Any) -> None:
-            began.append(time.time())
+    def _run_threads(self, programs: Sequence[Program], workers: list[Interpreter]) -> None:
+        self._transport.blocking = True
+        state = thread_state()  # grad mode and autocast are thread-local: each worker takes the caller's
 
-        def done(_: Any) -> None:
-            if began:
-                self._event("backward", stage, microbatch, began[0], time.time())
+        def work(p: Program) -> None:
+            device = workers[p.rank]._device()
+            try:
+                with state(), _device_context(device):
+                    workers[p.rank].run(p.ops)
+            except BaseException:
+                self._transport.abort()
+                raise
 
-        torch.autograd.graph.register_multi_grad_hook(outs, first, mode="any")
-        if ins:
-            torch.autograd.graph.register_multi_grad_hook(ins, done, mode="all")
+        futures: list[Future[None]] = []
+        for p in programs:
+            pool = self._pools.get(p.rank)
+            if pool is None:
+                pool = self._pools[p.rank] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-worker{p.rank}")
+            futures.append(pool.submit(work, p))
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, WorkerFailed)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def measured_timeline(self, origin: float | None = None) -> dict[str, Any]:
         """The recorded trace as {"devices": [{"device", "events"}]} in ms, for plan.visualize(measured=...).
 
-        Forward events are timed directly; a stage's backward runs from its outputs'
-        gradients arriving to its inputs' gradients being computed (stages whose inputs
-        need no gradient, such as the first, have no backward event).
+        One row per worker; forward and backward are timed around each op, as are the waits
+        for values from other workers ("recv") and the posting of sends.
         """
-        t0 = origin if origin is not None else min((e["start"] for e in self.trace), default=0.0)
+        events = [(w, e) for mode in self._modes.values() for w in mode.workers for e in w.trace]
+        t0 = origin if origin is not None else min((e["start"] for _, e in events), default=0.0)
         rows: dict[str, list[dict[str, Any]]] = {}
-        for e in self.trace:
-            rows.setdefault(e["device"], []).append({**e, "start": (e["start"] - t0) * 1e3, "end": (e["end"] - t0) * 1e3})
+        for w, e in events:
+            device = f"{w._device()} (worker {w.rank})"
+            rows.setdefault(device, []).append({**e, "start": (e["start"] - t0) * 1e3, "end": (e["end"] - t0) * 1e3})
         return {"devices": [{"device": d, "events": ev} for d, ev in rows.items()]}
 
-    def _run(self, envs: list[dict[str, Any]]) -> None:
-        if not self._threaded:
-            for i, stage in self._tasks(len(envs)):
-                self._run_task(envs[i], stage, i)
-            return
-        grad = torch.is_grad_enabled()  # thread-local: each worker takes the caller's
-        producer = {name: s.index for s in self._stages for name in s.outputs}
-        done: dict[tuple[int, int], Future[None]] = {}
+    @property
+    def trace(self) -> list[dict[str, Any]]:
+        """Every worker's raw events (times from time.time(), seconds); cleared with `clear_trace`."""
+        return [e for mode in self._modes.values() for w in mode.workers for e in w.trace]
 
-        def task(i: int, stage: Stage, waits: list[Future[None]]) -> None:
-            for w in waits:
-                w.result()
-            with torch.set_grad_enabled(grad), _device_context(stage.device):
-                self._run_task(envs[i], stage, i)
-
-        for i, stage in self._tasks(len(envs)):
-            waits = [done[(i, producer[n])] for n in stage.inputs if n in producer]
-            key = self._worker_of[stage.index]
-            worker = self._workers.get(key)
-            if worker is None:
-                worker = self._workers[key] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{key}")
-            done[(i, stage.index)] = worker.submit(task, i, stage, waits)
-        errors = [f.exception() for f in done.values()]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+    def clear_trace(self) -> None:
+        for mode in self._modes.values():
+            for w in mode.workers:
+                w.trace.clear()
 
     def close(self) -> None:
         """Stop the worker threads (they are also stopped when the pipeline is garbage collected)."""
-        for worker in self._workers.values():
-            worker.shutdown(wait=True)
-        self._workers.clear()
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools.clear()
 
     def __del__(self) -> None:
-        for worker in getattr(self, "_workers", {}).values():
-            worker.shutdown(wait=False)
+        for pool in getattr(self, "_pools", {}).values():
+            pool.shutdown(wait=False)
+

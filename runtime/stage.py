@@ -19,10 +19,11 @@ import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from runtime.batchnorm import DeferredBatchNorm
+from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
+from runtime.mutation import after, mutated_inputs
 from runtime.plan import Plan
 
-__all__ = ["Stage", "build_stages", "stage_io", "tensor_stages"]
+__all__ = ["Stage", "build_stages", "stage_io", "tensor_stages", "weight_groups"]
 
 _DROP_TARGETS = {"_guards_fn", torch.ops.aten._assert_tensor_metadata.default}
 
@@ -36,7 +37,58 @@ class Stage:
     module: torch.fx.GraphModule
     inputs: list[str]
     outputs: list[str]
-    deferred_bns: list[DeferredBatchNorm] = field(default_factory=list)
+    deferred_bns: list[DeferredBatchNorm | DeferredBatchNormOp] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)  # inputs the stage writes into (in place)
+
+
+def _export_batch_norms(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any, Any, Any]]:
+    """Training-mode aten.batch_norm nodes of a torch.export graph reading the model's running statistics:
+    node name -> (running_mean, running_var, num_batches_tracked or None, momentum)."""
+    found: dict[str, tuple[Any, Any, Any, Any]] = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.batch_norm.default and len(node.args) >= 8 and node.args[5] is True:
+            mean, var = node.args[3], node.args[4]
+            if isinstance(mean, torch.fx.Node) and mean.op == "get_attr" and isinstance(var, torch.fx.Node):
+                prefix = str(mean.target).rpartition(".")[0]
+                try:
+                    count = operator.attrgetter(f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked")(gm)
+                except AttributeError:
+                    count = None
+                found[node.name] = (operator.attrgetter(str(mean.target))(gm), operator.attrgetter(str(var.target))(gm),
+                                    count, node.args[6])
+    return found
+
+
+def _counts_batches(node: torch.fx.Node, counted: dict[str, tuple[Any, Any, Any, Any]]) -> bool:
+    """export's `num_batches_tracked.add_(1)` of a BatchNorm whose statistics are deferred."""
+    if node.target is not torch.ops.aten.add_.Tensor or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    buffer = node.args[0]
+    while buffer.target in (after, torch.ops.aten.add_.Tensor) and isinstance(buffer.args[0], torch.fx.Node):
+        buffer = buffer.args[0]  # through runtime.mutation's ordering and export's chained increments
+    if buffer.op != "get_attr":
+        return False
+    tensor = operator.attrgetter(str(buffer.target))(buffer.graph.owning_module)
+    return any(entry[2] is tensor for entry in counted.values())
+
+
+def set_grad_mode(enabled: bool) -> None:
+    """Stage graphs switch grad mode where forward did (`with torch.no_grad():` and the like);
+    the interpreter restores the caller's mode after every stage, even when one raises."""
+    torch._C._set_grad_enabled(enabled)
+
+
+def enter_autocast(regions: tuple[tuple[str, torch.dtype], ...]) -> list[torch.autocast]:
+    """Stage graphs enter forward's `with torch.autocast(...)` regions where it did; returns them to exit."""
+    contexts = [torch.autocast(device, dtype=dtype) for device, dtype in regions]
+    for c in contexts:
+        c.__enter__()
+    return contexts
+
+
+def exit_autocast(contexts: list[torch.autocast]) -> None:
+    for c in reversed(contexts):
+        c.__exit__(None, None, None)
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -70,6 +122,25 @@ def tensor_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> dict[in
                 entry = found.setdefault(id(t), (t, []))
                 entry[1].extend(u for u in users if u not in entry[1])
     return {k: v for k, v in found.items() if v[1]}
+
+
+def weight_groups(
+    gm: torch.fx.GraphModule, stage_of: dict[str, int], stage_ranks: list[list[int]], model: nn.Module
+) -> list[tuple[tuple[int, ...], list[int]]]:
+    """(ranks, stages) of every set of trainable weights held by several ranks, sorted.
+
+    A weight is held by the ranks of every stage reading it (replicas of a stage, or a tied
+    weight read by two stages); its gradient is all-reduced over exactly those ranks. Only
+    the model's own parameters count (what `model.named_parameters()` lists).
+    """
+    own = {id(p) for p in model.parameters()}
+    found: dict[tuple[int, ...], set[int]] = {}
+    for t, stages in tensor_stages(gm, stage_of).values():
+        if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in own:
+            ranks = tuple(sorted({r for s in stages for r in stage_ranks[s]}))
+            if len(ranks) > 1:
+                found.setdefault(ranks, set()).update(stages)
+    return sorted((ranks, sorted(stages)) for ranks, stages in found.items())
 
 
 def stage_io(gm: torch.fx.GraphModule, plan: Plan) -> list[tuple[list[str], list[str]]]:
@@ -160,7 +231,7 @@ def build_stages(
                     t.grad = None
             elif t.device != dev:
                 _move(t, dev)
-        wrappers: dict[int, DeferredBatchNorm] = {}
+        wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp] = {}
         stages = [
             _build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers)
             for s in wanted
@@ -179,7 +250,7 @@ def _build_one(
     io: tuple[list[str], list[str]],
     nodes: dict[str, torch.fx.Node],
     homes: dict[int, tuple[torch.Tensor, torch.device | None]],
-    wrappers: dict[int, DeferredBatchNorm],
+    wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp],
 ) -> Stage:
     inputs, outputs = io
     own = [nodes[name] for name in plan.stages[s].nodes if nodes[name].target not in _DROP_TARGETS]
@@ -197,22 +268,55 @@ def _build_one(
             value = graph.call_method("to", (value, device))
         env[n.name] = value
 
-    deferred: list[DeferredBatchNorm] = []
+    deferred: list[DeferredBatchNorm | DeferredBatchNormOp] = []
+    counted = _export_batch_norms(gm)
+    entry: torch.fx.Node | None = None  # the caller's grad mode, read once if the stage switches it
+    mode: bool | None = None  # the grad mode forced now (None: the caller's)
+    region: tuple[Any, ...] = ()  # the autocast regions of forward the stage is inside now
+    context: torch.fx.Node | None = None
     for node in own:
+        wanted = node.meta.get("grad_mode")
+        if wanted != mode:
+            if entry is None:
+                entry = graph.call_function(torch.is_grad_enabled)
+            graph.call_function(set_grad_mode, (entry if wanted is None else wanted,))
+            mode = wanted
+        autocast = node.meta.get("autocast", ())
+        if autocast != region:
+            if context is not None:
+                graph.call_function(exit_autocast, (context,))
+            context = graph.call_function(enter_autocast, (autocast,)) if autocast else None
+            region = autocast
         for producer in node.all_input_nodes:
             if producer.name not in env and producer.op == "get_attr":
                 attr(producer)
+        if _counts_batches(node, counted):  # export's num_batches_tracked += 1: the deferred commit does it once
+            env[node.name] = env[node.args[0].name]  # type: ignore[union-attr]
+            continue
+        if node.name in counted:  # export's batch_norm on the model's running statistics, training
+            site = wrappers.setdefault(node.name, DeferredBatchNormOp(*counted[node.name]))
+            deferred.append(site)
+            attrs[f"deferred_{node.name}"] = site
+            env[node.name] = graph.call_module(f"deferred_{node.name}", torch.fx.node.map_arg(node.args, lambda n: env[n.name]))
+            continue
         if node.op == "call_module":
             target = str(node.target)
             module = gm.get_submodule(target)
-            if isinstance(module, _BatchNorm):
-                module = wrappers.setdefault(id(module), DeferredBatchNorm(module))
+            if isinstance(module, _BatchNorm):  # one deferred wrapper per call site, as plain BatchNorm
+                module = wrappers.setdefault(node.name, DeferredBatchNorm(module))  # updates once per call
                 deferred.append(module)
+                target = f"{target.replace('.', '_')}__{node.name}"
             attrs[target] = module
         copied = graph.node_copy(node, lambda n: env[n.name])
+        if node.op == "call_module":
+            copied.target = target
         _rewrite_devices(copied, device)
         env[node.name] = copied
 
+    if mode is not None and entry is not None:
+        graph.call_function(set_grad_mode, (entry,))
+    if context is not None:
+        graph.call_function(exit_autocast, (context,))
     graph.output(tuple(env[name] for name in outputs))
     module = torch.fx.GraphModule(attrs, graph, f"stage{s}")
-    return Stage(s, device, module, inputs, outputs, deferred)
+    return Stage(s, device, module, inputs, outputs, deferred, mutated_inputs(module))

@@ -1,8 +1,9 @@
 """Worker for tests/test_distributed.py: run under torchrun (or with RANK/WORLD_SIZE set).
 
 Modes:
-  equivalence CASES  each case 'model:schedule:replicas[:placement]' trains one step and compares this
-                     rank's loss and gradients with single-process full-batch training
+  equivalence CASES  each case 'model:schedule:replicas[:placement]' trains steps (the example's shapes,
+                     fewer samples, a shorter sequence) and compares this rank's loss and gradients
+                     with single-process full-batch training
   checkpoint DIR     train 3, save, train 3, then rebuild with another plan, load, train 3
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
   resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
@@ -56,6 +57,7 @@ def equivalence(cases: list[str]) -> int:
     for case in cases:
         name, schedule, reps, *rest = case.split(":")
         placement = rest[0] if rest else "pipeline"
+        switch_to_eval = rest[1:] == ["eval"]  # partitioned in training, then trained in eval mode
         replicas = "auto" if reps == "auto" else json.loads(reps) if reps != "-" else None
         model, x, y = data(name)
         reference = copy.deepcopy(model)
@@ -64,16 +66,25 @@ def equivalence(cases: list[str]) -> int:
             model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule, replicas=replicas,
             placement=placement,
         )
-        loss = pipe.train_step(x, y, lm_loss)
-        ref_loss = lm_loss(reference(x), y)
-        ref_loss.backward()
-        ref_grads = dict(reference.named_parameters())
+        if switch_to_eval:
+            model.eval()
+            reference.eval()
+        worst, loss_err = 0.0, 0.0
+        # the example's shapes, then fewer samples, then (token inputs) a shorter sequence: each
+        # new input signature sends message headers once more, in the order NCCL needs
+        variants = [(x, y)] + ([(x[:6], y[:6])] if 6 >= m else []) + ([(x[:, :9], y[:, :9])] if x.dim() == 2 and not x.is_floating_point() else [])
         held = pipe.held_tensor_ids()
-        worst = 0.0
-        for pname, p in model.named_parameters():
-            if id(p) in held:
-                worst = max(worst, rel(p.grad, ref_grads[pname].grad))
-        loss_err = rel(loss, ref_loss.detach()) if loss is not None else 0.0
+        for vx, vy in variants:
+            model.zero_grad()
+            reference.zero_grad()
+            loss = pipe.train_step(vx, vy, lm_loss)
+            ref_loss = lm_loss(reference(vx), vy)
+            ref_loss.backward()
+            ref_grads = dict(reference.named_parameters())
+            for pname, p in model.named_parameters():
+                if id(p) in held:
+                    worst = max(worst, rel(p.grad, ref_grads[pname].grad))
+            loss_err = max(loss_err, rel(loss, ref_loss.detach()) if loss is not None else 0.0)
         local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
         stage_bytes = sum(p.numel() * p.element_size() for p in pipe.stage_modules.parameters())

@@ -1,4 +1,4 @@
-"""Multi-process runs with real processes on gloo: equal to single-process training, checkpoints, failures."""
+"""Multi-process runs on gloo under NCCL's rules: equal to single-process training, checkpoints, failures."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.distributed import NCCL_RULES_ENV
 from tests import dist_worker
 
 WORKER = str(Path(__file__).resolve().parent / "dist_worker.py")
@@ -26,9 +27,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240, nccl_rules: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run the worker on `ranks` gloo processes; with `nccl_rules`, every message obeys NCCL's rules
+    (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra, WORKER, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+    env = {**os.environ, NCCL_RULES_ENV: "1" if nccl_rules else "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -43,8 +50,8 @@ def results(output: str) -> list[str]:
     return re.findall(r"RESULT .*?ok=(?:True|False)", output)
 
 
-def check_equivalence(ranks: int, cases: list[str]) -> None:
-    run = torchrun(ranks, "equivalence", *cases)
+def check_equivalence(ranks: int, cases: list[str], nccl_rules: bool = True) -> None:
+    run = torchrun(ranks, "equivalence", *cases, nccl_rules=nccl_rules)
     lines = results(run.stdout)
     assert run.returncode == 0 and len(lines) == ranks * len(cases), run.stdout[-4000:]
     assert all("ok=True" in line for line in lines), "\n".join(lines)
@@ -52,13 +59,20 @@ def check_equivalence(ranks: int, cases: list[str]) -> None:
 
 def test_two_ranks_every_schedule() -> None:
     check_equivalence(
-        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-", "inception:gpipe:-:branches"]
+        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-", "inception:gpipe:-:branches",
+            "mode_dependent:1f1b:-:pipeline:eval"],  # partitioned in training, trained in eval: the eval graph runs
     )
+
+
+def test_two_ranks_plain_torch_distributed() -> None:
+    # the production path (runtime.comm.TorchComm), without the NCCL-rules emulation
+    check_equivalence(2, ["tiny_gpt:1f1b:-", "inception:gpipe:-:branches"], nccl_rules=False)
 
 
 def test_three_ranks_schedules_and_uneven_replicas() -> None:
     # [2,1]: stage 0 on ranks 0 and 1 taking micro-batches in turn, stage 1 on rank 2
-    check_equivalence(3, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:gpipe:[2,1]", "tiny_gpt:1f1b:[2,1]"])
+    check_equivalence(3, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:gpipe:[2,1]", "tiny_gpt:1f1b:[2,1]",
+                          "in_place:1f1b:-"])  # in-place writes on one rank, read on another
 
 
 def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
@@ -78,7 +92,8 @@ def test_checkpoint_round_trip_into_another_plan(tmp_path: Path) -> None:
 
 
 def test_killed_rank_is_named_by_every_other_rank_within_60_s(tmp_path: Path) -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3", "PYTHONPATH": ROOT}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3", "PYTHONPATH": ROOT,
+           NCCL_RULES_ENV: "1"}
     start = time.monotonic()
     procs = [
         subprocess.Popen([sys.executable, WORKER, "fault", "1"], env={**env, "RANK": str(r)}, cwd=ROOT,

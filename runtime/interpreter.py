@@ -1,0 +1,361 @@
+"""The one execution core: run a rank's program (runtime.program) over a transport.
+
+Both runtimes use it: the one-process Pipeline runs one interpreter per worker over a
+LocalTransport, the torchrun DistributedPipeline one per process over a P2PTransport.
+
+    program:  F s0 mb0 | SEND s0->s1 mb0 | F s0 mb1 | SEND ... | RECV s1->s0 mb0 | B s0 mb0 | AR | STEP
+                 |          |                                      |               |
+    stage module(*inputs)   transport.post(batch)          transport.take(key)   autograd.backward
+
+Two modes. "train": stage boundaries are detached; a forward keeps what its backward needs,
+the last stage computes the loss, a backward sends its inputs' gradients back (any schedule,
+1F1B memory included). "forward": forwards only and boundaries stay attached, so the caller's
+`loss.backward()` runs through every stage (how `pipe(x)` works in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from runtime.microbatch import graph_output, to_device
+from runtime.program import Op
+from runtime.stage import Stage
+
+__all__ = ["Interpreter", "Routes", "StepInputs", "Transport", "caller_state", "thread_state"]
+
+Key = tuple[int, int, int]  # (src stage, dst stage, micro-batch)
+
+
+class Transport(Protocol):
+    """Moves values between ranks: `post` a batch of SEND/RECV ops, then `take` what arrived."""
+
+    def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None: ...
+
+    def take(self, key: Key, device: Any) -> list[Any]: ...
+
+
+@dataclass
+class Routes:
+    """Which value names each stage reads from and sends to every other stage.
+
+    `reads[s][t]`: names stage s reads from stage t; `sends[t][s]`: the same, seen by t.
+    Values only the model output reads are routed to the last stage, which assembles it.
+    """
+
+    reads: list[dict[int, list[str]]]
+    sends: list[dict[int, list[str]]]
+
+    @classmethod
+    def of(cls, io: Sequence[tuple[list[str], list[str]]], output_node: torch.fx.Node) -> Routes:
+        producer = {name: s for s, (_, outs) in enumerate(io) for name in outs}
+        last = len(io) - 1
+        out_names: list[str] = []
+        torch.fx.node.map_arg(output_node.args[0], lambda n: out_names.append(n.name) or n)  # type: ignore[func-returns-value]
+        needs = [list(ins) for ins, _ in io]
+        needs[last] += [n for n in dict.fromkeys(out_names) if producer.get(n, last) != last and n not in needs[last]]
+        reads: list[dict[int, list[str]]] = [{} for _ in io]
+        sends: list[dict[int, list[str]]] = [{} for _ in io]
+        for s, names in enumerate(needs):
+            for name in names:
+                if name in producer:
+                    reads[s].setdefault(producer[name], []).append(name)
+                    sends[producer[name]].setdefault(s, []).append(name)
+        return cls(reads, sends)
+
+    def producers(self) -> list[list[int]]:
+        return [sorted(r) for r in self.reads]
+
+
+@dataclass
+class StepInputs:
+    """One step's micro-batches: input values by placeholder name, and (training) targets and loss."""
+
+    envs: list[dict[str, Any]]
+    mode: Literal["train", "forward"]
+    targets: list[Any] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    written: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's inputs the graph writes into
+
+
+class Interpreter:
+    """Runs one rank's ops for the stages it holds; `run` a whole program or `execute` op by op."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        routes: Routes,
+        transport: Transport,
+        rank_of: Callable[[int, int], int],
+        rank: int,
+        output_node: torch.fx.Node,
+        constants: Mapping[str, Any],
+        unflatten_outputs: Callable[[Any], Any],
+        reduce: Callable[[tuple[int, ...]], None] = lambda group: None,
+    ) -> None:
+        self.stages = {s.index: s for s in stages}
+        self.routes = routes
+        self.transport = transport
+        self.rank_of = rank_of
+        self.rank = rank
+        self.last = len(routes.reads) - 1
+        self._output_node = output_node
+        self._constants = dict(constants)
+        self._unflatten = unflatten_outputs
+        self._reduce = reduce
+        self.tracing = False
+        self.trace: list[dict[str, Any]] = []
+        self.outputs: dict[int, Any] = {}
+        self.loss: torch.Tensor | None = None
+
+    def begin(self, step: StepInputs, local: dict[Key, list[Any]]) -> None:
+        """Start a step; `local` holds values between stages of this process (shared by its workers)."""
+        self.step = step
+        self.local = local
+        self.envs = [dict(env) for env in step.envs]
+        self.saved: dict[tuple[int, int], tuple[dict[int, list[Any]], dict[str, Any], Any]] = {}
+        self.outgoing: dict[Key, list[Any]] = {}
+        self.outputs = {}
+        device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
+        self.loss = torch.zeros((), device=device) if step.mode == "train" and self.last in self.stages else None
+        self._batch: list[Op] = []
+
+    def run(self, ops: Sequence[Op]) -> None:
+        """Run a whole program. Receive-only batches are posted as early as the transport allows
+        (right after the batch before them), so data flows while this rank computes; batches
+        are still posted in the program's order, which is all NCCL's rules need."""
+        spans: list[tuple[int, int, bool]] = []  # (first op, end, has a send) of each batch
+        k = 0
+        while k < len(ops):
+            end = k + 1
+            if ops[k].is_p2p:
+                while end < len(ops) and ops[end].is_p2p and ops[end].tick == ops[k].tick:
+                    end += 1
+                spans.append((k, end, any(op.kind == "SEND" for op in ops[k:end])))
+            k = end
+        at = {first: b for b, (first, _, _) in enumerate(spans)}
+        posted = 0  # batches before this one are posted
+        posted = self._post_early(ops, spans, posted)
+        k = 0
+        while k < len(ops):
+            b = at.get(k)
+            if b is None:
+                self.execute(ops[k])
+                k += 1
+                continue
+            first, end, _ = spans[b]
+            if b == posted:
+                self._post(list(ops[first:end]))
+                posted = self._post_early(ops, spans, b + 1)
+            k = end
+
+    def _post_early(self, ops: Sequence[Op], spans: list[tuple[int, int, bool]], posted: int) -> int:
+        while posted < len(spans) and not spans[posted][2] and getattr(self.transport, "can_post_early", False):
+            first, end, _ = spans[posted]
+            self._post(list(ops[first:end]))
+            posted += 1
+        return posted
+
+    def execute(self, op: Op) -> None:
+        if op.is_p2p:
+            if self._batch and self._batch[-1].tick != op.tick:
+                self.flush_batch()
+            self._batch.append(op)
+            return
+        self.flush_batch()
+        if op.kind == "F":
+            self._forward(op.stage, op.microbatch)
+        elif op.kind == "B":
+            self._backward(op.stage, op.microbatch)
+        elif op.kind == "AR":
+            start = time.time()
+            self._reduce(op.group)
+            self._record("allreduce", min(self.stages, default=-1), -1, start)
+        elif op.kind == "W":
+            raise NotImplementedError("W (a split weight-gradient backward) has no schedule that emits it yet")
+
+    def flush_batch(self) -> None:
+        """Post the pending batch of sends and receives (one `batch_isend_irecv` on a P2P transport)."""
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._post(batch)
+
+    def _post(self, batch: list[Op]) -> None:
+        start = time.time()
+        outgoing = {op.key(): self.outgoing.pop(op.key()) for op in batch if op.kind == "SEND"}
+        self.transport.post(batch, outgoing, self._device())
+        self._record("send" if outgoing else "recv", batch[0].src, batch[0].microbatch, start, batch[0].peer)
+
+    def _device(self) -> torch.device:
+        return next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
+
+    # ---- compute ----
+
+    def _value(self, key: Key, device: torch.device) -> list[Any]:
+        if self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2]):
+            return self.local.pop(key)
+        start = time.time()
+        values = self.transport.take(key, device)
+        self._record("recv", key[1], key[2], start, self.rank_of(key[0], key[2]))
+        return values
+
+    def _give(self, key: Key, values: list[Any]) -> None:
+        if self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2]):
+            self.local[key] = values if self.step.mode == "forward" else pytree.tree_map(_detached, values)
+        else:
+            self.outgoing[key] = values
+
+    def _forward(self, s: int, i: int) -> None:
+        stage = self.stages[s]
+        env = self.envs[i]
+        train = self.step.mode == "train"
+        received: dict[int, list[Any]] = {}
+        for t, names in self.routes.reads[s].items():
+            values = self._value((t, s, i), stage.device)
+            if train:
+                values = pytree.tree_map(_as_leaf, values)
+            received[t] = values
+            env.update(zip(names, values))
+            if train and stage.writes:  # a leaf cannot be written in place; its clone can, gradients still reach it
+                env.update({n: _non_leaf(v) for n, v in zip(names, values) if n in stage.writes})
+        inputs = [to_device(env[name], stage.device) for name in stage.inputs]
+        start = time.time()
+        with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
+            outputs = stage.module(*inputs)
+        self._record("forward", s, i, start)
+        env.update(zip(stage.outputs, outputs))
+        for c, names in self.routes.sends[s].items():
+            self._give((s, c, i), [env[n] for n in names])
+        loss = None
+        if s == self.last:
+            out = graph_output(self._output_node, env, self._constants)
+            if train:  # the loss sees what the model returns; pipe(x) gathers raw outputs, then unflattens
+                assert self.step.loss_fn is not None and self.loss is not None
+                loss = self.step.loss_fn(self._unflatten(out), to_device(self.step.targets[i], stage.device))
+                loss = loss * self.step.weights[i]
+                self.loss += loss.detach()
+            else:
+                self.outputs[i] = out
+        if train:
+            self.saved[(s, i)] = (received, dict(zip(stage.outputs, outputs)), loss)
+        elif self.tracing:
+            self._trace_backward(s, i, inputs, outputs)
+
+    def _trace_backward(self, s: int, i: int, inputs: list[Any], outputs: Any) -> None:
+        """Forward mode: record the stage's backward under the caller's autograd, from its outputs'
+        gradients arriving to its inputs' being done (stages whose inputs need none have no event)."""
+        outs = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs or not ins or not torch.is_grad_enabled():
+            return
+        began: list[float] = []
+
+        def first(_: Any) -> None:
+            began.append(time.time())
+
+        def done(_: Any) -> None:
+            if began:
+                self._record("backward", s, i, began[0])
+
+        torch.autograd.graph.register_multi_grad_hook(outs, first, mode="any")
+        torch.autograd.graph.register_multi_grad_hook(ins, done, mode="all")
+
+    def _backward(self, s: int, i: int) -> None:
+        received, outputs, loss = self.saved.pop((s, i))
+        device = self.stages[s].device
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if loss is not None:
+            roots, grads = [loss], [None]
+        summed: dict[str, Any] = {}
+        for c, names in self.routes.sends[s].items():
+            for name, g in zip(names, self._value((c, s, i), device)):
+                summed[name] = g if name not in summed else pytree.tree_map(_add, summed[name], g, is_leaf=_is_none)
+        for name, g in summed.items():
+            for value, grad in zip(_leaves(outputs.get(name, self.envs[i].get(name))), _leaves(g)):
+                if isinstance(value, torch.Tensor) and value.requires_grad and grad is not None:
+                    roots.append(value)
+                    grads.append(grad.to(value.device))
+        if roots:
+            start = time.time()
+            torch.autograd.backward(roots, grads)
+            self._record("backward", s, i, start)
+        for t, values in received.items():
+            self._give((s, t, i), [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
+        self.envs[i] = dict(self.step.envs[i])  # drop this micro-batch's activations
+
+    def _record(self, kind: str, stage: int, microbatch: int, start: float, peer: int = -1) -> None:
+        if self.tracing:
+            self.trace.append({"kind": kind, "stage": stage, "microbatch": microbatch, "start": start,
+                               "end": time.time(), "peer": peer})
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return pytree.tree_flatten(tree, is_leaf=_is_none)[0]
+
+
+def _add(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _grad_of(x: Any) -> Any:
+    return x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _as_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled():
+        return x.detach().requires_grad_(True)
+    return x
+
+
+def _non_leaf(x: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, x)
+
+
+@contextlib.contextmanager
+def caller_state() -> Iterator[None]:
+    """Run a stage and put back the thread's grad mode and autocast state afterwards, even if it raises."""
+    grad = torch.is_grad_enabled()
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled(grad)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+
+
+def thread_state() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The caller's grad mode and autocast state, as a context to enter in a worker thread (thread-local state)."""
+    grad = torch.is_grad_enabled()
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for device, dtype in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            yield
+
+    return enter

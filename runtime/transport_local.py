@@ -1,0 +1,65 @@
+"""The local transport: values between workers of one process (threads, or one thread in tick order).
+
+A send moves the values to the receiving stage's device at once (the producer starts the
+copy) and leaves them in a mailbox; the receiver's `take` waits for them. Within one process
+nothing needs NCCL's ordering, but the programs and the interpreter are the same as under
+torchrun, so one process runs every schedule the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from runtime.microbatch import to_device
+from runtime.program import Op
+
+__all__ = ["LocalTransport", "WorkerFailed"]
+
+Key = tuple[int, int, int]
+
+
+class WorkerFailed(RuntimeError):
+    """Another worker of this pipeline raised; its error is the one reported."""
+
+
+class LocalTransport:
+    """Mailboxes shared by the workers of one process; `blocking=False` for one-thread runs."""
+
+    def __init__(self, stage_devices: Sequence[torch.device], blocking: bool = True) -> None:
+        self.stage_devices = list(stage_devices)
+        self.blocking = blocking
+        self._box: dict[Key, list[Any]] = {}
+        self._ready = threading.Condition()
+        self._failed = False
+
+    def reset(self) -> None:
+        with self._ready:
+            self._box.clear()
+            self._failed = False
+
+    def abort(self) -> None:
+        """Wake every waiting worker: a worker failed, so the step is over."""
+        with self._ready:
+            self._failed = True
+            self._ready.notify_all()
+
+    def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None:
+        moved = {key: to_device(values, self.stage_devices[key[1]]) for key, values in outgoing.items()}
+        if moved:
+            with self._ready:
+                self._box.update(moved)
+                self._ready.notify_all()
+
+    def take(self, key: Key, device: Any) -> list[Any]:
+        with self._ready:
+            while key not in self._box:
+                if self._failed:
+                    raise WorkerFailed("another worker of the pipeline failed")
+                if not self.blocking:
+                    raise RuntimeError(f"internal error: stage {key[1]} needs micro-batch {key[2]} from stage "
+                                       f"{key[0]} before it was sent; the programs are out of tick order")
+                self._ready.wait()
+            return self._box.pop(key)

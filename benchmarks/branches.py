@@ -21,32 +21,27 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import InceptionNet  # noqa: E402
+from rank_timing import timed  # noqa: E402
 
 from cost_model import default_cost_model  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.branches import stage_producers  # noqa: E402
 from partitioner.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.planner import plan_pipeline  # noqa: E402
-from partitioner.simulator import simulate  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
-from rank_timing import timed  # noqa: E402
-from runtime.schedule import dag_gpipe, dag_levels  # noqa: E402
+from runtime.plan import Plan  # noqa: E402
 
 
-def predicted_ms(model: nn.Module, x: torch.Tensor, plan=None) -> float:  # type: ignore[no-untyped-def]
-    """Simulated step time of `plan`, or of the whole model on one device when plan is None."""
+def predicted_ms(model: nn.Module, x: torch.Tensor, plan: Plan | None = None) -> float:
+    """The predicted step of `plan` (its simulated programs), or of the whole model on one device when plan is None."""
+    if plan is not None:
+        return plan.predicted_step_ms
     traced = trace(model, (x,))
     flat = traced.flatten_inputs((x,), {})
-    graph = build_graph(traced.graph_module, flat)
-    if plan is None:
-        cost = default_cost_model()
-        cost.prepare(traced.graph_module, flat)
-        order = [n.name for n in compute_nodes(traced.graph_module)]
-        plan = plan_pipeline(graph, order, [torch.device("cpu")], cost, 1)
-    producers = stage_producers(graph, plan)
-    owners = [s.ranks[0] if s.ranks else 0 for s in plan.stages]
-    lists = dag_gpipe(plan.micro_batches, dag_levels(producers), owners)
-    return simulate(plan, lists, producers=producers).makespan_ms
+    cost = default_cost_model()
+    cost.prepare(traced.graph_module, flat)  # type: ignore[attr-defined]
+    order = [n.name for n in compute_nodes(traced.graph_module)]
+    plan = plan_pipeline(build_graph(traced.graph_module, flat), order, [torch.device("cpu")], cost, 1)
+    return plan.predicted_step_ms
 
 
 def main() -> None:

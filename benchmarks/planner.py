@@ -3,6 +3,8 @@
 Tracing and costing are excluded from the synthetic timings' graph building: the graph
 arrives annotated, the cost model has fixed rates (deterministic). Prints, in one run:
   - `plan_pipeline` on a 2,000-node graph into 8 stages (median of 5; target < 1 s);
+  - graph analysis (fork/join regions, critical path, cheapest cuts) of a graph of about
+    10,000 vertices in nested branches (median of 3; target < 5 s);
   - the hybrid planner on a 10,000-node graph into 8 stages, no replicas (target < 2 s),
     and onto 64 devices (8 hosts x 8, NVLink inside, network between) with replication
     (target < 10 s); both include asking the cost model about every node;
@@ -23,7 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import networkx as nx
 import numpy as np
@@ -35,12 +37,15 @@ from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster import DeviceSet  # noqa: E402
 from cost_model.devices import DeviceSpec  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
+from partitioner.analysis import critical_path, cut_points, fork_join_regions, iter_regions  # noqa: E402
 from partitioner.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.hybrid import HybridProblem, evaluate, solve_hybrid  # noqa: E402
 from partitioner.hybrid_plan import hybrid_problem, plan_hybrid  # noqa: E402
 from partitioner.planner import SplitProblem, plan_pipeline, solve  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
 from tests import zoo  # noqa: E402
+
+T = TypeVar("T")
 
 
 def synthetic_graph(nodes: int, seed: int = 0) -> tuple[nx.DiGraph, list[str]]:
@@ -60,6 +65,41 @@ def synthetic_graph(nodes: int, seed: int = 0) -> tuple[nx.DiGraph, list[str]]:
     return g, order
 
 
+def fork_join_graph(blocks: int) -> nx.DiGraph:
+    """Blocks of 9 vertices, x -> (a | c -> (d | e) -> dj | f) -> cat -> add(x, .) with a weight on a: three
+    nested fork/join regions a block, shaped like build_graph's graphs (vertices in first-seen order)."""
+    edges: list[tuple[str, str]] = []
+    prev = "x"
+    for b in range(blocks):
+        edges += [(f"w{b}", f"a{b}"), (prev, f"a{b}"), (prev, f"c{b}"), (f"c{b}", f"d{b}"), (f"c{b}", f"e{b}")]
+        edges += [(f"d{b}", f"dj{b}"), (f"e{b}", f"dj{b}"), (prev, f"f{b}"), (f"a{b}", f"cat{b}")]
+        edges += [(f"dj{b}", f"cat{b}"), (f"f{b}", f"cat{b}"), (f"cat{b}", f"add{b}"), (prev, f"add{b}")]
+        prev = f"add{b}"
+    edges.append((prev, "output"))
+    g, ops = nx.DiGraph(), {"x": "placeholder", "output": "output"}
+    for u, v in edges:
+        for name in (u, v):
+            if name not in g:
+                op = "get_attr" if name.startswith("w") else ops.get(name, "call_function")
+                g.add_node(name, name=name, op=op, position=len(g), out_bytes=4, flops=0)
+        g.add_edge(u, v, bytes=g.nodes[u]["out_bytes"])
+    return g
+
+
+def time_analysis(vertices: int) -> None:
+    """Regions, critical path (unit node times) and the 3 cheapest cuts of a fork_join_graph, together."""
+    graph = fork_join_graph(vertices // 9)
+
+    def analyse() -> None:
+        list(iter_regions(fork_join_regions(graph)))
+        critical_path(graph, lambda name: 1.0)
+        cut_points(graph, [n for n, op in graph.nodes(data="op") if op == "call_function"], k=3)
+
+    seconds, _ = timed(analyse, 3)
+    print(f"analysis: regions, critical path and cuts of {graph.number_of_nodes()} vertices: median {seconds:.3f} s; "
+          "target < 5 s")
+
+
 def cluster(devices: int, hosts_of: int = 0) -> AnalyticCostModel:
     """`devices` fixed-rate GPUs (16 GiB); with hosts_of, NVLink inside each group of that many, network between."""
     spec = {"flops_per_s": 2e13, "bytes_per_s": 1.5e12, "op_overhead_s": 5e-6, "memory_bytes": "16GiB"}
@@ -71,12 +111,16 @@ def cluster(devices: int, hosts_of: int = 0) -> AnalyticCostModel:
     }))
 
 
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
+def timed(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """Median seconds of `repeats` calls, and the last call's result."""
+    times = []
+    for _ in range(max(1, repeats) - 1):
         start = time.perf_counter()
-        out = fn()
+        fn()
         times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - start)
     return statistics.median(times), out
 
 
@@ -86,14 +130,16 @@ MODELS: dict[str, tuple[Callable[[], tuple[torch.nn.Module, torch.Tensor]], str]
     "gpt (tied, 8 layers, width 256)": (
         lambda: (GPT(GPTConfig(vocab=512, width=256, layers=8, seq=64)), torch.randint(0, 512, (16, 64))), "blocks"),
     "gpt untied, vocab 16000": (
-        lambda: (GPT(GPTConfig(vocab=16000, width=256, layers=8, seq=64, tied=False)), torch.randint(0, 16000, (16, 64))),
+        lambda: (GPT(GPTConfig(vocab=16000, width=256, layers=8, seq=64, tied=False)),
+                 torch.randint(0, 16000, (16, 64))),
         "blocks"),
     "inception (32 ch, 32x32)": (lambda: (zoo.Inception(32, 32), torch.randn(32, 32, 32, 32)), ""),
 }
 
 
 def equal_layer_bounds(graph: nx.DiGraph, order: list[str], blocks: str, parts: int) -> list[int]:
-    """Equal numbers of `blocks.<i>` per stage (what comes before or after goes to the end stages), else equal node counts."""
+    """Equal numbers of `blocks.<i>` per stage (what comes before or after goes to the end stages), else equal
+    node counts."""
     index = {}
     for pos, name in enumerate(order):
         path = str(graph.nodes[name].get("module", ""))
@@ -108,7 +154,8 @@ def equal_layer_bounds(graph: nx.DiGraph, order: list[str], blocks: str, parts: 
 def parameter_bounds(problem: HybridProblem, parts: int) -> list[int]:
     """Contiguous stages whose largest parameter bytes is smallest (exact bottleneck split)."""
     none = np.zeros((parts, 2))
-    split = SplitProblem(np.tile(problem.param_bytes + 1.0, (parts, 1)), np.zeros(0, dtype=np.int64), [], np.zeros(0), none, none)
+    weights = np.tile(problem.param_bytes + 1.0, (parts, 1))
+    split = SplitProblem(weights, np.zeros(0, dtype=np.int64), [], np.zeros(0), none, none)
     return solve(split)[0]
 
 
@@ -163,22 +210,25 @@ def main() -> None:
     graph, order = synthetic_graph(args.nodes)
     spec = DeviceSpec("fixed", 1e12, 1e11, 5e-6, 16 << 30)
     cost = AnalyticCostModel(measure=lambda d: spec)
-    seconds, plan = timed(lambda: plan_pipeline(graph, order, [torch.device("cpu")] * args.stages, cost, micro_batches=8), 5)
-    spread = max(s.predicted_ms for s in plan.stages) / min(s.predicted_ms for s in plan.stages)  # type: ignore[attr-defined]
+    cpus = [torch.device("cpu")] * args.stages
+    seconds, plan = timed(lambda: plan_pipeline(graph, order, cpus, cost, micro_batches=8), 5)
+    spread = max(s.predicted_ms for s in plan.stages) / min(s.predicted_ms for s in plan.stages)
     print(f"planned {args.nodes} nodes into {args.stages} stages: median {seconds:.3f} s; target < 1 s; "
           f"slowest/fastest stage {spread:.3f}")
+    time_analysis(args.big)
 
     big, big_order = synthetic_graph(args.big)
     names = [f"cuda:{i}" for i in range(args.stages)]
-    seconds, plan = timed(lambda: plan_hybrid(big, big_order, names, cluster(args.stages), micro_batches=8, replicate=False), 3)
+    seconds, plan = timed(
+        lambda: plan_hybrid(big, big_order, names, cluster(args.stages), micro_batches=8, replicate=False), 3)
     print(f"hybrid: planned {args.big} nodes into {args.stages} stages (no replicas, m=8): median {seconds:.3f} s; "
-          f"target < 2 s; predicted step {plan.predicted_step_ms:.1f} ms")  # type: ignore[attr-defined]
+          f"target < 2 s; predicted step {plan.predicted_step_ms:.1f} ms")
     names = [f"cuda:{i}" for i in range(args.devices)]
     seconds, plan = timed(lambda: plan_hybrid(big, big_order, names, cluster(args.devices, hosts_of=8)), 3)
-    p = plan  # type: ignore[assignment]
+    p = plan
     print(f"hybrid: planned {args.big} nodes onto {args.devices} devices with replication (m and schedule chosen too): "
-          f"median {seconds:.3f} s; target < 10 s; chose {len(p.stages)} stages x replicas {p.notes['replicas']}, "
-          f"m={p.micro_batches}, {p.schedule}")  # type: ignore[attr-defined]
+          f"median {seconds:.3f} s; target < 10 s; chose {len(p.stages)} stages x replicas "
+          f"{[len(s.ranks) for s in p.stages]}, m={p.micro_batches}, {p.schedule}")
     compare_models()
 
 

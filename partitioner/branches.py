@@ -23,9 +23,10 @@ import torch
 from cost_model.analytic import CostModel
 from cost_model.interface import forward_time
 from partitioner.analysis import fork_join_regions, iter_regions
-from runtime.plan import Plan, StagePlan
+from partitioner.assemble import assemble
+from runtime.plan import Plan
 
-__all__ = ["assign_branches", "plan_branches", "stage_producers"]
+__all__ = ["assign_branches", "plan_branches"]
 
 _EXHAUSTIVE_LIMIT = 20000  # assignments tried exhaustively; beyond, longest-branch-first
 
@@ -96,13 +97,14 @@ def plan_branches(
     """A Plan placing parallel branches on different devices (slot i runs on devices[i]).
 
     A region is split only where that cuts its predicted time by more than `min_gain`.
-    Each stage's `ranks` holds its device slot: the rank under torchrun, the worker in one process.
+    Each stage's `ranks` holds its device slot: the rank under torchrun, the worker in one
+    process (a slot left unused runs an empty program). The numbers come from `assemble`.
     """
     position = {name: i for i, name in enumerate(order)}
     slots = range(len(devices))
     times = {d: {n: cost.node_time(graph.nodes[n], d) for n in order} for d in set(devices)}
     forward = {d: {n: forward_time(cost, graph.nodes[n], d) for n in order} for d in set(devices)}
-    slot_of = {n: 0 for n in order}
+    slot_of = dict.fromkeys(order, 0)
     region_of: dict[str, int] = {}
 
     for index, (_, region) in enumerate(iter_regions(fork_join_regions(graph))):
@@ -114,14 +116,16 @@ def plan_branches(
             continue
         home = slot_of.get(region.fork, 0) if region.fork in position else 0
         bt = [
-            [(sum(forward[devices[d]][n] for n in b), sum(times[devices[d]][n] - forward[devices[d]][n] for n in b)) for d in slots]
+            [(sum(forward[devices[d]][n] for n in b), sum(times[devices[d]][n] - forward[devices[d]][n] for n in b))
+             for d in slots]
             for b in branches
         ]
         ct = []
         for b in branches:
             into, out = _crossing(graph, set(b))
             ct.append([
-                0.0 if d == home else 2 * (cost.transfer_time(into, devices[home], devices[d]) + cost.transfer_time(out, devices[d], devices[home]))
+                0.0 if d == home else 2 * (cost.transfer_time(into, devices[home], devices[d])
+                                           + cost.transfer_time(out, devices[d], devices[home]))
                 for d in slots
             ])
         choice, span = assign_branches(bt, ct, home)
@@ -142,7 +146,11 @@ def plan_branches(
             ordered[-1].append(n)
         else:
             ordered.append([n])
-    return _make_plan(graph, ordered, devices, [slot_of[g[0]] for g in ordered], times, forward, cost, micro_batches)
+    slots_used = [slot_of[g[0]] for g in ordered]
+    return assemble(
+        graph, ordered, [devices[slot] for slot in slots_used], cost, micro_batches=micro_batches,
+        stage_ranks=[[slot] for slot in slots_used], rank_devices=devices, placement="branches",
+    )
 
 
 def _grouped_order(graph: nx.DiGraph, order: Sequence[str], label_of: dict[str, tuple[int, int]]) -> list[str]:
@@ -179,49 +187,3 @@ def _grouped_order(graph: nx.DiGraph, order: Sequence[str], label_of: dict[str, 
         while anywhere and anywhere[0][1] in done:
             heapq.heappop(anywhere)
     return out
-
-
-def _make_plan(
-    graph: nx.DiGraph,
-    groups: list[list[str]],
-    devices: Sequence[torch.device],
-    slots: list[int],
-    times: dict[torch.device, dict[str, float]],
-    forward: dict[torch.device, dict[str, float]],
-    cost: CostModel,
-    micro_batches: int,
-) -> Plan:
-    stage_of = {n: s for s, g in enumerate(groups) for n in g}
-    stages = []
-    for s, (names, slot) in enumerate(zip(groups, slots)):
-        dev = devices[slot]
-        compute = sum(times[dev][n] for n in names)
-        fwd = sum(forward[dev][n] for n in names)
-        into, out = _crossing(graph, set(names))
-        sources = {stage_of.get(u, -1) for n in names for u in graph.predecessors(n) if u not in names}
-        src = next((slots[p] for p in sorted(sources) if p >= 0 and slots[p] != slot), slot)
-        dst = next((slots[stage_of[v]] for n in names for v in graph.successors(n) if v in stage_of and slots[stage_of[v]] != slot), slot)
-        comm = 2 * (
-            (cost.transfer_time(into, devices[src], dev) if src != slot else 0.0)
-            + (cost.transfer_time(out, dev, devices[dst]) if dst != slot else 0.0)
-        )
-        params = sum(graph.nodes[n]["param_bytes"] for n in names)
-        params += sum(graph.nodes[u]["param_bytes"] for n in names for u in graph.predecessors(n) if graph.nodes[u]["op"] == "get_attr")
-        stages.append(StagePlan(
-            index=s, device=str(dev), nodes=list(names),
-            predicted_ms=(compute + comm) * 1e3, compute_ms=compute * 1e3,
-            forward_ms=fwd * 1e3, backward_ms=(compute - fwd) * 1e3,
-            comm_ms=comm * 1e3, param_bytes=int(params),
-            activation_bytes=int(sum(graph.nodes[n]["out_bytes"] for n in names) * micro_batches),
-            recv_bytes=int(into), send_bytes=int(out), ranks=[slot],
-        ))
-    return Plan(stages=stages, micro_batches=micro_batches, schedule="gpipe", notes={"placement": "branches"})
-
-
-def stage_producers(graph: nx.DiGraph, plan: Plan) -> list[list[int]]:
-    """For each stage, the earlier stages whose values it reads (the plan's stage DAG)."""
-    stage_of = plan.stage_of()
-    return [
-        sorted({stage_of[u] for n in st.nodes for u in graph.predecessors(n) if u in stage_of and stage_of[u] != st.index})
-        for st in plan.stages
-    ]

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
-from runtime.plan import human_bytes
+from runtime.plan import Schedule, human_bytes
 
 __all__ = ["main"]
 
@@ -42,6 +42,11 @@ exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arg
 """
 
 
+PLACEMENTS = ("pipeline", "branches", "auto")
+PLACEMENT_HELP = ("pipeline: contiguous stages, one per device; branches: parallel branches side by side; "
+                  "auto: whichever is predicted faster (default pipeline)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that says how to get help after a usage error (it already exits with 2)."""
 
@@ -53,7 +58,8 @@ class _Parser(argparse.ArgumentParser):
 def _common(p: argparse.ArgumentParser, devices: bool = True) -> None:
     p.add_argument("target", metavar="MODULE:FACTORY", help="function returning (model, example_inputs); see below")
     if devices:
-        p.add_argument("--devices", metavar="LIST", help="comma-separated devices, one per stage, e.g. cuda:0,cuda:1 or "
+        p.add_argument("--devices", metavar="LIST",
+                       help="comma-separated devices, one per stage, e.g. cuda:0,cuda:1 or "
                        "cpu,cpu (a device may repeat); default: every visible GPU, else cpu,cpu")  # fmt: skip
     p.add_argument("--batch", type=int, metavar="N", help="full batch size (default: dim 0 of the example inputs)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M", help="micro-batches per step (default 1)")
@@ -76,14 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Split the model into one pipeline stage per device, print the plan as a "
                                "table and write its picture.", **kw)  # fmt: skip
     _common(plan)
-    plan.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="pipeline schedule (default gpipe)")
+    plan.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
+                      help="pipeline schedule (default gpipe)")
+    plan.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     plan.add_argument("--out", metavar="PATH", help="write the picture: .html (interactive), .png, .svg or .dot")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan as JSON (reload with `simulate --plan`)")
     plan.add_argument("--profile", action="store_true", help="measure every node on the devices instead of estimating")
     plan.add_argument("--depth", type=int, metavar="D", help="module depth of the drawn graph (99: every node)")
 
     prof = commands.add_parser("profile", help="show each node's shapes, FLOPs, bytes and time",
-                               description="Trace the model and show per-node costs for one micro-batch.", **kw)  # fmt: skip
+                               description="Trace the model and show per-node costs for one micro-batch.",
+                               **kw)  # fmt: skip
     _common(prof, devices=False)
     prof.add_argument("--device", default="cpu", help="device to measure on (default cpu)")
     prof.add_argument("--analytic", action="store_true", help="estimate from FLOPs and bytes instead of measuring")
@@ -93,13 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = commands.add_parser("simulate", help="print the schedule timeline and bubble fraction",
                               description="Simulate a schedule on a plan (from the model, or a saved plan) and print "
-                              "each device's timeline, busy/transfer/idle time and the bubble fraction.", **kw)  # fmt: skip
+                              "each device's timeline, busy/transfer/idle time and the bubble fraction.",
+                              **kw)  # fmt: skip
     sim.add_argument("target", metavar="MODULE:FACTORY", nargs="?", help="function returning (model, example_inputs)")
     sim.add_argument("--plan", metavar="PLAN.json", help="a plan saved with `plan --save` (instead of MODULE:FACTORY)")
     sim.add_argument("--devices", metavar="LIST", help="as for `plan`")
     sim.add_argument("--batch", type=int, metavar="N", help="as for `plan`")
     sim.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches (default: the plan's, else 1)")
     sim.add_argument("--schedule", choices=("gpipe", "1f1b"), help="schedule (default: the plan's, else gpipe)")
+    sim.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     sim.add_argument("--width", type=int, default=72, metavar="COLS", help="characters per timeline row (default 72)")
     sim.add_argument("--out", metavar="PATH", help="also write the plan's picture with this timeline")
     sim.add_argument("--quiet", action="store_true", help="no progress display")
@@ -165,50 +176,49 @@ def _devices(text: str | None) -> list[str]:
     return devices
 
 
-def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batches: int) -> tuple[Any, Example]:
-    """Trace, cost and split the model as `partition` does, without moving any weights."""
-    from cost_model.analytic import AnalyticCostModel
+def _make_plan(args: argparse.Namespace, err: Console, schedule: Schedule, micro_batches: int) -> tuple[Any, Example]:
+    """The plan `partition` would run, made by its planning step alone (nothing moves), drawable."""
     from cost_model.devices import resolve_devices
-    from partitioner.graph import build_graph, compute_nodes
-    from partitioner.planner import plan_pipeline
-    from partitioner.visualizer import with_graph
+    from partitioner.api import plan as make_plan
+    from partitioner.visualizer import Plan
 
+    devices = _devices(args.devices)
     try:
-        devices = resolve_devices(_devices(args.devices))
+        resolve_devices(devices)
     except ValueError as exc:
         raise UsageError(f"--devices: {exc}") from None
     with _step(err, args.quiet, f"loading {args.target}"):
         example = load_example(args.target, args.batch, micro_batches)
-    with _step(err, args.quiet, f"tracing and measuring the graph ({example.batch} samples, {micro_batches} micro-batches)"):
-        gm, first = example.trace()
-        graph = build_graph(gm, first)
-    cost: Any
+    doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
+    with _step(err, args.quiet, doing):
+        plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
+                         micro_batches=micro_batches, schedule=schedule, placement=args.placement,
+                         cost_model=_cost_model(args))
+    return Plan.from_plan(plan), example
+
+
+def _cost_model(args: argparse.Namespace) -> Any:
+    """Measured nodes with --profile (the planner shows it the graph), else the analytic estimate."""
+    from cost_model.analytic import AnalyticCostModel
+
     if getattr(args, "profile", False):
         from cost_model.profiler import ProfiledCostModel
 
-        cost = ProfiledCostModel(gm, first, progress=not args.quiet)
-    else:
-        cost = AnalyticCostModel()
-    prepare = getattr(cost, "prepare", None)  # see [Note: cost model interface]
-    if callable(prepare):
-        prepare(gm, first)
-    with _step(err, args.quiet, f"planning {len(devices)} stages"):
-        plan = plan_pipeline(graph, [n.name for n in compute_nodes(gm)], devices, cost, micro_batches, schedule=schedule)
-        plan.schedule = schedule
-        plan = with_graph(plan, graph, cost)
-    return plan, example
+        return ProfiledCostModel(progress=not args.quiet)
+    return AnalyticCostModel()
 
 
 def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
     """The plan as a rich table `width` characters wide at most: one row per stage, the bottleneck in red."""
+    reduce = any(s.allreduce_ms > 0 for s in plan.stages)  # replicated stages: their all-reduce, once per step
     header = ("stage", "device", "nodes", "first .. last node", "compute ms", "comm ms", "total ms", "params",
-              "activations", "sends")  # fmt: skip
+              "activations", "sends") + (("all-reduce ms",) if reduce else ())  # fmt: skip
     rows = [
         (
             str(s.index), s.device, str(len(s.nodes)), f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-",
             f"{s.compute_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.predicted_ms:.3f}",
             human_bytes(s.param_bytes), human_bytes(s.activation_bytes), human_bytes(s.send_bytes),
-        )
+        ) + ((f"{s.allreduce_ms:.3f}",) if reduce else ())
         for s in plan.stages
     ]
     table = Table(title=title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
@@ -233,12 +243,18 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     plan, example = _make_plan(args, err, args.schedule, args.micro_batches)
     timeline, note = simulated_timeline(plan)
     out.print(plan_table(plan, f"{example.name}: {len(plan.stages)} stages", out.width))
-    bubble = f", simulated step {timeline.makespan_ms:.3f} ms, bubble {timeline.bubble_fraction:.1%}" if timeline else ""
+    bubble = ""
+    if timeline:
+        bubble = f", simulated step {timeline.makespan_ms:.3f} ms, bubble {timeline.bubble_fraction:.1%}"
     out.print(
-        f"batch {example.batch} in {plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}, schedule {plan.schedule}; "
-        f"bottleneck {plan.bottleneck_ms:.3f} ms per micro-batch (red){bubble}. Times are forward + backward of one "
-        "micro-batch; sends: bytes to later stages per micro-batch", markup=False,
+        f"batch {example.batch} in {plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}, "
+        f"schedule {plan.schedule}, "
+        f"{plan.placement}; bottleneck {plan.bottleneck_ms:.3f} ms per micro-batch (red){bubble}. Times are forward + "
+        "backward of one micro-batch; sends: bytes to later stages per micro-batch", markup=False,
     )  # fmt: skip
+    if plan.alternatives:
+        out.print("predicted step of each placement compared: " + ", ".join(
+            f"{name} {ms:.3f} ms" for name, ms in plan.alternatives.items()), markup=False)  # fmt: skip
     if note:
         out.print(note, markup=False)
     if args.save:
@@ -287,7 +303,8 @@ def _profile(args: argparse.Namespace, out: Console, err: Console) -> int:
     rows = sorted(names, key=lambda n: -total.get(n, 0.0)) if args.sort == "time" else names
     shown = rows if args.top == 0 else rows[: args.top]
     whole = sum(total.values()) or 1.0
-    table = Table(title=f"{example.name}: per-node cost of one micro-batch, {source}", title_justify="left", header_style="bold")
+    table = Table(title=f"{example.name}: per-node cost of one micro-batch, {source}", title_justify="left",
+                  header_style="bold")
     for name, justify in [("#", "right"), ("node", "left"), ("op", "left"), ("module", "left"), ("output", "left"),
                           ("FLOPs", "right"), ("out bytes", "right"), ("params", "right"), ("fwd ms", "right"),
                           ("bwd ms", "right"), ("share", "right")]:  # fmt: skip
@@ -304,42 +321,45 @@ def _profile(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(table)
     more = f" ({len(rows) - len(shown)} more rows: --top 0 shows all)" if len(shown) < len(rows) else ""
     out.print(f"{len(names)} nodes, forward {sum(fwd.values()) * 1e3:.3f} ms + backward "
-              f"{(sum(total.values()) - sum(fwd.values())) * 1e3:.3f} ms per micro-batch{more}", markup=False)  # fmt: skip
+              f"{(sum(total.values()) - sum(fwd.values())) * 1e3:.3f} ms per micro-batch{more}",
+              markup=False)  # fmt: skip
     return 0
 
 
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from partitioner.assemble import finish
     from partitioner.simulator import simulate
-    from partitioner.visualizer import Plan, schedule_lists, visualize
+    from partitioner.visualizer import Plan, visualize
 
     if args.plan:
         try:
             plan = Plan.from_json(Path(args.plan).read_text(encoding="utf-8"))
         except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise UsageError(f"--plan {args.plan}: cannot read a saved plan ({exc}); write one with `plan --save`") from None
-        if args.micro_batches:
-            plan.micro_batches = args.micro_batches
+            raise UsageError(
+                f"--plan {args.plan}: cannot read a saved plan ({exc}); write one with `plan --save`"
+            ) from None
         name = args.plan
     else:
         plan, example = _make_plan(args, err, args.schedule or "gpipe", args.micro_batches or 1)
         name = example.name
-    plan.schedule = args.schedule or plan.schedule
-    try:
-        schedule, note = schedule_lists(plan)
-    except ValueError as exc:
-        raise UsageError(f"--micro-batches {plan.micro_batches}: {exc}") from None
-    if note:
-        raise UsageError(f"{note}; pass --schedule gpipe or 1f1b")
-    timeline = simulate(plan, schedule)
-    out.print(f"{name}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, schedule {plan.schedule}", markup=False)
+    micro_batches, schedule = args.micro_batches or plan.micro_batches, args.schedule or plan.schedule
+    changed = (micro_batches, schedule) != (plan.micro_batches, plan.schedule)
+    plan.micro_batches, plan.schedule = micro_batches, schedule
+    try:  # the programs of the new micro-batches or schedule, priced as the plan's were
+        timeline = finish(plan) if changed or not plan.programs else simulate(plan)
+    except PartitionError as exc:
+        raise UsageError(f"--schedule {plan.schedule} --micro-batches {plan.micro_batches}: {exc}") from None
+    out.print(f"{name}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, schedule {plan.schedule}",
+              markup=False)
     out.print(timeline.chart(width=args.width), markup=False)
-    out.print("F forward, B backward, ~ only transfers, . idle", markup=False)
+    out.print("F forward, B backward, ~ only transfers or all-reduce, . idle", markup=False)
     table = Table(header_style="bold")
     for col in ("device", "stages", "busy ms", "comm ms", "idle ms", "idle"):
         table.add_column(col, justify="left" if col in ("device", "stages") else "right")
     for d in timeline.devices:
         idle = d.idle_ms / timeline.makespan_ms if timeline.makespan_ms > 0 else 0.0
-        table.add_row(d.device, ",".join(map(str, d.stages)), f"{d.busy_ms:.3f}", f"{d.comm_ms:.3f}", f"{d.idle_ms:.3f}", f"{idle:.1%}")
+        table.add_row(d.device, ",".join(map(str, d.stages)), f"{d.busy_ms:.3f}", f"{d.comm_ms:.3f}",
+                      f"{d.idle_ms:.3f}", f"{idle:.1%}")
     out.print(table)
     out.print(f"makespan {timeline.makespan_ms:.3f} ms, bubble fraction {timeline.bubble_fraction:.1%}", markup=False)
     if args.out:

@@ -1,25 +1,28 @@
 """Hybrid planning for a traced graph: costs into a HybridProblem, the solution into a Plan.
 
 The numbers and the search live in partitioner/hybrid.py; this module asks the cost model
-(node times, links, all-reduce, memory) and builds the runtime Plan with ranks filled.
+(node times, links, all-reduce, memory) for them, and hands the chosen placement (stages,
+ranks, micro-batches, schedule) to partitioner/assemble.py, which counts the Plan's numbers
+as for every planner: the search's objective ranks configurations, the simulator predicts
+the chosen one.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import networkx as nx
 import numpy as np
 import torch
 
-from cost_model.interface import BACKWARD_FACTOR, CostModel
+from cost_model.interface import CostModel
 from cost_model.memory import optimizer_states, saved_activation_bytes
+from partitioner.assemble import assemble, device_key
 from partitioner.errors import PartitionError
-from partitioner.hybrid import SCHEDULES, HybridProblem, _Grid, solve_hybrid
-from runtime.plan import Plan, StagePlan
+from partitioner.hybrid import SCHEDULES, HybridProblem, solve_hybrid
+from runtime.plan import Plan
 
-__all__ = ["hybrid_problem", "plan_hybrid"]
+__all__ = ["hybrid_problem", "per_micro_batch", "plan_hybrid"]
 
 
 def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
@@ -27,14 +30,6 @@ def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
     one, big = time(1.0, *args), time(1.0 + (1 << 20), *args)
     slope = (big - one) / (1 << 20)
     return max(0.0, one - slope), max(0.0, slope)
-
-
-def _device_key(cost: CostModel, device: torch.device) -> Any:
-    spec = getattr(cost, "spec", None)
-    if callable(spec):
-        s = spec(device)
-        return (s.flops_per_s, s.bytes_per_s, s.op_overhead_s, s.kind or device.type)
-    return str(device)
 
 
 def hybrid_problem(
@@ -56,14 +51,15 @@ def hybrid_problem(
     position = {name: i for i, name in enumerate(order)}
     n, D = len(order), len(devs)
     keys: dict[Any, int] = {}
-    kind = np.array([keys.setdefault(_device_key(cost, d), len(keys)) for d in devs])
+    kind = np.array([keys.setdefault(device_key(cost, d), len(keys)) for d in devs])
     fixed, batch = np.zeros((len(keys), n)), np.zeros((len(keys), n))
     for k in range(len(keys)):
         dev = devs[int(np.argmax(kind == k))]
         for i, name in enumerate(order):
             attrs = graph.nodes[name]
             whole = cost.node_time(attrs, dev)
-            half = cost.node_time({**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}, dev)
+            halved = {**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}
+            half = cost.node_time(halved, dev)
             part = min(max(2.0 * (whole - half), 0.0), whole)
             fixed[k, i], batch[k, i] = whole - part, part
     producers, consumers, sizes = [], [], []
@@ -85,7 +81,7 @@ def hybrid_problem(
     for i, j in ((i, j) for i in range(D) for j in range(D) if i != j):  # ranks: a device may repeat
         link[i, j] = _affine(cost.transfer_time, devs[i], devs[j])
     allreduce, reduce = np.zeros((D, D + 1, 2)), getattr(cost, "allreduce_time", None)
-    for w, r in ((w, r) for w in range(D) for r in range(2, D - w + 1)):
+    for w, r in [(first, r) for first in range(D) for r in range(2, D - first + 1)]:
         if callable(reduce):
             allreduce[w, r] = _affine(reduce, devs[w : w + r])
         else:  # ring all-reduce over the slowest hop (cost_model/comm.py)
@@ -95,7 +91,8 @@ def hybrid_problem(
     if memory_bytes is not None and len(memory_bytes) != D:
         raise PartitionError(f"memory_bytes has {len(memory_bytes)} entries for {D} devices; give one per device")
     totals = [headroom * float(spec(d).memory_bytes) if callable(spec) else 0.0 for d in devs]
-    capacity = np.array([float(x) for x in memory_bytes] if memory_bytes is not None else [t if t > 0 else np.inf for t in totals])
+    given = [float(x) for x in memory_bytes] if memory_bytes is not None else None
+    capacity = np.array(given if given is not None else [t if t > 0 else np.inf for t in totals])
     first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
     size = first["shapes"][0][0] if first and first["shapes"][0] else None
     try:
@@ -138,24 +135,25 @@ def plan_hybrid(
     """
     problem = hybrid_problem(graph, order, devices, cost, memory_bytes, optimizer, headroom)
     sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
-    m, names = sol.micro_batches, problem.names or []
-    grid, w, out, allreduce = _Grid(problem, np.asarray(sol.bounds)), 0, [], []
-    for s, (r, a, b) in enumerate(zip(sol.replicas, sol.bounds, sol.bounds[1:])):
-        kinds = np.unique(problem.device_kind[w : w + r])
-        compute = max(float(problem.fixed_times[k, a:b].sum() + problem.batch_times[k, a:b].sum() / m) for k in kinds)
-        params = float(grid.params[s + 1] - grid.params[s])
-        lat, slope = problem.allreduce[w, r] if r > 1 and params > 0 else (0.0, 0.0)
-        reduce = float(lat + slope * params)
-        per_mb = (sol.work_s[s] - reduce) / math.ceil(m / r)
-        allreduce.append(reduce * 1e3)
-        out.append(StagePlan(
-            index=s, device=names[w], nodes=list(order[a:b]), predicted_ms=sol.work_s[s] / m * 1e3,
-            compute_ms=compute * 1e3, forward_ms=compute * 1e3 / (1 + BACKWARD_FACTOR),
-            backward_ms=compute * 1e3 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR), comm_ms=max(0.0, per_mb - compute) * 1e3,
-            param_bytes=int(params), activation_bytes=int(sol.memory[s] - (2 + problem.optimizer_states) * params),
-            recv_bytes=int(grid.recv[s, s + 1] / m), send_bytes=int(grid.send[s, s + 1] / m), ranks=list(range(w, w + r)),
-        ))
-        w += r
-    notes = {"planner": "hybrid", "replicas": sol.replicas, "allreduce_ms": allreduce, "memory_bytes": sol.memory,
-             "capacity_bytes": [float(c) if np.isfinite(c) else None for c in problem.capacity]}
-    return Plan(stages=out, micro_batches=m, schedule=sol.schedule, predicted_step_ms=sol.step_s * 1e3, notes=notes)
+    names, m = problem.names or [str(d) for d in devices], sol.micro_batches
+    starts = np.cumsum([0, *sol.replicas])
+    ranks = [list(range(int(a), int(b))) for a, b in zip(starts, starts[1:])]
+    capacity = [float(problem.capacity[r].min()) for r in ranks]
+    return assemble(
+        per_micro_batch(graph, m), [list(order[a:b]) for a, b in zip(sol.bounds, sol.bounds[1:])],
+        [names[r[0]] for r in ranks], cost, micro_batches=m, schedule=sol.schedule,  # type: ignore[arg-type]
+        stage_ranks=ranks, rank_devices=names, placement="hybrid", optimizer=optimizer,
+        capacity_bytes=[int(c) if np.isfinite(c) else None for c in capacity],
+    )
+
+
+def per_micro_batch(graph: nx.DiGraph, micro_batches: int) -> nx.DiGraph:
+    """A copy of a whole-batch graph describing one micro-batch: FLOPs and bytes moved divided by m."""
+    out = graph.copy()
+    for _, attrs in out.nodes(data=True):
+        for key in ("flops", "out_bytes"):
+            attrs[key] = (attrs.get(key, 0) or 0) / micro_batches
+    for _, _, data in out.edges(data=True):
+        if "bytes" in data:
+            data["bytes"] = data["bytes"] / micro_batches
+    return out

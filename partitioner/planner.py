@@ -9,6 +9,9 @@ R[a, b] is the bytes of values made before a and read in [a, b) (skips come stra
 the stage that made them); S[a, b] the bytes made in [a, b) and read at b or later. A
 dynamic program over (stage, end) finds the split whose largest T_s is smallest, exactly;
 R and S for every (a, b) come from 2-D difference arrays in O(n^2) numpy work.
+
+T_s is the search's objective only: the returned Plan is counted and simulated by
+partitioner/assemble.py, as every planner's is.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import numpy as np
 import torch
 
 from cost_model.analytic import CostModel
-from cost_model.interface import forward_time
+from partitioner.assemble import assemble
 from partitioner.errors import PartitionError
-from runtime.plan import Plan, StagePlan
+from runtime.plan import Plan, Schedule
 
 __all__ = ["SplitProblem", "boundary_bytes", "plan_pipeline", "solve"]
 
@@ -97,7 +100,8 @@ def boundary_bytes(
     first[1:] = vid[1:] != vid[:-1]
     prev = np.where(first, producers[vid], np.roll(cons, 1))  # the previous reader, or the producer
     inner = cons < n
-    recv = _rectangles(cuts, prev[inner] + 1, cons[inner], cons[inner] + 1, np.full(inner.sum(), n), value_bytes[vid[inner]])
+    recv = _rectangles(cuts, prev[inner] + 1, cons[inner], cons[inner] + 1, np.full(inner.sum(), n),
+                       value_bytes[vid[inner]])
     has = (lengths > 0) & (producers >= 0)
     last = np.array([c[-1] if len(c) else 0 for c in consumers], dtype=np.int64)[has]
     prod = producers[has]
@@ -105,7 +109,9 @@ def boundary_bytes(
     return recv[:k, :k], send[:k, :k]
 
 
-def _rectangles(cuts: np.ndarray, r0: np.ndarray, r1: np.ndarray, c0: np.ndarray, c1: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _rectangles(
+    cuts: np.ndarray, r0: np.ndarray, r1: np.ndarray, c0: np.ndarray, c1: np.ndarray, w: np.ndarray
+) -> np.ndarray:
     """Sum of w over rectangles rows [r0, r1] x cols [c0, c1] (node positions), on the cut grid."""
     k = len(cuts)
     i0, i1 = np.searchsorted(cuts, r0, "left"), np.searchsorted(cuts, r1, "right") - 1
@@ -122,12 +128,6 @@ def _rectangles(cuts: np.ndarray, r0: np.ndarray, r1: np.ndarray, c0: np.ndarray
 
 def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], float]:
     """Stage boundaries [0, b1, ..., n] minimizing the largest stage time, and that time."""
-    bounds, bottleneck, _, _ = _solve(problem, max_cuts)
-    return bounds, bottleneck
-
-
-def _solve(problem: SplitProblem, max_cuts: int) -> tuple[list[int], float, list[float], list[float]]:
-    """solve() plus the recv and send bytes of each chosen stage."""
     n, p = problem.n, problem.stages
     if p > n:
         raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
@@ -159,13 +159,7 @@ def _solve(problem: SplitProblem, max_cuts: int) -> tuple[list[int], float, list
     for s in range(p - 1, -1, -1):
         picks.append(int(choice[s, picks[-1]]))
     picks.reverse()
-    pairs = list(zip(picks, picks[1:]))
-    return (
-        [int(cuts[i]) for i in picks],
-        float(dp[k - 1]),
-        [float(recv[a, b]) for a, b in pairs],
-        [float(send[a, b]) for a, b in pairs],
-    )
+    return [int(cuts[i]) for i in picks], float(dp[k - 1])
 
 
 def _affine(cost: CostModel, src: torch.device, dst: torch.device) -> tuple[float, float]:
@@ -175,7 +169,9 @@ def _affine(cost: CostModel, src: torch.device, dst: torch.device) -> tuple[floa
     return one - slope, slope
 
 
-def make_problem(graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torch.device], cost: CostModel) -> SplitProblem:
+def make_problem(
+    graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torch.device], cost: CostModel
+) -> SplitProblem:
     """Gather per-node times on each stage's device and the values crossing positions."""
     position = {name: i for i, name in enumerate(order)}
     n = len(order)
@@ -185,7 +181,8 @@ def make_problem(graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torc
         if attrs["op"] != "placeholder" and name not in position:
             continue
         cons = sorted(
-            {position[u] if u in position else n for u in graph.successors(name) if u in position or graph.nodes[u]["op"] == "output"}
+            {position[u] if u in position else n for u in graph.successors(name)
+             if u in position or graph.nodes[u]["op"] == "output"}
         )
         if cons:
             producers.append(position.get(name, -1))
@@ -212,53 +209,25 @@ def plan_pipeline(
     cost: CostModel,
     micro_batches: int,
     replicas: Sequence[int] | None = None,
-    schedule: str = "gpipe",
+    schedule: Schedule = "gpipe",
+    *,
+    stage_ranks: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """The best contiguous split of `order` over `devices` (one entry per stage), as a Plan.
 
-    With `replicas`, stage s runs on replicas[s] processes (ranks numbered stage by stage)
-    that share its micro-batches, so its time counts 1 / replicas[s].
+    With `replicas`, stage s runs on replicas[s] ranks (numbered stage by stage) that share
+    its micro-batches, so its time counts 1 / replicas[s]; `stage_ranks` names the ranks
+    instead (interleaved: stage s on rank s % world). The split minimizes the bottleneck
+    above; the Plan's numbers come from `partitioner.assemble`.
     """
+    if stage_ranks is None and replicas is not None:
+        starts = np.cumsum([0, *replicas])
+        stage_ranks = [list(range(int(a), int(b))) for a, b in zip(starts, starts[1:])]
     problem = make_problem(graph, order, devices, cost)
-    if replicas is not None:
-        problem.replicas = np.asarray(replicas, dtype=np.int64)
-    bounds, _, recvs, sends = _solve(problem, MAX_CUTS)
-    first_use: dict[str, int] = {}
-    for i, name in enumerate(order):
-        for pred in graph.predecessors(name):
-            if graph.nodes[pred]["op"] == "get_attr":
-                first_use.setdefault(pred, i)
-    stages = []
-    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        recv, send = recvs[s], sends[s]
-        compute = float(problem.node_times[s, a:b].sum())
-        comm = 2 * float(_link(problem.recv_link[s], recv) + _link(problem.send_link[s], send))
-        total = (compute + comm) / problem.replicas_of(s)  # replicas share the micro-batches
-        names = list(order[a:b])
-        fwd = sum(forward_time(cost, graph.nodes[x], devices[s]) for x in names)
-        params = sum(graph.nodes[x]["param_bytes"] for x in names)
-        params += sum(graph.nodes[x]["param_bytes"] for x, i in first_use.items() if a <= i < b)
-        stages.append(
-            StagePlan(
-                index=s,
-                device=str(devices[s]),
-                nodes=names,
-                predicted_ms=total * 1e3,
-                compute_ms=compute * 1e3,
-                forward_ms=fwd * 1e3,
-                backward_ms=(compute - fwd) * 1e3,
-                comm_ms=comm * 1e3,
-                param_bytes=int(params),
-                activation_bytes=int(sum(graph.nodes[x]["out_bytes"] for x in names) * micro_batches),
-                recv_bytes=int(recv),
-                send_bytes=int(send),
-                ranks=list(range(sum(replicas[:s]), sum(replicas[: s + 1]))) if replicas is not None else [],
-            )
-        )
-    bottleneck = max(s.predicted_ms for s in stages)
-    return Plan(
-        stages=stages,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        predicted_step_ms=(micro_batches + len(stages) - 1) * bottleneck,
+    if stage_ranks is not None:
+        problem.replicas = np.asarray([len(r) for r in stage_ranks], dtype=np.int64)
+    bounds, _ = solve(problem)
+    return assemble(
+        graph, [list(order[a:b]) for a, b in zip(bounds, bounds[1:])], devices, cost,
+        micro_batches=micro_batches, schedule=schedule, stage_ranks=stage_ranks,
     )

@@ -1,30 +1,62 @@
-"""Simulate a schedule on a Plan: each device's timeline of compute, transfers, all-reduce and idle.
+"""Simulate a Plan's programs: each rank's timeline of compute, transfers, all-reduce and idle.
 
-The schedule is the data the runtime runs: per device, an ordered list of `Action`s (see
-runtime/schedule.py). A device runs its list in order, one action at a time; an action
-starts once the device is free and its inputs have arrived:
+`simulate(plan)` prices the ops the runtime runs (`plan.programs`, see runtime/program.py),
+so what is predicted and drawn is what runs. A rank runs its ops in order:
 
-    F(s, i) needs F(s-1, i)'s activations;  B(s, i) needs F(s, i) and B(s+1, i)'s gradients.
+    F s i   starts when the rank is free and stage s's inputs for micro-batch i are there
+            (from its own earlier forward, or the RECV of another rank's SEND);
+    B s i   likewise, after F s i and the gradients of the stages that read s;
+    SEND    starts the transfer when posted (after the tick's compute) and the directed
+            link is free; it runs beside compute, one transfer per link at a time;
+    RECV    marks where the message arrives; the compute that reads it waits for it;
+    AR      starts when every rank of the group posted it and their all-reduce stream is
+            free; asynchronous, it overlaps later compute;
+    STEP    ends the rank's step after its compute, transfers and all-reduces.
 
-Transfers between devices run on the link, overlapping compute (copy streams, isend/irecv);
-each directed link carries one transfer at a time, in the sender's order. After a device's
-last backward of a stage it all-reduces that stage's gradients (data-parallel replicas).
+    GPipe, m=2, stage 0 on ranks 0 and 1 (one micro-batch each), stage 1 on rank 2; F 1 ms,
+    B 2 ms, free transfers, all-reduce 1.5 ms; one char = 0.5 ms (`Timeline.chart(0.5)`):
 
-    GPipe, m=2, p=2: forward 1 ms, backward 2 ms, transfer 0.5 ms; one char = 0.5 ms
-    (`Timeline.chart(0.5)`: F forward, B backward, ~ only a transfer, . idle):
+    rank 0  FF............BBBB~~~   F0, B0 at 7; the all-reduce waits for both replicas,
+    rank 1  FF........BBBB....~~~   runs 9 .. 10.5 and ends the step: predicted 10.5 ms,
+    rank 2  ..FFFFBBBBBBBB.......   not 9 (tests/test_assemble.py computes it by hand)
 
-    device 0 FFFF~......~BBBBBBBB      F0 F1, send F1 at 2.0, recv B1's gradient at 5.5
-    device 1 ..~FFFFBBBBBBBB~....      recv F0 at 1.0, F0 F1 B1 B0, send B0's gradient at 7.5
-             0   2   4   6   8   10 ms: makespan 10, bubble 1 - 12/20 = 40%
+Prices: compute from each stage's `forward_ms` and `backward_ms`; a message from
+`transfer_ms`, else the duration the plan's programs already record for it, else a share of
+the stages' `comm_ms`; an all-reduce from `group_ms`, else the `allreduce_ms` of the stage
+whose replicas form the group, else what the programs record. An explicit schedule
+(`simulate(plan, gpipe(m, p))`) is simulated on stage times instead: see schedule_sim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Callable, Literal, Mapping, Sequence, Union
+from dataclasses import replace
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from partitioner.errors import PartitionError
+from partitioner.schedule_sim import (
+    ScheduleCheck,
+    ScheduleError,
+    StageMs,
+    TransferMs,
+    check_schedule,
+    plan_transfer,
+    simulate_schedule,
+    stage_ms,
+)
+from partitioner.timeline import (
+    ALLREDUCE,
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    RECV,
+    SEND,
+    DeviceTimeline,
+    Event,
+    Timeline,
+    fill_idle,
+)
 from runtime.plan import Plan
+from runtime.program import Op, Program
 from runtime.schedule import Action
 
 __all__ = [
@@ -36,370 +68,266 @@ __all__ = [
     "SEND",
     "DeviceTimeline",
     "Event",
+    "GroupMs",
+    "Prices",
     "ScheduleCheck",
     "ScheduleError",
     "Timeline",
     "check_schedule",
+    "group_price",
+    "in_flight",
+    "message_price",
+    "recorded_prices",
+    "replica_groups",
     "simulate",
 ]
 
-FORWARD, BACKWARD = "compute-forward", "compute-backward"
-SEND, RECV, ALLREDUCE, IDLE = "send", "recv", "allreduce", "idle"
-
-TransferMs = Callable[[int, int, int], float]
-StageMs = Union[Mapping[int, float], Callable[[int], float]]
+Group = tuple[int, ...]
+GroupMs = Mapping[Group, float] | Callable[[Group], float]
 
 
-class ScheduleError(PartitionError):
-    """A schedule misses or repeats actions, or its lists can deadlock; the message lists why."""
+class Prices(NamedTuple):
+    """Durations (ms) recorded in programs' `predicted`: per message (src, dst stage) and per AR group."""
+
+    messages: dict[tuple[int, int], float]
+    groups: dict[Group, float]
 
 
-@dataclass
-class Event:
-    """One interval on a device: compute, a transfer end, an all-reduce or idle (times in ms)."""
-
-    kind: str
-    stage: int  # -1 for idle
-    microbatch: int  # -1 for idle and allreduce
-    start: float
-    end: float
-    peer: int = -1  # the other device of a send or recv
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class DeviceTimeline:
-    """A device's events sorted by start; comm events may overlap compute."""
-
-    device: str
-    stages: list[int]
-    events: list[Event] = field(default_factory=list)
-    busy_ms: float = 0.0  # compute
-    comm_ms: float = 0.0  # send, recv and allreduce, overlapped or not
-    idle_ms: float = 0.0  # nothing at all running
-
-
-@dataclass
-class Timeline:
-    """Per-device timelines of one training step, its makespan and stage occupancy."""
-
-    devices: list[DeviceTimeline]
-    makespan_ms: float
-    peak_in_flight: list[int]  # per stage: most micro-batches forwarded but not yet backwarded
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of device time not computing: 1 - sum(busy) / (devices * makespan)."""
-        if not self.devices or self.makespan_ms <= 0:
-            return 0.0
-        return 1.0 - sum(d.busy_ms for d in self.devices) / (len(self.devices) * self.makespan_ms)
-
-    def chart(self, ms_per_char: float | None = None, width: int = 72) -> str:
-        """A text Gantt chart: F forward, B backward, ~ only transfers or all-reduce, . idle."""
-        scale = ms_per_char or (self.makespan_ms / width if self.makespan_ms > 0 else 1.0)
-        columns = max(1, round(self.makespan_ms / scale))
-        rows = []
-        for d, timeline in enumerate(self.devices):
-            cells = ["."] * columns
-            for e in timeline.events:
-                mark = {FORWARD: "F", BACKWARD: "B", IDLE: None}.get(e.kind, "~")
-                for c in range(int(e.start / scale + 0.5), int(e.end / scale + 0.5)):
-                    if mark and c < columns and (cells[c] == "." or mark != "~"):
-                        cells[c] = mark
-            rows.append(f"device {d} " + "".join(cells))
-        return "\n".join(rows)
-
-    def summary(self) -> str:
-        """A table: one row per device, then the makespan and bubble."""
-        lines = [f"{'device':<12} {'stages':<10} {'busy ms':>10} {'comm ms':>10} {'idle ms':>10}"]
-        for d in self.devices:
-            stages = ",".join(map(str, d.stages))
-            lines.append(f"{d.device:<12} {stages:<10} {d.busy_ms:>10.3f} {d.comm_ms:>10.3f} {d.idle_ms:>10.3f}")
-        lines.append(
-            f"makespan {self.makespan_ms:.3f} ms, bubble {self.bubble_fraction:.1%}, "
-            f"peak in-flight per stage {self.peak_in_flight}"
-        )
-        return "\n".join(lines)
-
-
-@dataclass
-class ScheduleCheck:
-    """What `check_schedule` proved about a schedule."""
-
-    stage_device: list[int]  # device index (list) running each stage
-    peak_in_flight: list[int]  # per stage: max forwards done minus backwards done
-    ticks: int  # steps when every ready device runs one action per step
-
-
-Producers = Optional[Sequence[Sequence[int]]]
-
-
-def _producers(stages: int, producers: Producers) -> list[list[int]]:
-    """Stages each stage reads from: the one before it for a chain (the default), else as given."""
-    if producers is None:
-        return [[s - 1] if s > 0 else [] for s in range(stages)]
-    return [list(p) for p in producers]
-
-
-def _deps(a: Action, stages: int, producers: Producers = None) -> list[Action]:
-    prods = _producers(stages, producers)
-    if a.kind == "F":
-        return [Action(p, "F", a.microbatch) for p in prods[a.stage]]
-    return [Action(a.stage, "F", a.microbatch)] + [
-        Action(c, "B", a.microbatch) for c in range(stages) if a.stage in prods[c]
-    ]
-
-
-def _consumers(a: Action, stages: int, producers: Producers = None) -> list[Action]:
-    """Actions on other stages that read `a`'s output (activations forward, gradients backward)."""
-    prods = _producers(stages, producers)
-    if a.kind == "F":
-        return [Action(c, "F", a.microbatch) for c in range(stages) if a.stage in prods[c]]
-    return [Action(p, "B", a.microbatch) for p in prods[a.stage]]
-
-
-def check_schedule(
-    schedule: Sequence[Sequence[Action]], stages: int, micro_batches: int, producers: Producers = None
-) -> ScheduleCheck:
-    """Prove that `schedule` runs every F and B once per stage and micro-batch and cannot deadlock.
-
-    Args:
-        schedule: per device, the ordered actions it runs.
-        stages: number of pipeline stages (Action.stage is 0 .. stages-1).
-        micro_batches: number of micro-batches (Action.microbatch is 0 .. micro_batches-1).
-
-    Raises:
-        ScheduleError: all problems found, one per line; or, for a deadlock, where each
-            stuck device waits and on what.
-        TypeError: an entry is not an Action.
-    """
-    if stages < 1 or micro_batches < 1:
-        raise ScheduleError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
-    problems: list[str] = []
-    where: dict[Action, tuple[int, int]] = {}
-    devices_of: dict[int, set[int]] = {}
-    for d, actions in enumerate(schedule):
-        for k, a in enumerate(actions):
-            if not isinstance(a, Action):
-                raise TypeError(f"schedule[{d}][{k}] is {a!r}, not an Action; build lists with runtime.schedule")
-            if not (0 <= a.stage < stages and 0 <= a.microbatch < micro_batches and a.kind in ("F", "B")):
-                problems.append(
-                    f"device {d} position {k}: {a} is outside {stages} stages x {micro_batches} micro-batches"
-                )
-                continue
-            if a in where:
-                first = f"device {where[a][0]} position {where[a][1]}"
-                problems.append(f"{a} appears twice: {first} and device {d} position {k}")
-                continue
-            where[a] = (d, k)
-            devices_of.setdefault(a.stage, set()).add(d)
-    kinds: tuple[Literal["F", "B"], ...] = ("F", "B")
-    expected = [Action(s, kind, i) for s in range(stages) for kind in kinds for i in range(micro_batches)]
-    missing = [str(a) for a in expected if a not in where]
-    if missing:
-        more = " ..." if len(missing) > 20 else ""
-        problems.append(f"{len(missing)} actions missing: {' '.join(missing[:20])}{more}")
-    for s, devices in sorted(devices_of.items()):
-        if len(devices) > 1:
-            problems.append(f"stage {s} runs on devices {sorted(devices)}; put all of a stage's actions in one list")
-    if problems:
-        raise ScheduleError("invalid schedule:\n" + "\n".join(f"- {p}" for p in problems))
-
-    done: set[Action] = set()
-    pointer = [0] * len(schedule)
-    ticks = 0
-    while len(done) < len(expected):
-        ready = [
-            d for d, actions in enumerate(schedule)
-            if pointer[d] < len(actions) and all(dep in done for dep in _deps(actions[pointer[d]], stages, producers))
-        ]
-        if not ready:
-            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, stages, producers))
-        for d in ready:
-            done.add(schedule[d][pointer[d]])
-            pointer[d] += 1
-        ticks += 1
-    return ScheduleCheck(
-        stage_device=[next(iter(devices_of[s])) for s in range(stages)],
-        peak_in_flight=_peak_in_flight(schedule, stages),
-        ticks=ticks,
-    )
-
-
-def _deadlock_message(
-    schedule: Sequence[Sequence[Action]],
-    pointer: list[int],
-    done: set[Action],
-    where: Mapping[Action, tuple[int, int]],
-    stages: int,
-    producers: Producers = None,
-) -> str:
-    lines = ["schedule deadlocks; every unfinished device waits on an action that cannot run yet:"]
-    for d, actions in enumerate(schedule):
-        if pointer[d] >= len(actions):
+def recorded_prices(programs: Sequence[Program]) -> Prices:
+    """The durations a previous simulation wrote into `programs` (ops without times are skipped)."""
+    messages: dict[tuple[int, int], float] = {}
+    groups: dict[Group, float] = {}
+    for program in programs:
+        if len(program.predicted) != len(program.ops):
             continue
-        a = actions[pointer[d]]
-        waits = ", ".join(
-            f"{dep} (device {where[dep][0]} position {where[dep][1]})" for dep in _deps(a, stages, producers) if dep not in done
-        )
-        lines.append(f"- device {d} position {pointer[d]}: {a} needs {waits}")
-    lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after) run first.")
-    return "\n".join(lines)
+        for op, (start, end) in zip(program.ops, program.predicted):
+            if op.kind == "SEND":
+                messages.setdefault((op.src, op.dst), end - start)
+            elif op.kind == "AR":
+                groups.setdefault(op.group, end - start)
+    return Prices(messages, groups)
 
 
-def _peak_in_flight(schedule: Sequence[Sequence[Action]], stages: int) -> list[int]:
-    live, peak = [0] * stages, [0] * stages
-    for actions in schedule:
-        for a in actions:
-            live[a.stage] += 1 if a.kind == "F" else -1
-            peak[a.stage] = max(peak[a.stage], live[a.stage])
+def replica_groups(plan: Plan) -> list[tuple[list[int], list[int]]]:
+    """(ranks, [stage]) of every replicated stage: the weights its replicas all-reduce."""
+    return [(list(s.ranks), [s.index]) for s in plan.stages if len(set(s.ranks)) > 1]
+
+
+def in_flight(programs: Sequence[Program], stages: int) -> list[int]:
+    """Per stage, the most micro-batches one rank has forwarded but not yet backwarded."""
+    peak = [0] * stages
+    for program in programs:
+        live = [0] * stages
+        for op in program.ops:
+            if op.kind in ("F", "B"):
+                live[op.stage] += 1 if op.kind == "F" else -1
+                peak[op.stage] = max(peak[op.stage], live[op.stage])
     return peak
-
-
-def _plan_transfer(plan: Plan) -> TransferMs:
-    """Each direction into or out of stage r takes r's share of comm_ms, split by bytes."""
-
-    def transfer(src: int, dst: int, nbytes: int) -> float:
-        stage = plan.stages[max(src, dst)]
-        moved = stage.recv_bytes + stage.send_bytes
-        return stage.comm_ms / 2 * stage.recv_bytes / moved if moved > 0 else 0.0
-
-    return transfer
-
-
-def _per_stage(value: StageMs | None, plan: Plan) -> Callable[[int], float]:
-    if value is None:
-        return lambda s: float(getattr(plan.stages[s], "allreduce_ms", 0.0))
-    if callable(value):
-        return value
-    return lambda s: float(value.get(s, 0.0))
 
 
 def simulate(
     plan: Plan,
-    schedule: Sequence[Sequence[Action]],
+    schedule: Sequence[Sequence[Action]] | None = None,
     *,
     transfer_ms: TransferMs | None = None,
     allreduce_ms: StageMs | None = None,
+    group_ms: GroupMs | None = None,
     micro_batches: int | None = None,
-    producers: Producers = None,
+    producers: Sequence[Sequence[int]] | None = None,
 ) -> Timeline:
-    """Run `schedule` on `plan`'s stage times and return every device's timeline.
+    """One step of `plan`: its programs (the default), or an explicit `schedule` on its stage times.
 
     Args:
         plan: stage s computes for `forward_ms` per forward and `backward_ms` per backward.
-        schedule: per device, the ordered actions (e.g. `gpipe(m, p)` or `one_f_one_b(m, p)`).
-        transfer_ms: (src stage, dst stage, bytes) -> ms for the tensors between adjacent
-            stages on different devices; by default each stage's share of `comm_ms`.
-        allreduce_ms: stage -> ms of its gradient all-reduce (mapping or callable); by default
-            a stage's `allreduce_ms` attribute when it has one, else no all-reduce.
-        micro_batches: defaults to `plan.micro_batches`.
-        producers: for a DAG of stages (branches side by side), the stages each stage reads
-            from; by default a chain, each stage reading the one before.
+            Without `schedule`, `plan.programs` run (lowered here, with each replicated
+            stage's all-reduce, when the plan has none).
+        schedule: per device, ordered actions (e.g. `gpipe(m, p)`); see schedule_sim.
+        transfer_ms: (src stage, dst stage, bytes) -> ms of one message.
+        allreduce_ms: stage -> ms of its gradient all-reduce (default: its `allreduce_ms`).
+        group_ms: programs only: AR group (ranks) -> ms; a mapping falls back to the rules
+            in the module docstring for groups it lacks, a callable answers for all.
+        micro_batches, producers: explicit schedules only (see `simulate_schedule`).
 
     Raises:
-        ScheduleError: the schedule is incomplete, repeats actions or deadlocks.
+        ScheduleError: the schedule or programs are incomplete or deadlock (says where).
     """
-    m = plan.micro_batches if micro_batches is None else micro_batches
-    checked = check_schedule(schedule, len(plan.stages), m, producers)
-    transfer = transfer_ms or _plan_transfer(plan)
-    run = _Run(plan, schedule, checked.stage_device, transfer, _per_stage(allreduce_ms, plan), m, producers)
-    pointer = [0] * len(schedule)
-    remaining = sum(len(actions) for actions in schedule)
-    while remaining:  # terminates: check_schedule proved some device can always move
-        for d, actions in enumerate(schedule):
-            while pointer[d] < len(actions) and run.ready(actions[pointer[d]]):
-                run.execute(d, actions[pointer[d]])
-                pointer[d] += 1
-                remaining -= 1
-    makespan = max((e.end for t in run.timelines for e in t.events), default=0.0)
-    for t in run.timelines:
-        _fill_idle(t, makespan)
-    return Timeline(devices=run.timelines, makespan_ms=makespan, peak_in_flight=checked.peak_in_flight)
+    if schedule is not None:
+        return simulate_schedule(plan, schedule, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
+                                 micro_batches=micro_batches, producers=producers)
+    programs = plan.programs or _lower(plan)
+    return _ProgramRun(plan, programs, message_price(plan, programs, transfer_ms),
+                       group_price(plan, programs, group_ms, allreduce_ms)).run()
 
 
-class _Run:
-    """The state of one simulation: device and link clocks, finish and arrival times."""
+def _lower(plan: Plan) -> list[Program]:
+    """Programs for a plan that has none; a plan without any `reads_from` is read as a chain."""
+    if len(plan.stages) > 1 and not any(s.reads_from for s in plan.stages):
+        plan = replace(plan, stages=[replace(s, reads_from=[s.index - 1] if s.index else []) for s in plan.stages])
+    from partitioner.assemble import lower_plan  # assemble simulates what it lowers: import here, not above
 
-    def __init__(
-        self,
-        plan: Plan,
-        schedule: Sequence[Sequence[Action]],
-        device_of: list[int],
-        transfer: TransferMs,
-        reduce_ms: Callable[[int], float],
-        micro_batches: int,
-        producers: Producers = None,
-    ) -> None:
-        self.producers = _producers(len(plan.stages), producers)
-        self.plan, self.device_of, self.transfer, self.reduce_ms = plan, device_of, transfer, reduce_ms
-        self.stages = len(plan.stages)
-        self.timelines = [
-            DeviceTimeline(
-                device=plan.stages[actions[0].stage].device if actions else "",
-                stages=sorted({a.stage for a in actions}),
-            )
-            for actions in schedule
-        ]
-        self.finished: dict[Action, float] = {}
-        self.arrival: dict[tuple[Action, int], float] = {}  # when an action's output is on a device
-        self.free = [0.0] * len(schedule)  # compute
-        self.reduce_free = [0.0] * len(schedule)
+    try:
+        return lower_plan(plan, replica_groups(plan))
+    except PartitionError as exc:
+        raise ScheduleError(f"cannot lower the plan's schedule into programs: {exc}") from None
+
+
+def message_price(
+    plan: Plan, programs: Sequence[Program], transfer_ms: TransferMs | None
+) -> Callable[[int, int], float]:
+    """(src stage, dst stage) -> ms of one message: `transfer_ms`, else as `programs` recorded, else stage fields."""
+    def nbytes(src: int, dst: int) -> int:
+        return plan.stages[max(src, dst)].recv_bytes
+
+    if transfer_ms is not None:
+        return lambda src, dst: float(transfer_ms(src, dst, nbytes(src, dst)))
+    recorded, fallback = recorded_prices(programs).messages, plan_transfer(plan)
+    return lambda src, dst: recorded[(src, dst)] if (src, dst) in recorded else fallback(src, dst, nbytes(src, dst))
+
+
+def group_price(
+    plan: Plan, programs: Sequence[Program], group_ms: GroupMs | None, allreduce_ms: StageMs | None
+) -> Callable[[Group], float]:
+    """Group ranks -> ms of its all-reduce: `group_ms`, else its replicated stage's, else as `programs` recorded."""
+    if callable(group_ms):
+        return group_ms
+    given = dict(group_ms or {})
+    per_stage, recorded = stage_ms(allreduce_ms, plan), recorded_prices(programs).groups
+
+    def price(group: Group) -> float:
+        if group in given:
+            return float(given[group])
+        replicas = [s.index for s in plan.stages if tuple(sorted(set(s.ranks))) == group]
+        if replicas:
+            return sum(float(per_stage(s)) for s in replicas)
+        return recorded.get(group, 0.0)
+
+    return price
+
+
+class _ProgramRun:
+    """One simulation of programs: rank clocks, finish times, transfers and all-reduces in flight."""
+
+    def __init__(self, plan: Plan, programs: Sequence[Program], message: Callable[[int, int], float],
+                 group: Callable[[Group], float]) -> None:
+        self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
+        self.row = {p.rank: k for k, p in enumerate(self.programs)}
+        self.producers = [list(s.reads_from) for s in plan.stages]
+        self.consumers: list[list[int]] = [[] for _ in plan.stages]
+        for s, ps in enumerate(self.producers):
+            for p in ps:
+                self.consumers[p].append(s)
+        self.clock = [0.0] * len(self.programs)
+        self.times: list[list[tuple[float, float] | None]] = [[None] * len(p.ops) for p in self.programs]
+        self.finished: dict[tuple[str, int, int], float] = {}
+        self.transfers: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self.waiting: dict[tuple[int, int, int], tuple[int, int]] = {}  # a RECV seen before its SEND
         self.link_free: dict[tuple[int, int], float] = {}
-        self.backwards_left = [micro_batches] * self.stages
+        self.reduce_free = [0.0] * len(self.programs)
+        self.posted: dict[tuple[Group, int], dict[int, tuple[int, float]]] = {}  # (group, k-th) -> row -> (op, time)
+        self.seen: list[dict[Group, int]] = [{} for _ in self.programs]
+        self.rows = [DeviceTimeline(p.device, sorted({op.stage for op in p.ops if op.is_compute}))
+                     for p in self.programs]
 
-    def ready(self, a: Action) -> bool:
-        return all(dep in self.finished for dep in _deps(a, self.stages, self.producers))
+    def rank_of(self, stage: int, mb: int) -> int:
+        ranks = self.plan.stages[stage].ranks or [stage]
+        return ranks[mb % len(ranks)]
 
-    def execute(self, d: int, a: Action) -> None:
-        """Run `a` on device d as early as its inputs allow, then send its output on."""
-        inputs = [
-            self.arrival.get((x, d), self.finished[x]) for x in _deps(a, self.stages, self.producers)
-        ]
-        start = max([self.free[d], *inputs])
-        stage = self.plan.stages[a.stage]
-        end = start + (stage.forward_ms if a.kind == "F" else stage.backward_ms)
-        kind = FORWARD if a.kind == "F" else BACKWARD
-        self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
-        self.free[d] = self.finished[a] = end
-        for consumer in _consumers(a, self.stages, self.producers):
-            peer = self.device_of[consumer.stage]
-            if peer != d and (a, peer) not in self.arrival:
-                self._send(d, peer, a, consumer, end)
-        if a.kind == "B":
-            self.backwards_left[a.stage] -= 1
-            duration = float(self.reduce_ms(a.stage))
-            if self.backwards_left[a.stage] == 0 and duration > 0:
-                t0 = max(end, self.reduce_free[d])
-                self.reduce_free[d] = t0 + duration
-                self.timelines[d].events.append(Event(ALLREDUCE, a.stage, -1, t0, t0 + duration))
+    def run(self) -> Timeline:
+        pointer = [0] * len(self.programs)
+        while any(pointer[k] < len(p.ops) for k, p in enumerate(self.programs)):
+            moved = False
+            for k, program in enumerate(self.programs):
+                while pointer[k] < len(program.ops) and self.step(k, pointer[k], program.ops[pointer[k]]):
+                    pointer[k] += 1
+                    moved = True
+            if not moved:
+                waits = "; ".join(f"rank {p.rank} at '{p.ops[pointer[k]]}'" for k, p in enumerate(self.programs)
+                                  if pointer[k] < len(p.ops))
+                raise ScheduleError(f"the programs deadlock: no rank can run its next op ({waits}); "
+                                    "lower them again with runtime.program.plan_programs")
+        makespan = max([*self.clock, *(t[1] for ts in self.times for t in ts if t is not None)], default=0.0)
+        for row in self.rows:
+            fill_idle(row, makespan)
+        predicted = [[t if t is not None else (makespan, makespan) for t in ts] for ts in self.times]
+        return Timeline(self.rows, makespan, in_flight(self.programs, len(self.plan.stages)), predicted)
 
-    def _send(self, d: int, peer: int, a: Action, consumer: Action, ready: float) -> None:
-        """Move `a`'s output over link d -> peer, after the transfers queued before it."""
-        nbytes = self.plan.stages[max(a.stage, consumer.stage)].recv_bytes
-        duration = float(self.transfer(a.stage, consumer.stage, nbytes))
-        if duration <= 0:
-            return
-        t0 = max(ready, self.link_free.get((d, peer), 0.0))
-        self.arrival[(a, peer)] = self.link_free[(d, peer)] = t0 + duration
-        self.timelines[d].events.append(Event(SEND, a.stage, a.microbatch, t0, t0 + duration, peer))
-        self.timelines[peer].events.append(Event(RECV, consumer.stage, a.microbatch, t0, t0 + duration, d))
+    def step(self, k: int, i: int, op: Op) -> bool:
+        """Run op i of row k if it can start; False when it must wait."""
+        if op.is_compute:
+            return self._compute(k, i, op)
+        if op.kind == "SEND":
+            return self._send(k, i, op)
+        if op.kind == "RECV":
+            key = (op.src, op.dst, op.microbatch)
+            if key in self.transfers:
+                self.times[k][i] = self.transfers[key]
+            else:
+                self.waiting[key] = (k, i)
+            return True
+        if op.kind == "AR":
+            return self._allreduce(k, i, op)
+        if any(t is None for t in self.times[k][:i]):  # STEP: after everything this rank started
+            return False
+        end = max([self.clock[k], *(t[1] for t in self.times[k][:i] if t is not None)])
+        self.times[k][i] = (end, end)
+        return True
 
+    def _input(self, k: int, stage: int, kind: str, frm: int, mb: int) -> float | None:
+        """When stage `frm`'s output (kind F) or gradient (kind B) for `mb` is on row k, or None."""
+        if self.row.get(self.rank_of(frm, mb)) == k:
+            return self.finished.get((kind, frm, mb))
+        return self.transfers.get((frm, stage, mb), (None, None))[1]
 
-def _fill_idle(timeline: DeviceTimeline, makespan: float) -> None:
-    """Add idle events for the gaps where nothing runs and total busy, comm and idle time."""
-    idle: list[Event] = []
-    covered = 0.0
-    for e in sorted(timeline.events, key=lambda e: (e.start, e.end)):
-        if e.start > covered:
-            idle.append(Event(IDLE, -1, -1, covered, e.start))
-        covered = max(covered, e.end)
-    if makespan > covered:
-        idle.append(Event(IDLE, -1, -1, covered, makespan))
-    timeline.busy_ms = sum(e.duration for e in timeline.events if e.kind in (FORWARD, BACKWARD))
-    timeline.comm_ms = sum(e.duration for e in timeline.events if e.kind in (SEND, RECV, ALLREDUCE))
-    timeline.idle_ms = sum(e.duration for e in idle)
-    timeline.events = sorted(timeline.events + idle, key=lambda e: (e.start, e.end))
+    def _compute(self, k: int, i: int, op: Op) -> bool:
+        s, mb = op.stage, op.microbatch
+        if op.kind == "F":
+            needs = [self._input(k, s, "F", p, mb) for p in self.producers[s]]
+        else:
+            needs = [self.finished.get(("F", s, mb))] + [self._input(k, s, "B", c, mb) for c in self.consumers[s]]
+            if op.kind == "W":
+                needs = [self.finished.get(("B", s, mb))]
+        if any(t is None for t in needs):
+            return False
+        stage = self.plan.stages[s]
+        start = max([self.clock[k], *(t for t in needs if t is not None)])
+        end = start + {"F": stage.forward_ms, "B": stage.backward_ms}.get(op.kind, 0.0)
+        self.rows[k].events.append(Event(FORWARD if op.kind == "F" else BACKWARD, s, mb, start, end))
+        self.clock[k] = self.finished[(op.kind, s, mb)] = end
+        self.times[k][i] = (start, end)
+        return True
+
+    def _send(self, k: int, i: int, op: Op) -> bool:
+        ready = self.finished.get(("F" if op.src < op.dst else "B", op.src, op.microbatch))
+        peer = self.row.get(op.peer)
+        if ready is None or peer is None:
+            return False
+        duration = self.message(op.src, op.dst)
+        start = max(self.clock[k], ready, self.link_free.get((k, peer), 0.0))
+        key = (op.src, op.dst, op.microbatch)
+        self.transfers[key] = self.times[k][i] = (start, start + duration)
+        self.link_free[(k, peer)] = start + duration
+        if key in self.waiting:
+            row, index = self.waiting.pop(key)
+            self.times[row][index] = self.transfers[key]
+        if duration > 0:
+            self.rows[k].events.append(Event(SEND, op.src, op.microbatch, start, start + duration, peer))
+            self.rows[peer].events.append(Event(RECV, op.dst, op.microbatch, start, start + duration, k))
+        return True
+
+    def _allreduce(self, k: int, i: int, op: Op) -> bool:
+        nth = self.seen[k].get(op.group, 0)
+        self.seen[k][op.group] = nth + 1
+        posts = self.posted.setdefault((op.group, nth), {})
+        posts[k] = (i, self.clock[k])
+        members = [self.row.get(r) for r in op.group]
+        if any(m is None or m not in posts for m in members):
+            return True  # the others have not reached it yet; it finishes when the last one does
+        start = max([t for _, t in posts.values()] + [self.reduce_free[m] for m in posts])
+        end = start + self.group(op.group)
+        for m, (index, _) in posts.items():
+            self.reduce_free[m] = end
+            self.times[m][index] = (start, end)
+            if end > start:
+                stage = min(self.rows[m].stages, default=-1)
+                self.rows[m].events.append(Event(ALLREDUCE, stage, -1, start, end))
+        return True

@@ -53,7 +53,8 @@ def _band_label(data: Mapping[str, Any], band: int) -> str:
     if band > len(stages):
         return "output"
     s = stages[band - 1]
-    return f"stage {s['index']} · {s['device']} · {_ms(s['predicted_ms'])} per micro-batch · params {human_bytes(s['param_bytes'])}"
+    return (f"stage {s['index']} · {s['device']} · {_ms(s['predicted_ms'])} per micro-batch · "
+            f"params {human_bytes(s['param_bytes'])}")
 
 
 def to_dot(data: Mapping[str, Any], depth: int | None = None) -> str:
@@ -72,14 +73,17 @@ def to_dot(data: Mapping[str, Any], depth: int | None = None) -> str:
     for band in sorted({g.band for g in groups}):
         color = colors[band - 1] if 0 < band <= len(colors) else "#9e9e9e"
         lines.append(f"  subgraph cluster_band{band} {{")
-        lines.append(f'    label={_quote(_band_label(data, band))}; style="rounded,filled"; color="{color}"; fillcolor="{_mix(color, 0.88)}";')
+        lines.append(f'    label={_quote(_band_label(data, band))}; style="rounded,filled"; color="{color}"; '
+                     f'fillcolor="{_mix(color, 0.88)}";')
         for g in groups:
             if g.band == band:
                 label = _quote(f"{g.label}\n{_sub(g)}")
                 lines.append(f'    {g.id} [label={label}, color="{color}", fillcolor="{_mix(color, 0.62)}"];')
         lines.append("  }")
     for e in edges:
-        style = f' [color="{CUT}", fontcolor="{CUT}", penwidth=1.6, label={_quote(human_bytes(e.bytes))}]' if e.cut else ""
+        style = ""
+        if e.cut:  # cut edges carry their bytes
+            style = f' [color="{CUT}", fontcolor="{CUT}", penwidth=1.6, label={_quote(human_bytes(e.bytes))}]'
         lines.append(f"  {e.src} -> {e.dst}{style};")
     return "\n".join(lines + ["}"]) + "\n"
 
@@ -90,7 +94,9 @@ def _mix(color: str, t: float, other: str = "#ffffff") -> str:
     return "#" + "".join(f"{v:02x}" for v in parts)
 
 
-def _place(groups: Sequence[Group], edges: Sequence[Edge]) -> tuple[dict[str, tuple[float, float]], list[tuple[int, float, float]], float, float]:
+def _place(
+    groups: Sequence[Group], edges: Sequence[Edge]
+) -> tuple[dict[str, tuple[float, float]], list[tuple[int, float, float]], float, float]:
     """Pixel positions (x, y of the box's top left), band rectangles (band, top, height), size."""
     width: dict[int, int] = {}
     first: dict[int, int] = {}
@@ -101,13 +107,16 @@ def _place(groups: Sequence[Group], edges: Sequence[Edge]) -> tuple[dict[str, tu
     for band in sorted(width):
         top[band] = y
         y += HEADER + width[band] * LEVEL_H + BAND_GAP
-    pos = {g.id: (float(LEFT + g.lane * LANE_W), top[g.band] + HEADER + (g.level - first[g.band]) * LEVEL_H) for g in groups}
+    pos = {g.id: (float(LEFT + g.lane * LANE_W), top[g.band] + HEADER + (g.level - first[g.band]) * LEVEL_H)
+           for g in groups}
     lanes = max([g.lane for g in groups] + [e.lane for e in edges] + [0]) + 1
     bands = [(b, top[b], float(HEADER + width[b] * LEVEL_H + 8)) for b in sorted(width)]
     return pos, bands, float(max(LEFT + lanes * LANE_W + 24, 640)), y - BAND_GAP + 14  # 640: room for band titles
 
 
-def _entries(edges: Sequence[Edge], by_id: Mapping[str, Group], pos: Mapping[str, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+def _entries(
+    edges: Sequence[Edge], by_id: Mapping[str, Group], pos: Mapping[str, tuple[float, float]]
+) -> dict[int, tuple[float, float]]:
     """Per edge: x of its straight part, and x where it enters its target (edges into one box side by side)."""
     incoming: dict[str, list[tuple[float, int, Edge]]] = {}
     for e in edges:
@@ -144,7 +153,9 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
         from matplotlib.patches import FancyBboxPatch, PathPatch, Rectangle
         from matplotlib.path import Path as MPath
     except ImportError:
-        raise ImportError(f"writing {path.name} needs matplotlib: pip install matplotlib (or write .html or .dot)") from None
+        raise ImportError(
+            f"writing {path.name} needs matplotlib: pip install matplotlib (or write .html or .dot)"
+        ) from None
 
     has_graph = bool(data.get("graph"))
     if has_graph:
@@ -164,8 +175,10 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
     ax.set_xlim(0, gw), ax.set_ylim(gh, 0), ax.axis("off")
     for band, top, height in bands:
         color = stages[band - 1]["color"] if 0 < band <= len(stages) else "#9e9e9e"
-        ax.add_patch(FancyBboxPatch((2, top), gw - 4, height, boxstyle="round,pad=0,rounding_size=6", fc=_mix(color, 0.88), ec=_mix(color, 0.4)))
-        ax.text(10, top + 19, _band_label(data, band), fontsize=9, fontweight="bold", color=_mix(color, 0.45, "#000000"), zorder=4,
+        ax.add_patch(FancyBboxPatch((2, top), gw - 4, height, boxstyle="round,pad=0,rounding_size=6",
+                                    fc=_mix(color, 0.88), ec=_mix(color, 0.4)))  # fmt: skip
+        ax.text(10, top + 19, _band_label(data, band), fontsize=9, fontweight="bold",
+                color=_mix(color, 0.45, "#000000"), zorder=4,
                 path_effects=[patheffects.withStroke(linewidth=4, foreground=_mix(color, 0.88))])  # fmt: skip
         if band > 0:
             ax.plot([2, gw - 2], [top - BAND_GAP / 2 + 3] * 2, ls=(0, (6, 4)), color="#777", lw=0.8)
@@ -194,7 +207,8 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
         ax.plot([pts[-1][0]], [pts[-1][1] - 2], marker="v", ms=4, color=color)
         if e.cut:
             boundary = next((t - BAND_GAP / 2 + 3 for band, t, _ in bands if t > ay), (ay + by) / 2)
-            x = 6 + (xs if top <= boundary <= bottom else _bezier_x(tail, boundary) if boundary > bottom else (x1 + xs) / 2)
+            x = 6 + (xs if top <= boundary <= bottom
+                     else _bezier_x(tail, boundary) if boundary > bottom else (x1 + xs) / 2)  # fmt: skip
             label = human_bytes(e.bytes)
             w = 8 + 6.4 * len(label)
             for qx, qy, qw in sorted(placed):  # push labels on one boundary apart
@@ -206,7 +220,8 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
     for g in groups:
         x, y = pos[g.id]
         color = stages[g.stage]["color"] if g.stage >= 0 else "#9e9e9e"
-        ax.add_patch(FancyBboxPatch((x, y), BOX_W, BOX_H, boxstyle="round,pad=0,rounding_size=5", fc=_mix(color, 0.62), ec=color, lw=1.2))
+        ax.add_patch(FancyBboxPatch((x, y), BOX_W, BOX_H, boxstyle="round,pad=0,rounding_size=5",
+                                    fc=_mix(color, 0.62), ec=color, lw=1.2))  # fmt: skip
         ax.text(x + 8, y + 16, _clip(g.label, 25), fontsize=8.5, fontweight="bold", va="baseline")
         ax.text(x + 8, y + 32, _clip(_sub(g), 30), fontsize=7.5, color="#444", va="baseline")
     if not has_graph:
@@ -214,15 +229,18 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
 
     x0, y = (gw + 40) / W, H - 50.0
     y = _bars(fig, (x0, right_w / W, W, H), y, "Predicted time per micro-batch (forward, backward, transfers)", [
-        (f"stage {s['index']} · {s['device']}", [(s["forward_ms"], s["color"]), (s["backward_ms"], _mix(s["color"], 0.35, "#000000")),
-                                                  (s["comm_ms"], "#b9b9b9")], _ms(s["predicted_ms"]))
+        (f"stage {s['index']} · {s['device']}",
+         [(s["forward_ms"], s["color"]), (s["backward_ms"], _mix(s["color"], 0.35, "#000000")),
+          (s["comm_ms"], "#b9b9b9")],
+         _ms(s["predicted_ms"]) + (f" + AR {_ms(s['allreduce_ms'])}" if s.get("allreduce_ms") else ""))
         for s in stages
     ], None)  # fmt: skip
     used = [d["param_bytes"] + d["grad_bytes"] + d["activation_bytes"] for d in devices]
     y = _bars(fig, (x0, right_w / W, W, H), y, "Memory: parameters, gradients, activations (red: capacity)", [
         (f"{d['name']} (stage {', '.join(map(str, d['stages']))})",
          [(d["param_bytes"], "#5b6770"), (d["grad_bytes"], "#9aa5ad"), (d["activation_bytes"], "#d9a441")],
-         human_bytes(u) + (f" of {human_bytes(d['capacity_bytes'])}" if d.get("capacity_bytes") else " (capacity unknown)"))
+         human_bytes(u)
+         + (f" of {human_bytes(d['capacity_bytes'])}" if d.get("capacity_bytes") else " (capacity unknown)"))
         for d, u in zip(devices, used)
     ], [d.get("capacity_bytes") for d in devices])  # fmt: skip
     for t in timelines:
@@ -231,21 +249,25 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
     plt.close(fig)
 
 
-def _bars(fig: Any, frame: tuple[float, float, float, float], y: float, title: str, rows: list[Any], capacity: list[Any] | None) -> float:
+def _bars(
+    fig: Any, frame: tuple[float, float, float, float], y: float, title: str, rows: list[Any],
+    capacity: list[Any] | None,
+) -> float:
     """Horizontal stacked bars, one row each; returns the next free y (pixels from the bottom)."""
     x0, w, W, H = frame
     h = 26.0 * len(rows)
     ax = fig.add_axes((x0 + 190 / W, (y - 24 - h) / H, w - 330 / W, h / H))
     ax.set_title(title, fontsize=9.5, loc="left", x=-190 / (w * W - 330))
     scale = max([sum(v for v, _ in parts) for _, parts, _ in rows] + [1e-12])
-    for i, (label, parts, text) in enumerate(rows):
+    for i, (_label, parts, text) in enumerate(rows):
         row_scale = max(capacity[i], sum(v for v, _ in parts)) if capacity and capacity[i] else scale
         left = 0.0
         for value, color in parts:
             ax.barh(i, value / row_scale, left=left, color=color, height=0.62)
             left += value / row_scale
         if capacity and capacity[i]:
-            ax.axvline(min(1.0, capacity[i] / row_scale), ymin=1 - (i + 0.9) / len(rows), ymax=1 - (i + 0.1) / len(rows), color=CUT, lw=1.4)
+            ax.axvline(min(1.0, capacity[i] / row_scale), ymin=1 - (i + 0.9) / len(rows),
+                       ymax=1 - (i + 0.1) / len(rows), color=CUT, lw=1.4)  # fmt: skip
         ax.text(1.01, i, text, va="center", fontsize=8.5, transform=ax.get_yaxis_transform())
     ax.set_xlim(0, 1), ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_yticks(range(len(rows)), [_clip(r[0], 28) for r in rows], fontsize=8.5)
@@ -255,19 +277,25 @@ def _bars(fig: Any, frame: tuple[float, float, float, float], y: float, title: s
     return y - 24 - h - 40
 
 
-def _gantt(fig: Any, frame: tuple[float, float, float, float], y: float, t: Mapping[str, Any], stages: Sequence[Any], Rectangle: Any) -> float:
+def _gantt(
+    fig: Any, frame: tuple[float, float, float, float], y: float, t: Mapping[str, Any], stages: Sequence[Any],
+    Rectangle: Any,
+) -> float:
     """One timeline: a row per device, forward in the stage's color, backward darker."""
     x0, w, W, H = frame
     h = 30.0 * len(t["rows"])
     ax = fig.add_axes((x0 + 190 / W, (y - 24 - h) / H, w - 220 / W, h / H))
-    ax.set_title(f"{t['title']}: makespan {_ms(t['makespan'])}, bubble {100 * t['bubble']:.1f}%", fontsize=9.5, loc="left", x=-190 / (w * W - 220))
+    ax.set_title(f"{t['title']}: makespan {_ms(t['makespan'])}, bubble {100 * t['bubble']:.1f}%", fontsize=9.5,
+                 loc="left", x=-190 / (w * W - 220))
     span = t["makespan"] or 1.0
     for i, row in enumerate(t["rows"]):
         for e in row["events"]:
             base = stages[e["stage"]]["color"] if 0 <= e["stage"] < len(stages) else "#9e9e9e"
             if e["kind"] in ("F", "B"):
                 fill = base if e["kind"] == "F" else _mix(base, 0.35, "#000000")
-                ax.add_patch(Rectangle((e["start"], i - 0.34), e["end"] - e["start"], 0.62, fc=fill, ec="white", lw=0.5))
+                ax.add_patch(
+                    Rectangle((e["start"], i - 0.34), e["end"] - e["start"], 0.62, fc=fill, ec="white", lw=0.5)
+                )
                 width_px = (e["end"] - e["start"]) / span * (w * W - 220)
                 label = f"{e['kind']}{e['mb']}"
                 if width_px > 7 * len(label) + 4:

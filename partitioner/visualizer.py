@@ -19,26 +19,26 @@ import networkx as nx
 import torch
 
 from runtime import plan as runtime_plan
-from runtime.schedule import dag_gpipe, dag_levels, Action, gpipe, interleaved_one_f_one_b, one_f_one_b
 
 __all__ = ["Plan", "attach_graph", "page_data", "visualize", "with_graph"]
 
 # Tableau 10: one color per stage; later stages get hues spaced by the golden angle.
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b}
 _KINDS = {
     "F": "F", "forward": "F", "fwd": "F", "compute-forward": "F",
     "B": "B", "backward": "B", "bwd": "B", "compute-backward": "B",
     "send": "send", "recv": "recv", "allreduce": "allreduce", "all-reduce": "allreduce",
 }  # fmt: skip
-_SUFFIXES = {".html": "html", ".htm": "html", ".png": "static", ".svg": "static", ".pdf": "static", ".dot": "dot", ".gv": "dot"}
+_SUFFIXES = {
+    ".html": "html", ".htm": "html", ".png": "static", ".svg": "static", ".pdf": "static", ".dot": "dot", ".gv": "dot",
+}
 
 
 class Plan(runtime_plan.Plan):
     """A runtime Plan that can draw itself: `plan.visualize("plan.html")`."""
 
     @classmethod
-    def from_plan(cls, plan: runtime_plan.Plan) -> "Plan":
+    def from_plan(cls, plan: runtime_plan.Plan) -> Plan:
         """The same plan (sharing its stages and graph) as a drawable Plan."""
         if isinstance(plan, cls):
             return plan
@@ -200,45 +200,14 @@ def timeline_data(timeline: Any, title: str) -> dict[str, Any]:
     return {"title": title, "makespan": makespan, "bubble": bubble, "rows": rows}
 
 
-def schedule_lists(plan: runtime_plan.Plan) -> tuple[list[list[Action]], str | None]:
-    """The per-device action lists of the plan's schedule, and a note when they stand in for it."""
-    name, p, m = plan.schedule.lower().replace("-", "_"), len(plan.stages), plan.micro_batches
-    if name == "interleaved":
-        ranks = {r for s in plan.stages for r in getattr(s, "ranks", [])}
-        if ranks and p % len(ranks) == 0 and all(getattr(s, "ranks", []) for s in plan.stages):
-            return interleaved_one_f_one_b(m, len(ranks), p // len(ranks)), None
-        return gpipe(m, p), "interleaved plan without one rank per device slot: the timeline shows GPipe"
-    make = SCHEDULES.get(name)
-    if make is None:
-        return gpipe(m, p), f"schedule {plan.schedule!r} is not known to the visualizer; the timeline shows GPipe"
-    return make(m, p), None
-
-
-def _stage_producers(plan: runtime_plan.Plan) -> list[list[int]] | None:
-    """For a branch-parallel plan with its graph attached, the stages each stage reads; else None."""
-    if plan.notes.get("placement") != "branches" or not plan.graph:
-        return None
-    stage = {n["name"]: n.get("stage") for n in plan.graph.get("nodes", [])}
-    producers: list[set[int]] = [set() for _ in plan.stages]
-    for e in plan.graph.get("edges", []):
-        a, b = stage.get(e["src"]), stage.get(e["dst"])
-        if a is not None and b is not None and a >= 0 and b >= 0 and a != b:
-            producers[b].add(a)
-    return [sorted(p) for p in producers]
-
-
 def simulated_timeline(plan: runtime_plan.Plan) -> tuple[Any, str | None]:
-    """The simulator's timeline of `plan` under its schedule (None if it cannot run), and a note or None."""
+    """The simulator's timeline of the plan's programs (None if they cannot run), and a note or None."""
+    from partitioner.errors import PartitionError
     from partitioner.simulator import simulate
 
     try:
-        producers = _stage_producers(plan)
-        if producers is not None:  # branches side by side: the DAG schedule on the device slots
-            owners = [s.ranks[0] if s.ranks else s.index for s in plan.stages]
-            return simulate(plan, dag_gpipe(plan.micro_batches, dag_levels(producers), owners), producers=producers), None
-        schedule, note = schedule_lists(plan)
-        return simulate(plan, schedule), note
-    except (ValueError, KeyError, IndexError) as exc:
+        return simulate(plan), None
+    except (PartitionError, ValueError, KeyError, IndexError) as exc:
         return None, f"no simulated timeline: {exc}"
 
 
@@ -256,7 +225,8 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
             "predicted_ms": s.predicted_ms, "compute_ms": s.compute_ms, "forward_ms": s.forward_ms,
             "backward_ms": s.backward_ms, "comm_ms": s.comm_ms, "param_bytes": s.param_bytes,
             "activation_bytes": s.activation_bytes, "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes,
-            "ranks": list(getattr(s, "ranks", [])),
+            "allreduce_ms": s.allreduce_ms, "memory_bytes": s.memory_bytes, "capacity_bytes": s.capacity_bytes,
+            "ranks": list(s.ranks), "reads_from": list(s.reads_from),
         }
         for s in plan.stages
     ]
@@ -266,9 +236,10 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         d["stages"].append(s.index)
         d["param_bytes"] += s.param_bytes
         d["activation_bytes"] += s.activation_bytes
+    known = {s.device: s.capacity_bytes for s in plan.stages if s.capacity_bytes is not None}  # the planner's, first
     for d in devices.values():
         d["grad_bytes"] = d["param_bytes"]
-        d["capacity_bytes"] = capacity.get(d["name"])
+        d["capacity_bytes"] = known.get(d["name"], capacity.get(d["name"]))
     timelines = []
     if timeline is not None:
         timelines.append(timeline_data(timeline, "predicted (simulator)"))
@@ -279,8 +250,9 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
                      "with partitioner.visualizer.attach_graph(plan, build_graph(...))")  # fmt: skip
     return {
         "title": f"{len(plan.stages)}-stage plan on {', '.join(dict.fromkeys(plan.devices))}",
-        "plan": {"micro_batches": plan.micro_batches, "schedule": plan.schedule,
-                 "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms},
+        "plan": {"micro_batches": plan.micro_batches, "schedule": plan.schedule, "placement": plan.placement,
+                 "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms,
+                 "allreduce_ms": sum(s.allreduce_ms for s in plan.stages), "alternatives": dict(plan.alternatives)},
         "stages": stages,
         "devices": list(devices.values()),
         "graph": {"nodes": graph["nodes"], "edges": graph["edges"]} if graph else None,
@@ -297,7 +269,7 @@ def visualize(
     Args:
         plan: the plan; its `graph` (see `attach_graph`) is drawn when present.
         path: .html (interactive, self-contained), .png/.svg/.pdf (matplotlib) or .dot/.gv.
-        timeline: a simulator Timeline to draw; by default the plan is simulated under its schedule.
+        timeline: a simulator Timeline to draw; by default the plan's programs, simulated.
         measured: a measured timeline (a runtime trace, see `timeline_data`) drawn below it.
         depth: module depth of the grouped graph (99: every node); default: readable size.
 

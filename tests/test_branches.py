@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import itertools
 
+import networkx as nx
 import numpy as np
 import pytest
 import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
-from partitioner.branches import assign_branches, plan_branches, stage_producers
+from partitioner.assemble import stage_edges
+from partitioner.branches import assign_branches, plan_branches
 from partitioner.graph import build_graph, compute_nodes
+from partitioner.simulator import simulate
 from partitioner.trace import trace
+from runtime.plan import Plan
 from tests import zoo
 
 FIXED = DeviceSpec(name="test", flops_per_s=1e9, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 30)
@@ -44,13 +48,13 @@ def test_greedy_beyond_exhaustive_limit_stays_balanced() -> None:
     assert span == 9.0 and sorted(np.bincount(choice).tolist()) == [3, 3, 3, 3]
 
 
-def inception_plan(devices: int) -> tuple[object, list[str]]:
+def inception_plan(devices: int) -> tuple[Plan, nx.DiGraph, list[str]]:
     model, args, _ = zoo.inception()
     traced = trace(model, args, {})
     graph = build_graph(traced.graph_module, traced.flatten_inputs(args, {}))
     order = [n.name for n in compute_nodes(traced.graph_module)]
     cost = AnalyticCostModel(measure=lambda d: FIXED)
-    return plan_branches(graph, order, [torch.device("cpu")] * devices, cost, 2, min_gain=0.0), graph, order  # type: ignore[return-value]
+    return plan_branches(graph, order, [torch.device("cpu")] * devices, cost, 2, min_gain=0.0), graph, order
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -59,8 +63,15 @@ def test_inception_branches_spread_over_devices(devices: int) -> None:
     assert sorted(n for s in plan.stages for n in s.nodes) == sorted(order)
     slots = {s.ranks[0] for s in plan.stages}
     assert len(slots) >= 2  # more devices than pay for their transfers stay idle
-    producers = stage_producers(graph, plan)
+    producers = [s.reads_from for s in plan.stages]
+    edges = stage_edges(graph, [s.nodes for s in plan.stages])
+    assert producers == [sorted(a for a, b in edges if b == s) for s in range(len(plan.stages))]
+    assert plan.placement == "branches"
     assert all(p < s for s, ps in enumerate(producers) for p in ps)  # numbered in topological order
+    assert [p.rank for p in plan.programs] == list(range(devices))  # one program per device slot
+    for program in plan.programs:  # a slot no stage uses does nothing but end the step
+        assert (program.rank in slots) or [str(op) for op in program.ops] == ["STEP"]
+    assert plan.predicted_step_ms == simulate(plan).makespan_ms
     stage_of = plan.stage_of()
     for stage in plan.stages:  # every node reads only earlier nodes of its stage or earlier stages
         seen: set[str] = set()

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from partitioner.assemble import finish
 from partitioner.cli import main
 from partitioner.cli_input import UsageError, load_example
 from partitioner.graph import compute_nodes
-from partitioner.simulator import simulate
 from partitioner.trace import trace
 from partitioner.visualizer import Plan
-from runtime.schedule import one_f_one_b
 from tests import zoo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,11 +36,14 @@ def wide(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_help_reads_well() -> None:
-    result = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    result = subprocess.run([sys.executable, "-m", "partitioner", "--help"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120, check=False)
     assert result.returncode == 0
-    for words in ("plan", "profile", "simulate", "MODULE:FACTORY", "PYTHONPATH", "one micro-batch", "exit codes: 0 success"):
+    for words in ("plan", "profile", "simulate", "MODULE:FACTORY", "PYTHONPATH", "one micro-batch",
+                  "exit codes: 0 success"):
         assert words in result.stdout
-    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 0 and "--micro-batches M" in result.stdout and ".html (interactive)" in result.stdout
 
 
@@ -52,13 +54,13 @@ def test_plan_prints_the_table_and_writes_the_picture(tmp_path: Path, capsys: py
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].strip() == "tests.zoo:tiny_gpt: 2 stages"
-    assert lines[1].split() == ["stage", "device", "nodes", "first", "..", "last", "node", "compute", "ms", "comm", "ms",
-                                "total", "ms", "params", "activations", "sends"]  # fmt: skip
+    assert lines[1].split() == ["stage", "device", "nodes", "first", "..", "last", "node", "compute", "ms", "comm",
+                                "ms", "total", "ms", "params", "activations", "sends"]  # fmt: skip
     rows = [line.split() for line in lines[3:5]]
     assert [r[:2] for r in rows] == [["0", "cpu"], ["1", "cpu"]]
     model, args, kwargs = zoo.tiny_gpt()
     assert int(rows[0][2]) + int(rows[1][2]) == len(compute_nodes(trace(model, args, kwargs).graph_module))
-    assert "batch 7 in 2 micro-batches, schedule gpipe; bottleneck" in out and "bubble" in out
+    assert "batch 7 in 2 micro-batches, schedule gpipe, pipeline; bottleneck" in out and "bubble" in out
     assert f"wrote {html}" in out and 'id="plan-data"' in html.read_text()
     plan = Plan.from_json(saved.read_text())
     assert plan.graph is not None and [s.device for s in plan.stages] == ["cpu", "cpu"]
@@ -67,11 +69,14 @@ def test_plan_prints_the_table_and_writes_the_picture(tmp_path: Path, capsys: py
 def test_simulate_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "plan.json"
     assert run(["plan", "tests.zoo:mlp", "--devices", "cpu,cpu,cpu", "--save", str(saved), "--quiet"], capsys)[0] == 0
-    code, out, err = run(["simulate", "--plan", str(saved), "--schedule", "1f1b", "--micro-batches", "4", "--width", "40"], capsys)
+    argv = ["simulate", "--plan", str(saved), "--schedule", "1f1b", "--micro-batches", "4", "--width", "40"]
+    code, out, err = run(argv, capsys)
     assert code == 0, err
     plan = Plan.from_json(saved.read_text())
-    plan.micro_batches = 4
-    expected = simulate(plan, one_f_one_b(4, 3))
+    plan.micro_batches, plan.schedule = 4, "1f1b"
+    expected = finish(plan)  # the plan's programs lowered again, priced as saved
+    computes = [str(op) for op in plan.programs[0].ops if op.is_compute]
+    assert computes[:4] == ["F s0 mb0 t0", "F s0 mb1 t1", "F s0 mb2 t2", "B s0 mb0 t5"]
     assert f"{saved}: 3 stages, 4 micro-batches, schedule 1f1b" in out
     assert expected.chart(width=40) in out
     assert f"makespan {expected.makespan_ms:.3f} ms, bubble fraction {expected.bubble_fraction:.1%}" in out
@@ -79,7 +84,9 @@ def test_simulate_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_simulate_from_a_factory_writes_the_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     svg = tmp_path / "timeline.dot"
-    code, out, _ = run(["simulate", "tests.zoo:inception", "--devices", "cpu,cpu", "--micro-batches", "3", "--out", str(svg), "--quiet"], capsys)
+    argv = ["simulate", "tests.zoo:inception", "--devices", "cpu,cpu", "--micro-batches", "3", "--out", str(svg),
+            "--quiet"]
+    code, out, _ = run(argv, capsys)
     assert code == 0 and "bubble fraction" in out and svg.read_text().startswith("digraph plan")
 
 
@@ -124,7 +131,8 @@ def test_bad_arguments_exit_2_with_the_reason(argv: list[str], reason: str, caps
 
 
 def test_exit_code_of_the_real_command() -> None:
-    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "nocolon"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    result = subprocess.run([sys.executable, "-m", "partitioner", "plan", "nocolon"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 2 and "error: 'nocolon' is not MODULE:FACTORY" in result.stderr
 
 
@@ -147,4 +155,5 @@ def test_factory_forms(tmp_path: Path) -> None:
         load_example(path + ":micro", 6, 4)
     with pytest.raises(UsageError, match=r"returned int; it must return \(model, example_inputs\)"):
         load_example(path + ":wrong", None, 1)
-    assert main(["plan", path + ":untraceable", "--devices", "cpu", "--quiet"]) == 1  # the work failed, not the arguments
+    # the work failed, not the arguments
+    assert main(["plan", path + ":untraceable", "--devices", "cpu", "--quiet"]) == 1

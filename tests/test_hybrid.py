@@ -16,6 +16,7 @@ from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.hybrid import HybridProblem, InfeasibleError, evaluate, solve_hybrid
 from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
+from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.plan import Plan
 from tests import zoo
@@ -39,14 +40,15 @@ def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 
         param_bytes=params,
         saved_bytes=saved,
         link=np.stack([rng.uniform(0, 1e-4, (devices, devices)), rng.uniform(0, 3e-8, (devices, devices))], axis=-1),
-        allreduce=np.stack([rng.uniform(0, 1e-4, (devices, devices + 1)), rng.uniform(0, 3e-9, (devices, devices + 1))], axis=-1),
+        allreduce=np.stack([rng.uniform(0, 1e-4, (devices, devices + 1)), rng.uniform(0, 3e-9, (devices, devices + 1))],
+                           axis=-1),
         capacity=capacity,
         optimizer_states=int(rng.integers(0, 3)),
     )
 
 
 def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
-    """Whole-batch bytes a stage [a, b) receives (made before a, read inside) and sends (made inside, read at b or later)."""
+    """Whole-batch bytes a stage [a, b) receives (made before a, read inside) and sends (made inside, read at b+)."""
     recv = send = 0.0
     for p, cons, nbytes in zip(pr.producers, pr.consumers, pr.value_bytes):
         if p < a and any(a <= c < b for c in cons):
@@ -56,12 +58,15 @@ def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
     return recv, send
 
 
-def stage_numbers(pr: HybridProblem, a: int, b: int, w: int, r: int, m: int) -> tuple[float, float, float, float, float]:
+def stage_numbers(
+    pr: HybridProblem, a: int, b: int, w: int, r: int, m: int
+) -> tuple[float, float, float, float, float]:
     """Direct (slow) W, static bytes, bytes per micro-batch in flight, capacity, and recv+send of one stage."""
     D = pr.devices
     recv, send = (x / m for x in moved(pr, a, b))
     devs = range(w, w + r)
-    compute = max(pr.fixed_times[pr.device_kind[d], a:b].sum() + pr.batch_times[pr.device_kind[d], a:b].sum() / m for d in devs)
+    compute = max(pr.fixed_times[pr.device_kind[d], a:b].sum() + pr.batch_times[pr.device_kind[d], a:b].sum() / m
+                  for d in devs)
     t = compute
     if w > 0 and recv > 0:
         t += 2 * (max(pr.link[w - 1, d, 0] for d in devs) + max(pr.link[w - 1, d, 1] for d in devs) * recv)
@@ -165,7 +170,8 @@ def test_slow_stage_gets_more_replicas() -> None:
     zero2, zero3 = np.zeros((3, 3, 2)), np.zeros((3, 4, 2))
     pr = HybridProblem(
         np.zeros((1, 2)), np.array([[2.0, 1.0]]), np.zeros(3, dtype=int), np.array([-1, 0, 1]),
-        [np.array([0]), np.array([1]), np.array([2])], np.zeros(3), np.zeros(2), np.zeros(2), zero2, zero3, np.full(3, np.inf),
+        [np.array([0]), np.array([1]), np.array([2])], np.zeros(3), np.zeros(2), np.zeros(2), zero2, zero3,
+        np.full(3, np.inf),
     )
     sol = solve_hybrid(pr, 4)
     assert (sol.bounds, sol.replicas, sol.step_s) == ([0, 1, 2], [2, 1], pytest.approx(1.25))
@@ -182,7 +188,8 @@ def test_memory_matches_cost_model_formula() -> None:
             recv, send = (x / m for x in moved(pr, a, b))
             expected = stage_memory(
                 int(pr.param_bytes[a:b].sum()), int(pr.saved_bytes[a:b].sum() / m), stage=s, stages=3, micro_batches=m,
-                schedule=schedule, optimizer=["sgd", "momentum", "adam"][pr.optimizer_states], recv_bytes=int(recv), send_bytes=int(send),
+                schedule=schedule, optimizer=["sgd", "momentum", "adam"][pr.optimizer_states], recv_bytes=int(recv),
+                send_bytes=int(send),
             ).total
             assert memory[s] == pytest.approx(expected, abs=32)
 
@@ -246,17 +253,23 @@ def test_traced_models_equal_exhaustive_search(name: str, devices: int) -> None:
     cost = AnalyticCostModel(CLUSTER)
     pr = hybrid_problem(graph, order, names, cost)
     assert pr.batch == zoo.BATCH and pr.devices == devices
-    ms = [1, 2, 4]
-    expected = exhaustive(pr, ms)
+    sol = solve_hybrid(pr)
+    assert sol.step_s == pytest.approx(exhaustive(pr, [1, 2, 4]), rel=1e-9)
     plan = plan_hybrid(graph, order, names, cost)
-    assert plan.predicted_step_ms == pytest.approx(expected * 1e3, rel=1e-9)
+    # The plan is the solver's placement; its numbers are assemble's, typed (no notes).
+    assert [len(s.nodes) for s in plan.stages] == [b - a for a, b in zip(sol.bounds, sol.bounds[1:])]
+    assert [len(s.ranks) for s in plan.stages] == sol.replicas and plan.micro_batches == sol.micro_batches
+    assert plan.schedule == sol.schedule and plan.placement == "hybrid"
     assert [x for s in plan.stages for x in s.nodes] == order
-    assert [r for s in plan.stages for r in s.ranks] == list(range(devices))
+    assert [r for s in plan.stages for r in s.ranks] == list(range(devices)) == [p.rank for p in plan.programs]
     assert all(s.device == names[s.ranks[0]] for s in plan.stages)
-    caps = plan.notes["capacity_bytes"]
-    for s, used in zip(plan.stages, plan.notes["memory_bytes"]):
-        assert all(used <= caps[r] for r in s.ranks)
-    assert Plan.from_json(json.dumps(json.loads(plan.to_json()))).notes["replicas"] == [len(s.ranks) for s in plan.stages]
+    assert [p.device for p in plan.programs] == names  # each replica's own device
+    for s in plan.stages:
+        assert s.capacity_bytes == min(int(pr.capacity[r]) for r in s.ranks)
+        assert 0 < s.memory_bytes <= s.capacity_bytes
+        assert (s.allreduce_ms > 0) == (len(s.ranks) > 1 and s.param_bytes > 0)
+    assert plan.predicted_step_ms == pytest.approx(simulate(plan).makespan_ms)
+    assert Plan.from_json(json.dumps(json.loads(plan.to_json()))) == plan
 
 
 def test_traced_model_too_big_names_each_device() -> None:
@@ -270,4 +283,5 @@ def test_traced_model_too_big_names_each_device() -> None:
     text = str(info.value)
     assert all(f"{name}: needs " in text for name in names) and "(has 7.81 KiB)" in text
     plan = plan_hybrid(graph, order, names, AnalyticCostModel(CLUSTER), memory_bytes=info.value.needed_bytes)
-    assert all(used <= info.value.needed_bytes[s.ranks[0]] for s, used in zip(plan.stages, plan.notes["memory_bytes"]))
+    assert all(s.capacity_bytes == info.value.needed_bytes[s.ranks[0]] for s in plan.stages)
+    assert all(s.memory_bytes <= s.capacity_bytes for s in plan.stages if s.capacity_bytes is not None)

@@ -14,6 +14,7 @@ from cost_model.devices import DeviceSpec
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.planner import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
+from partitioner.simulator import simulate
 from partitioner.trace import trace
 from tests import zoo
 from tests.values import random_values
@@ -45,7 +46,8 @@ def brute_force(problem: SplitProblem) -> float:
 def test_boundary_matrices_match_direct_count(seed: int) -> None:
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, int(rng.integers(2, 10)), 2)
-    recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n, np.arange(problem.n + 1))
+    recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n,
+                                np.arange(problem.n + 1))
     for a in range(problem.n):
         for b in range(a + 1, problem.n + 1):
             assert (recv[a, b], send[a, b]) == pytest.approx(problem.bytes_in_out(a, b))
@@ -101,7 +103,8 @@ def test_heterogeneous_devices_get_uneven_stages() -> None:
 
 
 def test_too_many_stages() -> None:
-    problem = SplitProblem(np.ones((3, 2)), np.array([-1]), [np.array([0])], np.ones(1), np.zeros((3, 2)), np.zeros((3, 2)))
+    problem = SplitProblem(np.ones((3, 2)), np.array([-1]), [np.array([0])], np.ones(1), np.zeros((3, 2)),
+                           np.zeros((3, 2)))
     with pytest.raises(PartitionError, match="3 stages but the graph has only 2 compute nodes"):
         solve(problem)
 
@@ -113,7 +116,10 @@ def test_plan_covers_every_compute_node_once() -> None:
     order = [n.name for n in compute_nodes(traced.graph_module)]
     plan = plan_pipeline(graph, order, [torch.device("cpu")] * 4, SlowLinkCost(), micro_batches=4)
     assert [n for s in plan.stages for n in s.nodes] == order
-    assert plan.predicted_step_ms == pytest.approx(7 * plan.bottleneck_ms)
+    assert plan.predicted_step_ms == pytest.approx(simulate(plan).makespan_ms)  # the simulated step (assemble)
+    assert plan.predicted_step_ms >= 4 * max(s.compute_ms for s in plan.stages)  # every rank runs 4 micro-batches
+    assert all(s.predicted_ms == pytest.approx(s.compute_ms + s.comm_ms) for s in plan.stages)
+    assert all(s.reads_from and max(s.reads_from) < s.index for s in plan.stages[1:])
     assert sum(s.param_bytes for s in plan.stages) == sum(p.numel() * 4 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers()
     )

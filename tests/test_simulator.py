@@ -1,4 +1,4 @@
-"""Simulator and schedule checker against closed forms and hand-computed timelines."""
+"""Simulator and schedule checker against closed forms and hand-computed timelines: schedules and programs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from partitioner.simulator import (
     simulate,
 )
 from runtime.plan import Plan, StagePlan
+from runtime.program import plan_programs
 from runtime.schedule import Action, gpipe, interleaved_one_f_one_b, one_f_one_b, parse_schedule
 
 
@@ -158,3 +159,68 @@ def test_checker_rejects_incomplete_and_repeated() -> None:
         check_schedule([["0F0"]], 1, 1)  # type: ignore[list-item]
     with pytest.raises(ScheduleError, match="outside 2 stages"):
         simulate(equal_plan(2, 1), gpipe(1, 3))
+
+
+# ---- programs: what the runtime runs (runtime.program), priced ----
+
+
+def chain(stages: int, micro_batches: int, schedule: str = "gpipe") -> Plan:
+    plan = equal_plan(stages, micro_batches)
+    plan.schedule = schedule  # type: ignore[assignment]
+    for s in plan.stages:
+        s.ranks, s.reads_from = [s.index], [s.index - 1] if s.index else []
+    return plan
+
+
+@pytest.mark.parametrize("p, m, makespan, bubble", GPIPE_CASES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_programs_have_the_closed_form_bubble(p: int, m: int, makespan: float, bubble: float, schedule: str) -> None:
+    plan = chain(p, m, schedule)
+    plan.programs = plan_programs(plan)
+    timeline = simulate(plan)
+    assert timeline.makespan_ms == makespan
+    assert timeline.bubble_fraction == pytest.approx(bubble, abs=1e-12)
+    assert [len(times) for times in timeline.predicted] == [len(prog.ops) for prog in plan.programs]
+    assert simulate(chain(p, m, schedule)).makespan_ms == makespan  # no programs yet: lowered on the fly
+
+
+def test_replicated_last_stage_allreduce_overlaps_compute_and_ends_the_step() -> None:
+    # Stage 1 on ranks 1 and 2 (one micro-batch each), all-reduce 1.5 ms: rank 1 posts it at 4,
+    # rank 2 at 5, so it runs 5 .. 6.5 beside rank 0's backward (5 .. 7); the step ends at 9.
+    plan = Plan([StagePlan(0, "cuda:0", [], forward_ms=1.0, backward_ms=2.0, ranks=[0]),
+                 StagePlan(1, "cuda:1", [], forward_ms=1.0, backward_ms=2.0, allreduce_ms=1.5, ranks=[1, 2],
+                           reads_from=[0])], micro_batches=2)  # fmt: skip
+    plan.programs = plan_programs(plan, [([1, 2], [1])])
+    timeline = simulate(plan)
+    reduces = [[(e.stage, e.start, e.end) for e in row] for row in timeline.events(ALLREDUCE)]
+    assert reduces == [[], [(1, 5.0, 6.5)], [(1, 5.0, 6.5)]]
+    assert timeline.makespan_ms == 9.0
+    assert timeline.chart(0.5).splitlines() == [
+        "device 0 FFFF......BBBBBBBB", "device 1 ..FFBBBB..~~~.....", "device 2 ....FFBBBB~~~.....",
+    ]
+    ar = [times[k] for prog, times in zip(plan.programs, timeline.predicted)
+          for k, op in enumerate(prog.ops) if op.kind == "AR"]
+    assert ar == [(5.0, 6.5), (5.0, 6.5)]
+    plan.stages[1].allreduce_ms = 4.5  # long enough to end the step: 5 + 4.5
+    assert simulate(plan).makespan_ms == 9.5
+    assert simulate(plan, group_ms={(1, 2): 0.5}).makespan_ms == 9.0
+
+
+def test_recorded_prices_reproduce_the_prediction() -> None:
+    plan = chain(2, 3)
+    plan.programs = plan_programs(plan)
+    first = simulate(plan, transfer_ms=lambda src, dst, nbytes: 0.25 if src < dst else 0.75)
+    for prog, times in zip(plan.programs, first.predicted):
+        prog.predicted = times
+    again = simulate(plan)  # no prices given: the durations the programs recorded
+    assert again.predicted == first.predicted and again.makespan_ms == first.makespan_ms
+    sends = [(e.start, e.end) for e in again.devices[1].events if e.kind == SEND]
+    assert [round(b - a, 9) for a, b in sends] == [0.75, 0.75, 0.75]
+
+
+def test_programs_that_cannot_finish_are_an_error() -> None:
+    plan = chain(2, 1)
+    plan.programs = plan_programs(plan)
+    plan.programs[1].ops = [op for op in plan.programs[1].ops if op.kind != "SEND"]  # a gradient never sent
+    with pytest.raises(ScheduleError, match=r"programs deadlock: no rank can run its next op \(rank 0 at 'B s0 mb0 t3"):
+        simulate(plan)

@@ -18,6 +18,7 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
+from partitioner.assemble import finish
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.planner import plan_pipeline
 from partitioner.simulator import simulate
@@ -33,7 +34,8 @@ from tests import zoo
 SPEC = DeviceSpec(name="fixed", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-5, memory_bytes=8 << 30)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)"
+    CHROMIUM is None,
+    reason="headless Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)",
 )
 
 
@@ -69,7 +71,8 @@ def toy_graph() -> nx.DiGraph:
     g = nx.DiGraph()
     for i, (name, op, module, nbytes) in enumerate(
         [("x", "placeholder", "", 40), ("a_p", "call_module", "a.p", 80), ("a_q", "call_module", "a.q", 80),
-         ("add", "call_function", "", 80), ("w", "get_attr", "", 0), ("b", "call_function", "b", 8), ("output", "output", "", 0)]
+         ("add", "call_function", "", 80), ("w", "get_attr", "", 0), ("b", "call_function", "b", 8),
+         ("output", "output", "", 0)]
     ):  # fmt: skip
         g.add_node(name, name=name, op=op, target=name, module=module, position=i, shapes=[[2, 5]], dtypes=["float32"],
                    out_bytes=nbytes, param_bytes=24 if name == "w" else 0, flops=100)  # fmt: skip
@@ -82,7 +85,8 @@ def toy_plan() -> runtime_plan.Plan:
     return runtime_plan.Plan(
         stages=[
             runtime_plan.StagePlan(0, "cpu", ["a_p"], compute_ms=3.0, forward_ms=1.0, backward_ms=2.0, send_bytes=80),
-            runtime_plan.StagePlan(1, "cpu", ["a_q", "add", "b"], compute_ms=6.0, forward_ms=2.0, backward_ms=4.0, recv_bytes=120),
+            runtime_plan.StagePlan(1, "cpu", ["a_q", "add", "b"], compute_ms=6.0, forward_ms=2.0, backward_ms=4.0,
+                                   recv_bytes=120),
         ],
         micro_batches=2,
     )
@@ -110,7 +114,8 @@ def test_grouping_and_layout_literal() -> None:
     groups, edges = collapse(graph_of(plan), 1, 2)
     # "a" is split by the stage boundary into two groups; the root's "add" is its own run.
     assert [(g.key, g.stage, [m["name"] for m in g.members]) for g in groups] == [
-        ("inputs", -1, ["x"]), ("a", 0, ["a_p"]), ("a", 1, ["a_q"]), ("", 1, ["add"]), ("b", 1, ["b"]), ("output", -1, ["output"]),
+        ("inputs", -1, ["x"]), ("a", 0, ["a_p"]), ("a", 1, ["a_q"]), ("", 1, ["add"]), ("b", 1, ["b"]),
+        ("output", -1, ["output"]),
     ]  # fmt: skip
     assert [(e.src, e.dst, e.bytes, e.cut) for e in edges] == [
         ("g0", "g1", 40, False), ("g0", "g3", 40, False), ("g1", "g2", 80, True), ("g2", "g3", 80, False),
@@ -119,7 +124,8 @@ def test_grouping_and_layout_literal() -> None:
     assert layout(groups, edges) == 6
     assert [(g.level, g.lane) for g in groups] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
     assert [e.lane for e in edges] == [-1, 1, -1, -1, -1, -1]  # the skip x -> add runs down lane 1
-    assert [g.key for g in collapse(graph_of(plan), NODES, 2)[0]] == ["inputs", "node:a_p", "node:a_q", "node:add", "node:b", "output"]
+    keys = [g.key for g in collapse(graph_of(plan), NODES, 2)[0]]
+    assert keys == ["inputs", "node:a_p", "node:a_q", "node:add", "node:b", "output"]
 
 
 def test_branches_sit_side_by_side(inception_plan: Plan) -> None:
@@ -148,7 +154,8 @@ def test_default_depth_keeps_a_transformer_readable(gpt_plan: Plan) -> None:
 def test_page_data(gpt_plan: Plan) -> None:
     data = page_data(gpt_plan)
     assert [s["index"] for s in data["stages"]] == [0, 1] and len({s["color"] for s in data["stages"]}) == 2
-    assert data["devices"] == [{"name": "cpu", "stages": [0, 1], "param_bytes": sum(s.param_bytes for s in gpt_plan.stages),
+    assert data["devices"] == [{"name": "cpu", "stages": [0, 1],
+                                "param_bytes": sum(s.param_bytes for s in gpt_plan.stages),
                                 "activation_bytes": sum(s.activation_bytes for s in gpt_plan.stages),
                                 "grad_bytes": sum(s.param_bytes for s in gpt_plan.stages),
                                 "capacity_bytes": data["devices"][0]["capacity_bytes"]}]  # fmt: skip
@@ -157,6 +164,20 @@ def test_page_data(gpt_plan: Plan) -> None:
     assert sum(e["kind"] == "F" for e in predicted["rows"][0]["events"]) == 4
     json.dumps(data, allow_nan=False)
     assert len({color(s) for s in range(24)}) == 24  # every stage its own color, beyond the palette too
+
+
+def test_replicated_plan_page_draws_the_allreduce() -> None:
+    plan = toy_plan()
+    plan.stages[1].ranks, plan.stages[1].reads_from, plan.stages[1].allreduce_ms = [1, 2], [0], 1.5
+    finish(plan)  # programs with their predicted times; stage 1's replicas all-reduce after its last backward
+    data = page_data(plan)
+    assert data["plan"]["allreduce_ms"] == 1.5 and data["stages"][1]["allreduce_ms"] == 1.5
+    (predicted,) = data["timelines"]
+    reduces = [[(e["start"], e["end"]) for e in row["events"] if e["kind"] == "allreduce"] for row in predicted["rows"]]
+    assert reduces[0] == [] and reduces[1] == reduces[2] and len(reduces[1]) == 1
+    start, end = reduces[1][0]
+    assert end - start == 1.5 and predicted["makespan"] == plan.predicted_step_ms >= end
+    assert '"kind": "allreduce"' in render_html(data) or '"kind":"allreduce"' in render_html(data)
 
 
 def test_measured_timeline_formats() -> None:
@@ -179,7 +200,8 @@ def test_html_is_self_contained_and_escaped(gpt_plan: Plan) -> None:
     data["graph"]["nodes"][1]["target"] = "</script><script>alert(1)</script>"
     page = render_html(data)
     assert page.count("</script>") == 2 and "alert(1)" in page  # the name is data, not markup
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|url\(\s*["']?https?:|@import|<link\b""", page, re.IGNORECASE)
+    remote = r"""(src|href)\s*=\s*["']?(https?:)?//|url\(\s*["']?https?:|@import|<link\b"""
+    assert not re.search(remote, page, re.IGNORECASE)
     assert "fetch(" not in page and "XMLHttpRequest" not in page
 
 
@@ -192,7 +214,8 @@ def test_static_pictures_and_dot(tmp_path: Path, inception_plan: Plan) -> None:
     assert dot.startswith("digraph plan {") and dot.count("subgraph cluster_band") == 6  # inputs, 4 stages, output
     assert "color=\"#b00020\"" in dot and "KiB" in dot  # cut edges carry their bytes
     if shutil.which("dot"):
-        subprocess.run(["dot", "-Tsvg", "-o", str(tmp_path / "g.svg"), str(tmp_path / "plan.dot")], check=True, timeout=60)
+        subprocess.run(["dot", "-Tsvg", "-o", str(tmp_path / "g.svg"), str(tmp_path / "plan.dot")], check=True,
+                       timeout=60)
 
 
 def test_bad_arguments(tmp_path: Path, gpt_plan: Plan) -> None:
@@ -237,7 +260,9 @@ def chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
-def render_in_browser(tmp_path: Path, plan: Plan, name: str, measured: Any = None, depth: int | None = None) -> _Elements:
+def render_in_browser(
+    tmp_path: Path, plan: Plan, name: str, measured: Any = None, depth: int | None = None
+) -> _Elements:
     page = plan.visualize(tmp_path / f"{name}.html", measured=measured, depth=depth)
     result = chromium(tmp_path, page.resolve().as_uri() + "#selftest", "--dump-dom")
     dom = _Elements()
@@ -251,7 +276,8 @@ def render_in_browser(tmp_path: Path, plan: Plan, name: str, measured: Any = Non
 
 def check_screenshot(tmp_path: Path, plan: Plan, name: str, height: int) -> Path:
     shot = tmp_path / f"{name}.png"
-    chromium(tmp_path, (tmp_path / f"{name}.html").resolve().as_uri(), f"--screenshot={shot}", f"--window-size=1400,{height}")
+    chromium(tmp_path, (tmp_path / f"{name}.html").resolve().as_uri(), f"--screenshot={shot}",
+             f"--window-size=1400,{height}")
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (1400, height)
     keep = os.environ.get("PARTITIONER_SCREENSHOTS")  # a folder to keep the screenshots in (CI artifacts)

@@ -1,9 +1,9 @@
 """Partition a PyTorch model across devices as a cost-balanced pipeline: `partition(model, devices)`."""
 
-from partitioner.api import describe_model, partition
+from partitioner.api import describe_model, partition, plan
 from partitioner.errors import PartitionError, TraceError
 from runtime.pipeline import Pipeline
 from partitioner.visualizer import Plan
 from runtime.plan import StagePlan
 
-__all__ = ["PartitionError", "Pipeline", "Plan", "StagePlan", "TraceError", "describe_model", "partition"]
+__all__ = ["PartitionError", "Pipeline", "Plan", "StagePlan", "TraceError", "describe_model", "partition", "plan"]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import operator
-import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 import torch
 import torch.distributed as dist
@@ -18,21 +17,58 @@ from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.graph import build_graph, compute_nodes
-from partitioner.branches import plan_branches, stage_producers
+from partitioner.assemble import finish
+from partitioner.branches import plan_branches
 from partitioner.hybrid_plan import plan_hybrid
 from partitioner.planner import plan_pipeline
-from partitioner.simulator import simulate
 from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
 from partitioner.visualizer import with_graph
 from runtime.distributed import DistributedPipeline
 from runtime.microbatch import batch_size, scatter
-from runtime.pipeline import Pipeline
-from runtime.plan import Plan
-from runtime.schedule import Action, dag_gpipe, dag_levels, interleaved_one_f_one_b, one_f_one_b
-from runtime.stage import build_stages, stage_io
+from runtime.pipeline import Pipeline, StageGraph
+from runtime.interpreter import Routes
+from runtime.launch import distributed, init_process_group, stage_layout
+from runtime.plan import Plan, Schedule
+from runtime.stage import build_stages, stage_io, weight_groups
 
-__all__ = ["describe_model", "partition"]
+__all__ = ["describe_model", "partition", "plan"]
+
+PlacementChoice = Literal["pipeline", "branches", "auto"]
+_SCHEDULES: tuple[str, ...] = get_args(Schedule)
+_PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
+
+
+def plan(
+    model: nn.Module,
+    devices: Sequence[DeviceLike],
+    *,
+    example_inputs: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    micro_batches: int = 1,
+    schedule: Schedule = "gpipe",
+    placement: PlacementChoice = "pipeline",
+    replicas: Sequence[int] | Literal["auto"] | None = None,
+    virtual_stages: int = 2,
+    cost_model: CostModel | None = None,
+    processes: bool | None = None,
+) -> DrawablePlan:
+    """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
+
+    The arguments mean what they mean for `partition`. `processes` says whether the plan is
+    for one process per rank (torchrun; the default when running under it) or for one
+    process holding every device; the plan then prices transfers between processes.
+
+    Raises:
+        PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
+    """
+    resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
+                                              placement, replicas, virtual_stages)
+    multi = distributed() if processes is None else processes
+    layout = _layout(len(resolved), schedule, replicas, virtual_stages, multi)
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+    return _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
+                        placement, replicas == "auto", multi)
 
 
 def partition(
@@ -40,52 +76,129 @@ def partition(
     devices: Sequence[DeviceLike],
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
     micro_batches: int = 1,
+    schedule: Schedule = "gpipe",
+    placement: PlacementChoice = "pipeline",
+    replicas: Sequence[int] | Literal["auto"] | None = None,
+    virtual_stages: int = 2,
     cost_model: CostModel | None = None,
     plan: Plan | None = None,
     threads: bool | None = None,
-    schedule: str = "gpipe",
-    replicas: Sequence[int] | str | None = None,
-    virtual_stages: int = 2,
     timeout: float = 300.0,
-    placement: str = "pipeline",
 ) -> Pipeline | DistributedPipeline:
-    """Split `model` into one pipeline stage per entry of `devices` and return it ready to run.
+    """Split `model` into pipeline stages on `devices` and return it ready to run.
 
     Args:
         model: the module to partition; its parameters are moved to the stages' devices in
             place and stay its own (an optimizer over `model.parameters()` keeps working).
-        devices: one device per stage, e.g. ["cuda:0", "cuda:1"]; a device may repeat.
+        devices: one device per stage (one per rank under torchrun); a device may repeat.
         example_inputs: a full batch of positional inputs (a tuple, or one tensor). Dim 0
             of the first tensor is the batch that is split into micro-batches.
         example_kwargs: keyword inputs of the same example call.
-        micro_batches: how many micro-batches each call is split into (GPipe schedule).
-        cost_model: what predicts node and transfer times; by default profiled on the devices
-            present (cached on disk, see cost_model.profiler), analytic for absent ones.
-        plan: a Plan to run as it is (for example one saved with `Plan.to_json`), skipping planning.
-        threads: run stages on worker threads; default only when there are several devices.
+        micro_batches: how many micro-batches each call is split into.
         schedule: "gpipe", "1f1b" or "interleaved" (interleaved 1F1B, `virtual_stages` stages
-            per rank). One process runs GPipe (backward is autograd's); the others need
-            several processes.
-        replicas: multi-process only: processes per stage, e.g. [2, 1] puts stage 0 on ranks
-            0 and 1 (taking micro-batches in turn) and stage 1 on rank 2. Default: one each.
-            "auto": the hybrid planner chooses the number of stages and each stage's replicas
-            (all-reduce and memory included) for the given micro-batches and schedule.
-        timeout: multi-process only: seconds to wait for another rank before failing with
-            an error that names it.
+            per device). Every schedule runs in one process (`pipe.train_step`) and under torchrun.
         placement: "pipeline" (contiguous stages, one per device), "branches" (parallel
             branches of fork/join regions side by side on the devices, the rest on the first)
             or "auto" (whichever the simulator predicts faster).
+        replicas: torchrun only: processes per stage, e.g. [2, 1] puts stage 0 on ranks 0 and
+            1 (taking micro-batches in turn) and stage 1 on rank 2. Default: one each. "auto":
+            the hybrid planner chooses the stages and each stage's replicas.
+        cost_model: what predicts node and transfer times; by default profiled on the devices
+            present (cached on disk, see cost_model.profiler), analytic for absent ones.
+        plan: a Plan to run as it is (from `partitioner.plan`, or `Plan.from_json`), skipping planning.
+        threads: one process only: run each worker on a thread; default when there are several devices.
+        timeout: torchrun only: seconds to wait for another rank before failing with an error naming it.
 
-    Under torchrun (WORLD_SIZE > 1, or torch.distributed already initialized) `devices`
-    lists the device of every rank, and the result is this rank's DistributedPipeline:
-    train with `pipe.train_step(inputs, targets, loss_fn)` on every rank.
+    `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
+    parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
+    plan's schedule (one process and torchrun, where it is called on every rank).
 
     Raises:
         TypeError: `model` is not an nn.Module.
         PartitionError: bad devices, micro_batches or inputs, or a model that cannot be traced;
             the model is then left exactly as it was.
     """
+    if plan is not None:
+        try:
+            plan.check()
+        except ValueError as exc:
+            raise PartitionError(str(exc)) from None
+        schedule, virtual_stages = plan.schedule, max(plan.virtual_stages, 2)
+        if micro_batches == 1 and plan.micro_batches != 1:
+            micro_batches = plan.micro_batches
+    resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
+                                              placement, replicas, virtual_stages)
+    if distributed():
+        return _partition_distributed(model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule,
+                                      replicas, virtual_stages, timeout, placement)
+    layout = _layout(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+    gm = traced.graph_module
+    if plan is None:
+        plan = _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
+                            placement, False, False)
+    elif plan.micro_batches != micro_batches:
+        plan.micro_batches = micro_batches
+        plan.programs = []
+    stages, undo = build_stages(gm, plan)
+    undos = [undo]
+    try:
+        _finish(plan, gm, model, processes=False, regenerate=False)
+        other = None
+        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
+            other_plan = _same_cuts(traced.other_mode, plan)
+            other_stages, other_undo = build_stages(traced.other_mode, other_plan)
+            undos.append(other_undo)
+            _finish(other_plan, traced.other_mode, model, processes=False, regenerate=False)
+            other_output, _, other_constants = _graph_io(traced.other_mode)
+            other = StageGraph(other_stages, other_output, other_constants, other_plan)
+        output_node, placeholders, constants = _graph_io(gm)
+        return Pipeline(model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs,
+                        traced.unflatten_outputs, placeholders, threads, traced.mutated_inputs, other,
+                        traced.other_mode_error)
+    except BaseException:
+        for u in reversed(undos):
+            u()
+        raise
+
+
+def _same_cuts(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
+    """`plan` for another graph of the same model (the other train/eval mode): nodes it shares stay
+    in their stage; a node of its own joins the stage of its latest input."""
+    stage_of = plan.stage_of()
+    assigned: dict[str, int] = {}
+    for node in compute_nodes(gm):
+        s = stage_of.get(node.name)
+        if s is None:
+            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
+        assigned[node.name] = s
+    stages = [
+        dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
+        for st in plan.stages
+    ]
+    other = dataclasses.replace(plan, stages=stages, programs=[], graph=None)
+    try:
+        stage_io(gm, other)
+    except ValueError as exc:
+        raise PartitionError(f"the model's graph in its other train/eval mode cannot be cut where this one is: {exc}; "
+                             "partition the model in the mode you run it in") from None
+    return other
+
+
+def _check_arguments(
+    model: nn.Module,
+    devices: Sequence[DeviceLike],
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    micro_batches: int,
+    schedule: str,
+    placement: str,
+    replicas: Any,
+    virtual_stages: int,
+) -> tuple[list[torch.device], tuple[Any, ...], dict[str, Any]]:
+    """Every argument check of plan() and partition(), before anything is traced or moved."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     try:
@@ -94,47 +207,107 @@ def partition(
         raise PartitionError(str(exc)) from None
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PartitionError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if placement not in _PLACEMENTS:
+        raise PartitionError(f"placement={placement!r}; use one of {', '.join(map(repr, _PLACEMENTS))}")
+    if schedule not in _SCHEDULES:
+        raise PartitionError(f"schedule={schedule!r}; use one of {', '.join(map(repr, _SCHEDULES))}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise PartitionError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if isinstance(replicas, str) and replicas != "auto":
+        raise PartitionError(f"replicas={replicas!r}; use 'auto' or a list of counts such as [2, 1]")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
-    if replicas == "auto" and not _distributed():
-        raise PartitionError("replicas='auto' needs one process per replica: launch with torchrun")
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
+    if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
+        raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
+    if replicas == "auto" and schedule == "interleaved":
+        raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
+    return resolved, args, kwargs
 
-    if placement not in ("pipeline", "branches", "auto"):
-        raise PartitionError(f"placement={placement!r}; use 'pipeline', 'branches' or 'auto'")
-    if schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise PartitionError(f"schedule={schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
-    if _distributed():
-        return _partition_distributed(
-            model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule, replicas, virtual_stages, timeout,
-            placement,
-        )
-    if schedule != "gpipe" or replicas is not None:
+
+def _layout(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
+    if replicas is not None and not processes:
         raise PartitionError(
-            f"schedule={schedule!r} and replicas need one process per stage replica: launch with "
-            "torchrun (or initialize torch.distributed) and call pipe.train_step; one process runs 'gpipe'"
+            "replicas need one process per stage replica: launch with torchrun (or initialize torch.distributed)"
         )
+    if replicas == "auto":
+        return [[r] for r in range(ranks)]
+    try:
+        return stage_layout(ranks, schedule, replicas, virtual_stages)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
 
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+
+def _plan_traced(
+    model: nn.Module,
+    traced: Traced,
+    flat: list[Any],
+    first_chunk: list[Any],
+    devices: list[torch.device],
+    layout: list[list[int]],
+    cost_model: CostModel | None,
+    micro_batches: int,
+    schedule: str,
+    placement: str,
+    auto: bool,
+    processes: bool,
+) -> DrawablePlan:
+    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
     gm = traced.graph_module
+    if micro_batches < max(len(r) for r in layout):
+        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
+                             f"{max(len(r) for r in layout)}")
     graph = build_graph(gm, first_chunk)
     order = [n.name for n in compute_nodes(gm)]
-    cost = _prepared(cost_model, gm, first_chunk) if plan is None else cost_model
-    if plan is None:
-        plan = _choose(graph, order, resolved, cost, micro_batches, placement)
-        plan = _within_memory(plan, lambda: build_graph(gm, flat), order, resolved, cost, micro_batches)
-    elif plan.micro_batches != micro_batches:
-        plan.micro_batches = micro_batches
-    plan = with_graph(plan, graph, cost)  # drawable, with the times it was planned with
+    cost = _prepared(cost_model, gm, first_chunk)
+    if processes:  # every stage replica is a process: ranks on one device still pay for transfers
+        cost = BetweenProcesses(cost)
+    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
+        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
+                           schedules=(schedule,))
+    elif placement == "pipeline":
+        stage_devices = [devices[r[0]] for r in layout]
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout], schedule)
+        for stage, ranks in zip(made.stages, layout):
+            stage.ranks = ranks
+        if not processes:
+            made = _within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    else:
+        made = _choose(graph, order, devices, cost, micro_batches, placement)
+        if made.placement != "branches":
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    made.schedule = schedule  # type: ignore[assignment]
+    made.virtual_stages = virtual_stages_of(made)
+    _finish(made, gm, model, processes=processes, regenerate=True)
+    return with_graph(made, graph, cost)
 
-    stages, undo = build_stages(gm, plan)
-    try:
-        output_node, placeholders, constants = _graph_io(gm)
-        return Pipeline(model, stages, plan, output_node, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, threads)
-    except BaseException:
-        undo()
-        raise
+
+def virtual_stages_of(plan: Plan) -> int:
+    ranks = {r for s in plan.stages for r in s.ranks}
+    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule == "interleaved" else 1
+
+
+def _finish(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:
+    """Give `plan` its exact stage DAG (from the traced graph) and all-reduce groups, then its
+    programs and predictions (partitioner.assemble.finish); a given plan keeps its programs
+    when nothing they depend on changed."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    producers = Routes.of(stage_io(gm, plan), output_node).producers()
+    changed = regenerate or not plan.programs
+    for stage, reads in zip(plan.stages, producers):
+        if not stage.ranks:
+            stage.ranks, changed = [stage.index], True
+        if stage.reads_from != reads:
+            stage.reads_from, changed = reads, True
+    if not changed:
+        return
+    stage_ranks = [list(s.ranks) for s in plan.stages]
+    groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
+    finish(plan, [(list(r), st) for r, st in groups])
 
 
 def _trace_example(
@@ -142,7 +315,8 @@ def _trace_example(
 ) -> tuple[Traced, list[Any], list[Any]]:
     """Trace the model; return it, the example's placeholder values and its first micro-batch."""
     traced = trace(model, args, kwargs)
-    flat = traced.flatten_inputs(args, kwargs)
+    # Shape propagation and profiling run the model: on copies, so the caller's tensors stay as they are.
+    flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
     try:
         batch_size(flat)
         first_chunk = scatter(flat, micro_batches)[0]
@@ -172,21 +346,16 @@ def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mappin
 def _choose(
     graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int, placement: str
 ) -> Plan:
-    """The plan for `placement`; for "auto", the faster of pipeline and branches by simulation."""
+    """The plan for `placement`; for "auto", the faster of pipeline and branches as simulated."""
     if placement == "pipeline":
         return plan_pipeline(graph, order, devices, cost, micro_batches)
     branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=0.0 if placement == "branches" else 0.05)
     if placement == "branches":
         return branches
     chain = plan_pipeline(graph, order, devices, cost, micro_batches)
-    times = {}
-    for name, candidate in (("pipeline", chain), ("branches", branches)):
-        producers = stage_producers(graph, candidate)
-        owners = [s.ranks[0] if s.ranks else s.index for s in candidate.stages]
-        lists = dag_gpipe(micro_batches, dag_levels(producers), owners)
-        times[name] = simulate(candidate, lists, producers=producers).makespan_ms
-    best = branches if times["branches"] < times["pipeline"] else chain
-    best.notes["predicted_ms"] = times
+    times = {"pipeline": chain.predicted_step_ms, "branches": branches.predicted_step_ms}
+    best = branches if branches.placement == "branches" and times["branches"] < times["pipeline"] else chain
+    best.alternatives = times
     return best
 
 
@@ -231,43 +400,6 @@ def _prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_input
     return cost
 
 
-def _distributed() -> bool:
-    return dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)
-
-
-def _init_process_group(devices: list[torch.device], timeout: float) -> None:
-    """Join the job from torchrun's environment, in a store namespace of this restart attempt.
-
-    After `torchrun --max-restarts` restarts the workers, keys written by the previous
-    attempt (peer addresses) can still be in the store; a fresh prefix keeps them apart.
-    """
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if rank < len(devices) and devices[rank].type == "cuda" else "gloo"
-    wait = datetime.timedelta(seconds=timeout)
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-        world, is_master=rank == 0 and not agent, timeout=wait,
-    )
-    prefixed = dist.PrefixStore(f"partitioner/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=wait)
-
-
-def _layout(world: int, schedule: str, replicas: Sequence[int] | None, virtual_stages: int) -> list[list[int]]:
-    """Ranks of each stage: stage by stage for replicas; round robin for interleaved."""
-    if schedule == "interleaved":
-        if replicas is not None and any(r != 1 for r in replicas):
-            raise PartitionError("schedule='interleaved' runs one replica per stage; drop replicas or use '1f1b'")
-        if virtual_stages < 2:
-            raise PartitionError(f"virtual_stages={virtual_stages}; interleaving needs 2 or more stages per rank")
-        return [[s % world] for s in range(world * virtual_stages)]
-    counts = list(replicas) if replicas is not None else [1] * world
-    if any(not isinstance(r, int) or r < 1 for r in counts) or sum(counts) != world:
-        raise PartitionError(f"replicas={counts} must be positive integers adding up to the {world} ranks of the job")
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    return [list(range(a, a + r)) for a, r in zip(starts, counts)]
-
-
 def _partition_distributed(
     model: nn.Module,
     devices: list[torch.device],
@@ -277,27 +409,19 @@ def _partition_distributed(
     cost_model: CostModel | None,
     plan: Plan | None,
     schedule: str,
-    replicas: Sequence[int] | str | None,
+    replicas: Any,
     virtual_stages: int,
     timeout: float,
     placement: str = "pipeline",
 ) -> DistributedPipeline:
     if not dist.is_initialized():
-        _init_process_group(devices, timeout)
+        init_process_group(devices, timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(devices) != world:
         raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; pass one device per rank")
     if devices[rank].type == "cuda":
         torch.cuda.set_device(devices[rank])
-    auto = replicas == "auto"
-    if auto and (schedule == "interleaved" or placement != "pipeline"):
-        raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
-    if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
-        raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-    layout = [[r] for r in range(world)] if auto else _layout(world, schedule, replicas, virtual_stages)  # type: ignore[arg-type]
-    if micro_batches < max(len(r) for r in layout):
-        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least {max(len(r) for r in layout)}")
-
+    layout = _layout(world, schedule, replicas, virtual_stages, True) if plan is None else []
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
     gm = traced.graph_module
     if plan is None:
@@ -305,8 +429,9 @@ def _partition_distributed(
         failure: BaseException | None = None
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
-                text = [("plan", _plan_for_ranks(gm, flat, first_chunk, devices, layout, cost_model, micro_batches,
-                                                 schedule, auto, placement))]
+                made = _plan_traced(model, traced, flat, first_chunk, devices, layout, cost_model, micro_batches,
+                                    schedule, placement, replicas == "auto", True)
+                text = [("plan", made.to_json())]
             except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
                 failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]
         dist.broadcast_object_list(text, src=0)
@@ -316,70 +441,32 @@ def _partition_distributed(
                 raise failure
             raise PartitionError(f"rank 0 could not plan: {payload}")
         plan = DrawablePlan.from_json(payload)
-    plan.micro_batches = micro_batches
-    if any(not s.ranks for s in plan.stages):
-        for stage, ranks in zip(plan.stages, layout):
-            stage.ranks = stage.ranks or ranks
+    elif plan.micro_batches != micro_batches:
+        plan.micro_batches, plan.programs = micro_batches, []
+    _finish(plan, gm, model, processes=True, regenerate=False)
     mine = [s.index for s in plan.stages if rank in s.ranks]
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
     io = stage_io(gm, plan)
-    lists = _schedule_lists(plan, io, schedule, world)
     stages, undo = build_stages(gm, plan, local=mine)
+    undos = [undo]
     try:
         _, placeholders, constants = _graph_io(gm)
+        groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
+        other = None
+        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
+            other_plan = _same_cuts(traced.other_mode, plan)
+            _finish(other_plan, traced.other_mode, model, processes=True, regenerate=False)
+            other_stages, other_undo = build_stages(traced.other_mode, other_plan, local=mine)
+            undos.append(other_undo)
+            other_output, _, other_constants = _graph_io(traced.other_mode)
+            other = StageGraph(other_stages, other_output, other_constants, other_plan,
+                               stage_io(traced.other_mode, other_plan))
         return DistributedPipeline(
-            model, gm, plan, stages, io, lists,
-            traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants, timeout,
+            model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
+            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error,
         )
     except BaseException:
-        undo()
+        for u in reversed(undos):
+            u()
         raise
-
-
-def _plan_for_ranks(
-    gm: torch.fx.GraphModule,
-    flat: list[Any],
-    first_chunk: list[Any],
-    devices: list[torch.device],
-    layout: list[list[int]],
-    cost_model: CostModel | None,
-    micro_batches: int,
-    schedule: str,
-    auto: bool,
-    placement: str,
-) -> str:
-    """Rank 0's plan for the whole job, as JSON with ranks filled and the graph attached."""
-    graph = build_graph(gm, first_chunk)
-    order = [n.name for n in compute_nodes(gm)]
-    # every stage replica is a process: ranks on one device still pay for transfers
-    cost = BetweenProcesses(_prepared(cost_model, gm, first_chunk))
-    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
-        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches, schedules=(schedule,))
-    elif placement == "pipeline":
-        stage_devices = [devices[r[0]] for r in layout]
-        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout], schedule)
-        for stage, ranks in zip(made.stages, layout):
-            stage.ranks = ranks
-    else:
-        made = _choose(graph, order, devices, cost, micro_batches, placement)
-        if made.notes.get("placement") != "branches":
-            for stage, ranks in zip(made.stages, layout):
-                stage.ranks = ranks
-    return with_graph(made, graph, cost).to_json()
-
-
-def _schedule_lists(plan: Plan, io: list[tuple[list[str], list[str]]], schedule: str, world: int) -> list[list[Action]]:
-    """Action lists for the plan: GPipe for any DAG of stages; 1F1B and interleaved for chains."""
-    producer = {name: s for s, (_, outs) in enumerate(io) for name in outs}
-    levels = dag_levels([sorted({producer[n] for n in ins if n in producer}) for ins, _ in io])
-    p, m = len(plan.stages), plan.micro_batches
-    chain = levels == list(range(p))
-    if schedule != "gpipe" and not chain:
-        raise PartitionError(f"schedule={schedule!r} needs a chain of stages; this plan places branches side by side, use 'gpipe'")
-    if schedule == "interleaved":
-        return interleaved_one_f_one_b(m, world, p // world)
-    if schedule == "1f1b":
-        return one_f_one_b(m, p)
-    single = all(len(s.ranks) == 1 for s in plan.stages)
-    return dag_gpipe(m, levels, [s.ranks[0] for s in plan.stages] if single else list(range(p)))

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 import torch.fx
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.graph import _PyTreeCodeGen
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from partitioner.errors import TraceError
+from partitioner.errors import PartitionError, TraceError
+from runtime.mutation import mutated_inputs, order_mutations
 
 __all__ = ["Traced", "trace"]
 
@@ -30,6 +34,12 @@ class Traced:
     method: str  # "fx" or "export"
     flatten_inputs: Callable[[Sequence[Any], Mapping[str, Any]], list[Any]]
     unflatten_outputs: Callable[[Any], Any]
+    mutated_inputs: list[str] = field(default_factory=list)  # placeholders the graph writes into
+    # The graph of the other mode (eval if traced in training, and back) where forward reads
+    # `self.training` (F.dropout(x, p, self.training), `if self.training:`); None where the
+    # graphs are the same. `other_mode_error` says why it could not be traced, if it could not.
+    other_mode: torch.fx.GraphModule | None = None
+    other_mode_error: str | None = None
 
 
 def _is_tensor_tree(value: Any) -> bool:
@@ -51,6 +61,9 @@ def _shared_modules(model: nn.Module) -> set[nn.Module]:
     return shared
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 class _Tracer(torch.fx.Tracer):
     """Keeps torch.nn modules as leaves unless their weights are used elsewhere.
 
@@ -70,6 +83,31 @@ class _Tracer(torch.fx.Tracer):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        # torch.fx records no grad-mode switches: note the mode each node was traced under
+        node = super().create_node(*args, **kwargs)
+        node.meta["traced_grad"] = torch.is_grad_enabled()
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
+        )
+        if autocast:  # inside `with torch.autocast(...)` in forward: the stage runs it so too (runtime.stage)
+            node.meta["autocast"] = autocast
+        return node
+
+
+def _mark_grad_regions(enabled: torch.fx.Graph, disabled: torch.fx.Graph) -> None:
+    """Set node.meta["grad_mode"] where forward forces it: False inside no_grad / inference_mode /
+    set_grad_enabled(False) (seen tracing with grad on), True inside enable_grad (seen tracing
+    with grad off); nodes that inherit the caller's mode get none (see runtime.stage)."""
+    pairs = list(zip(enabled.nodes, disabled.nodes))
+    if len(pairs) != len(enabled.nodes) or any(a.name != b.name for a, b in pairs):
+        raise RuntimeError("forward traces differently with gradients on and off; its graph depends on grad mode")
+    for a, b in pairs:
+        if not a.meta.get("traced_grad", True):
+            a.meta["grad_mode"] = False
+        elif b.meta.get("traced_grad", False):
+            a.meta["grad_mode"] = True
+
 
 def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
     signature = inspect.signature(model.forward)
@@ -83,7 +121,9 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     names = list(signature.parameters)
 
     not_leaves = _shared_modules(model)
-    for _ in range(2):
+
+    def trace_once() -> tuple[_Tracer, torch.fx.Graph, set[nn.Module]]:
+        """The trace, and the modules with weights it calls more than once that are still leaves."""
         tracer = _Tracer(not_leaves)
         graph = tracer.trace(model, concrete_args=concrete)
         calls: dict[str, int] = {}
@@ -91,10 +131,19 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
             if node.op == "call_module":
                 calls[node.target] = calls.get(node.target, 0) + 1
         twice = {model.get_submodule(t) for t, c in calls.items() if c > 1}
-        twice = {m for m in twice if any(True for _ in m.parameters())} - not_leaves
-        if not twice:
-            break
-        not_leaves |= twice
+        # BatchNorm stays a leaf however often it is called: the runtime defers its statistics per call site
+        return tracer, graph, {
+            m for m in twice if any(True for _ in m.parameters()) and not isinstance(m, _BatchNorm)
+        } - not_leaves
+
+    with torch.enable_grad():
+        tracer, graph, twice = trace_once()
+        if twice:  # trace through them too, once more
+            not_leaves |= twice
+            tracer, graph, _ = trace_once()
+    with torch.no_grad():
+        _, without_grad, _ = trace_once()
+    _mark_grad_regions(graph, without_grad)
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
     def flatten_inputs(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
@@ -119,7 +168,7 @@ def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     dynamic_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
     program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
     gm = program.module()
-    codegen = gm.graph._codegen
+    codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
     in_spec = codegen.pytree_info.in_spec
     out_spec = codegen.pytree_info.out_spec
 
@@ -144,6 +193,101 @@ def _where(exc: BaseException) -> str:
     return where
 
 
+def _with_mutations(traced: Traced) -> Traced:
+    """In-place operations ordered before later readers (see runtime.mutation)."""
+    order_mutations(traced.graph_module)
+    traced.mutated_inputs = mutated_inputs(traced.graph_module)
+    return traced
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _plain(value: Any) -> bool:
+    """A value the graph bakes in and that can be compared: None, numbers, strings, tuples of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _guarded(traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
+    """`traced` whose `flatten_inputs` refuses a call whose non-tensor arguments differ from the example's.
+
+    The graph holds the example's non-tensor values as constants (fx cannot branch on them;
+    export specializes on them); a call with other values would silently run the example's.
+    """
+    inner = traced.flatten_inputs
+    example = inner(args, kwargs)
+    names = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+    if traced.method == "fx":  # one placeholder per parameter of forward, in order (fx renames baked-in ones)
+        names = list(inspect.signature(model.forward).parameters)
+
+    def show(value: Any) -> str:
+        return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+    def flatten(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
+        flat = inner(call_args, call_kwargs)
+        for k, (value, was) in enumerate(zip(flat, example)):
+            if isinstance(was, torch.Tensor) == isinstance(value, torch.Tensor) and not (_plain(was) and value != was):
+                continue
+            name = names[k] if k < len(names) else f"input {k}"
+            raise PartitionError(
+                f"argument {name!r} is {show(value)}, but the pipeline was traced with {show(was)}: the graph holds "
+                "non-tensor arguments as constants. Partition again with an example that has this value (one "
+                "pipeline per value), or pass the value as a tensor"
+            )
+        return flat
+
+    traced.flatten_inputs = flatten
+    return traced
+
+
+def _module_attributes(model: nn.Module) -> dict[tuple[str, str], int]:
+    """(module path, attribute) -> identity of its value, for plain attributes (not weights or children)."""
+    return {
+        (path, key): id(value)
+        for path, module in model.named_modules()
+        for key, value in vars(module).items()
+        if not key.startswith("_") and key != "training"
+    }
+
+
+def _finish(
+    traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], before: dict[tuple[str, str], int]
+) -> Traced:
+    changed = sorted(f"{path}.{key}" if path else key for (path, key), ident in _module_attributes(model).items()
+                     if before.get((path, key)) != ident)
+    if changed:
+        warnings.warn(
+            f"{type(model).__name__}.forward set {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} while "
+            "being traced: Python side effects in forward (counters, caches, logging) run once, when the model is "
+            "traced, not on every call of the pipeline (README: equivalence contract)",
+            stacklevel=3,
+        )
+    traced = _guarded(_with_mutations(traced), model, args, kwargs)
+    _trace_other_mode(traced, model, args, kwargs)
+    return traced
+
+
+def _trace_other_mode(traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Trace the model in the other mode, with the same tracer; keep the graph if it differs."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(not model.training)
+        other = (_fx_trace if traced.method == "fx" else _export_trace)(model, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - the pipeline says so if it is ever switched to that mode
+        traced.other_mode_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if other.graph_module.code == traced.graph_module.code:
+        return
+    order_mutations(other.graph_module)
+    traced.mutated_inputs += [n for n in mutated_inputs(other.graph_module) if n not in traced.mutated_inputs]
+    traced.other_mode = other.graph_module
+
+
 def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Traced:
     """Trace `model` with torch.fx; fall back to torch.export on the example inputs.
 
@@ -152,11 +296,12 @@ def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | Non
             each tracer and what the user can change.
     """
     kwargs = dict(kwargs or {})
+    before = _module_attributes(model)
     try:
-        return _fx_trace(model, args, kwargs)
+        return _finish(_fx_trace(model, args, kwargs), model, args, kwargs, before)
     except Exception as fx_error:  # noqa: BLE001 - any tracer failure means "try export"
         try:
-            return _export_trace(model, args, kwargs)
+            return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
         except Exception as export_error:  # noqa: BLE001
             name = type(model).__name__
             raise TraceError(

@@ -20,7 +20,7 @@ def test_resnet_pipeline_trains_matches_and_draws(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "3 stages, 2 micro-batches" in out
+    assert "3 stages (pipeline), 2 micro-batches" in out
     diffs = [float(v) for v in re.findall(r"max \|[^|]+\|[^:]*: (\S+)", out)]
     assert len(diffs) == 2 and max(diffs) <= 1e-5  # before and after training, against the plain model
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]

@@ -127,6 +127,49 @@ class KeywordDict(nn.Module):
         return {"logits": self.out(h), "features": (h, h.sum(-1))}
 
 
+class InPlace(nn.Module):
+    """`h.mul_(2)` and `h.add_(1)` leave no data edge to the later reader of h (a skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](x)
+        g = torch.tanh(self.layers[1](x))
+        h.mul_(2)
+        g = torch.tanh(self.layers[2](g))
+        g = torch.tanh(self.layers[3](g))
+        h.add_(1)
+        g = torch.tanh(self.layers[4](g))
+        return self.layers[5](g + h)
+
+
+class ModeDependent(nn.Module):
+    """Traced through: `F.dropout(x, p, self.training)` and an `if self.training:` branch are baked in per mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.a(x)), 0.5, self.training)
+        if self.training:
+            h = h * 3
+        h = torch.tanh(self.b(h))
+        return self.c(F.dropout(h, 0.3, self.training))
+
+
+def mode_dependent() -> Case:
+    return ModeDependent(), (torch.randn(BATCH, 6),), {}
+
+
+def in_place() -> Case:
+    return InPlace(), (torch.randn(BATCH, 8),), {}
+
+
 def mlp() -> Case:
     return MLP(), (torch.randn(BATCH, 32),), {}
 
@@ -165,4 +208,6 @@ ZOO: dict[str, Callable[[], Case]] = {
     "inception": inception,
     "keyword_dict": keyword_dict,
     "hf_gpt2": hf_gpt2,
+    "in_place": in_place,
+    "mode_dependent": mode_dependent,
 }

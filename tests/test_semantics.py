@@ -1,0 +1,395 @@
+"""Eager semantics: what the plain model does when called, the pipeline does (issue: eager semantics).
+
+Every case runs at 2 and 3 stages, threads on and off, GPipe and 1F1B (train_step) and the
+plain call (`pipe(x)` + backward), and is compared with the un-partitioned model: outputs,
+gradients, buffers, and the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_model.analytic import AnalyticCostModel
+from partitioner import partition
+from tests import zoo
+
+SETTINGS = [(stages, threads) for stages in (2, 3) for threads in (False, True)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12))
+
+
+def build(model: nn.Module, x: torch.Tensor, stages: int, threads: bool, schedule: str = "gpipe", m: int = 4) -> Any:
+    return partition(model, ["cpu"] * stages, (x,), micro_batches=m, schedule=schedule, threads=threads,  # type: ignore[arg-type]
+                     cost_model=AnalyticCostModel())
+
+
+def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert rel(p.grad, q.grad) < 1e-5, name  # type: ignore[arg-type]
+
+
+class MutatesInput(nn.Module):
+    """Writes into its input: micro-batch views of one batch must not break each other's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # the caller's tensor: the plain model writes into it too
+        h = torch.tanh(self.a(x))  # saves x (at its new version) for backward
+        h = torch.tanh(self.b(h))
+        return self.c(h) + x  # a later stage reads the written x
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_model_writing_into_its_input(stages: int, threads: bool, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = MutatesInput()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = build(model, x.clone(), stages, threads, schedule)
+    mine, theirs = x.clone(), x.clone()
+    out = pipe(mine)
+    ref = reference(theirs)
+    assert rel(out, ref) < 1e-5 and torch.equal(mine, theirs)  # the same write into the caller's tensor
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    assert_same_grads(model, reference)
+    model.zero_grad()
+    reference.zero_grad()
+    y = torch.randn(8, 8)
+    mine, theirs = x.clone(), x.clone()
+    loss = pipe.train_step(mine, y, F.mse_loss)
+    ref_loss = F.mse_loss(reference(theirs), y)
+    ref_loss.backward()
+    assert rel(loss, ref_loss) < 1e-5 and torch.equal(mine, theirs)
+    assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+def test_in_place_result_unused_is_ordered_before_later_readers(stages: int, threads: bool) -> None:
+    torch.manual_seed(0)
+    model = zoo.InPlace()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = build(model, x, stages, threads)
+    for _ in range(3):  # threads: a race would show on some run
+        out = pipe(x)
+        ref = reference(x)
+        assert rel(out, ref) < 1e-5
+    model.zero_grad()
+    reference.zero_grad()
+    out.sum().backward()
+    ref.sum().backward()
+    assert_same_grads(model, reference)
+
+
+def test_partition_leaves_the_callers_tensors_and_the_model_untouched(tmp_path: Any, monkeypatch: Any) -> None:
+    from cost_model.profiler import ProfiledCostModel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cold profile cache, then a warm one
+    torch.manual_seed(0)
+    for attempt in ("cold", "warm"):
+        model = MutatesInput()
+        x = torch.randn(8, 8)
+        before_x = x.clone()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        pipe = partition(model, ["cpu"] * 2, (x,), micro_batches=2, cost_model=ProfiledCostModel())
+        assert torch.equal(x, before_x), attempt
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), attempt
+        assert all(p.grad is None for p in model.parameters()), attempt
+        reference = copy.deepcopy(model)
+        mine, theirs = x.clone(), x.clone()  # the README's pattern: the example is the first input
+        assert rel(pipe(mine), reference(theirs)) < 1e-5
+
+
+class BN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_failed_step_changes_no_state_and_the_next_step_is_exact(stages: int, threads: bool, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = BN()
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = build(model, x, stages, threads, schedule, m=2)
+    pipe.train_step(x, y, F.mse_loss)  # gradients to accumulate into
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    calls = [0]
+
+    def fails_on_the_second_micro_batch(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("loss failed")
+        return F.mse_loss(out, target)
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        pipe.train_step(x, y, fails_on_the_second_micro_batch)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())  # type: ignore[arg-type]
+    reference = copy.deepcopy(model)  # now the next step must equal the plain model's, accumulating
+    for p, q in zip(model.parameters(), reference.parameters()):
+        q.grad = p.grad.clone()  # type: ignore[union-attr]
+    pipe.train_step(x, y, F.mse_loss)
+    for chunk_x, chunk_y in zip(x.chunk(2), y.chunk(2)):  # BatchNorm normalizes each micro-batch alone
+        (F.mse_loss(reference(chunk_x), chunk_y) / 2).backward()
+    assert_same_grads(model, reference)
+    assert int(model.bn.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("threads", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_write_in_a_middle_stage_is_seen_by_a_later_stage(threads: bool, schedule: str) -> None:
+    from partitioner import Plan, StagePlan, plan
+
+    torch.manual_seed(0)
+    model = zoo.InPlace()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    names = [n for s in plan(model, ["cpu"], example_inputs=(x,), cost_model=AnalyticCostModel()).stages for n in s.nodes]
+    # stage 0 makes h and writes h *= 2; stage 1 writes h += 1; stage 2 reads h (from stage 0 as a skip, unless ordered)
+    first = names.index("mul_") + 1
+    second = names.index("add_") + 1
+    while names[first].startswith("after"):
+        first += 1
+    while names[second].startswith("after"):
+        second += 1
+    cuts = [names[:first], names[first:second], names[second:]]
+    custom = Plan(stages=[StagePlan(s, "cpu", nodes) for s, nodes in enumerate(cuts)], micro_batches=2,
+                  schedule=schedule)  # type: ignore[arg-type]
+    pipe = partition(model, ["cpu"] * 3, (x,), plan=custom, threads=threads)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    assert rel(loss, ref_loss) < 1e-5
+    assert_same_grads(model, reference)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, scale: int = 2, mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1  # a Python side effect: runs at trace time only
+        h = self.a(x) * scale
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_a_non_tensor_argument_other_than_the_examples_is_a_named_error() -> None:
+    from partitioner import PartitionError
+
+    model = Scaled()
+    x, mask = torch.randn(6, 4), torch.ones(6, 4)
+    with pytest.warns(UserWarning, match=r"set calls while being traced: Python side effects"):
+        pipe = partition(model, ["cpu"] * 2, (x,), {"scale": 3, "mask": mask}, micro_batches=2,
+                         cost_model=AnalyticCostModel())
+    reference = copy.deepcopy(model)
+    assert rel(pipe(x, scale=3, mask=mask), reference(x, scale=3, mask=mask)) < 1e-5
+    with pytest.raises(PartitionError, match=r"argument 'scale' is 2, but the pipeline was traced with 3"):
+        pipe(x, scale=2, mask=mask)
+    with pytest.raises(PartitionError, match=r"argument 'mask' is None, but the pipeline was traced with a tensor"):
+        pipe(x, scale=3)
+    with pytest.raises(PartitionError, match="scale"):
+        pipe.train_step(x, torch.zeros(6, 4), F.mse_loss, input_kwargs={"scale": 4, "mask": mask})
+
+
+class GradRegions(nn.Module):
+    """A frozen middle (no_grad), a region that wants gradients even under the caller's no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layers[0](x))
+        with torch.no_grad():
+            h = torch.tanh(self.layers[1](h))
+            h = self.layers[2](h)
+        with torch.enable_grad():
+            h = torch.tanh(self.layers[3](h))
+        return self.layers[4](h)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_grad_mode_regions_inside_forward_run_as_written(stages: int, threads: bool, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = GradRegions()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = build(model, x, stages, threads, schedule)
+    pipe(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert model.layers[1].weight.grad is None and model.layers[0].weight.grad is None  # cut off by no_grad
+    assert_same_grads(model, reference)
+    model.zero_grad()
+    reference.zero_grad()
+    loss = pipe.train_step(x, y, F.mse_loss)
+    F.mse_loss(reference(x), y).backward()
+    assert rel(loss, F.mse_loss(reference(x), y)) < 1e-5
+    assert_same_grads(model, reference)
+    with torch.no_grad():  # the caller's no_grad; enable_grad inside still records a graph
+        out, ref = pipe(x), reference(x)
+    assert out.requires_grad == ref.requires_grad and rel(out, ref) < 1e-5
+    assert torch.is_grad_enabled()  # the caller's mode is back
+
+
+class SharedBN(nn.Module):
+    """One BatchNorm called twice: the plain model updates its statistics twice per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.a(x)))
+        h = torch.relu(self.bn(self.b(h)))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_batchnorm_called_twice_updates_once_per_call_and_step(stages: int, threads: bool, m: int) -> None:
+    torch.manual_seed(0)
+    model = SharedBN()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = build(model, x, stages, threads, "1f1b", m=m)
+    pipe.train_step(x, y, F.mse_loss)
+    F.mse_loss(reference(x), y).backward()
+    assert int(model.bn.num_batches_tracked) == int(reference.bn.num_batches_tracked) == 2
+    if m == 1:  # one micro-batch: exactly the plain model, statistics included
+        assert_same_grads(model, reference)
+        assert rel(model.bn.running_mean, reference.bn.running_mean) < 1e-5
+        assert rel(model.bn.running_var, reference.bn.running_var) < 1e-5
+    pipe.eval()
+    reference.eval()
+    reference.load_state_dict(model.state_dict())
+    assert rel(pipe(x), reference(x)) < 1e-5  # eval uses the running statistics
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("start", ["train", "eval"])
+def test_train_and_eval_follow_the_module(stages: int, threads: bool, start: str) -> None:
+    torch.manual_seed(0)
+    model = zoo.ModeDependent().train(start == "train")
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    pipe = build(model, x, stages, threads, m=2 if threads else 1)
+    for mode in ("eval", "train", "eval", "train"):
+        pipe.train(mode == "train")
+        reference.train(mode == "train")
+        if mode == "eval":  # deterministic: exactly the plain model, twice
+            assert rel(pipe(x), reference(x)) < 1e-5 and rel(pipe(x), reference(x)) < 1e-5
+        else:  # dropout on: random outputs, and with one micro-batch on one thread the plain model's RNG stream
+            if not threads:
+                torch.manual_seed(1)
+                out = pipe(x)
+                torch.manual_seed(1)
+                assert rel(out, reference(x)) < 1e-5
+            with torch.no_grad():
+                assert rel(pipe(x), copy.deepcopy(reference).eval()(x)) > 0.05  # not the eval graph
+    model.eval()  # the model's own switch counts too
+    assert rel(pipe(x), reference.eval()(x)) < 1e-5
+
+
+class AutocastRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.layers[0](x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = self.layers[1](h)  # bfloat16, as written
+            low = self.layers[2](torch.relu(low))
+        return self.layers[3](low.float()), low
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+def test_autocast_inside_forward_and_around_the_call(stages: int, threads: bool) -> None:
+    torch.manual_seed(0)
+    model = AutocastRegion()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    pipe = build(model, x, stages, threads)
+    out, ref = pipe(x), reference(x)
+    assert [t.dtype for t in out] == [t.dtype for t in ref] == [torch.float32, torch.bfloat16]
+    assert all(rel(a.float(), b.float()) < 1e-2 for a, b in zip(out, ref))
+    out[0].sum().backward()
+    ref[0].sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 2e-2  # type: ignore[arg-type]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's autocast reaches every worker thread
+        out, ref = pipe(x), reference(x)
+    assert [t.dtype for t in out] == [t.dtype for t in ref] == [torch.bfloat16, torch.bfloat16]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class ExportOnlyBN(nn.Module):
+    """`range(h.shape[1] // 3)` stops torch.fx, so torch.export traces it: BatchNorm becomes aten ops, called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        for _ in range(h.shape[1] // 3):
+            h = torch.relu(self.bn(h))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("threads", [False, True])
+def test_batchnorm_in_an_export_graph_updates_once_per_call_and_step(m: int, threads: bool) -> None:
+    torch.manual_seed(0)
+    model = ExportOnlyBN()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = build(model, x, 2, threads, "1f1b", m=m)
+    pipe.train_step(x, y, F.mse_loss)
+    F.mse_loss(reference(x), y).backward()
+    assert int(model.bn.num_batches_tracked) == int(reference.bn.num_batches_tracked) == 2
+    if m == 1:
+        assert_same_grads(model, reference)
+        assert rel(model.bn.running_mean, reference.bn.running_mean) < 1e-5
+        assert rel(model.bn.running_var, reference.bn.running_var) < 1e-5
+    pipe.eval()
+    reference.eval()
+    reference.load_state_dict(model.state_dict())
+    assert rel(pipe(x), reference(x)) < 1e-5
+    assert int(model.bn.num_batches_tracked) == 2  # eval leaves the statistics alone

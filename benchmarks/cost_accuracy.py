@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cost_model import AnalyticCostModel, ProfiledCostModel, fit_link, measure_device, measure_gloo_p2p  # noqa: E402
 from cost_model.timing import Clock, make_timer, materialize, steady_host_allocator  # noqa: E402
+from examples.models import GPT, GPTConfig, InceptionNet  # noqa: E402
 from partitioner import partition  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
 from runtime.microbatch import scatter  # noqa: E402
-from examples.models import GPT, GPTConfig, InceptionNet  # noqa: E402
 from tests import zoo  # noqa: E402
 
 
@@ -90,7 +90,9 @@ class _StageTimer:
             if isinstance(a, torch.Tensor):
                 a.grad = None
         start = self.timer()
-        outs = [o for o in pytree.tree_leaves(self.module(*self.args)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        outs = [
+            o for o in pytree.tree_leaves(self.module(*self.args)) if isinstance(o, torch.Tensor) and o.requires_grad
+        ]
         if self.grads is None:
             self.grads = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(outs, self.grads)
@@ -119,7 +121,9 @@ def run_models(cfg: Config, cache_dir: str) -> list[tuple[str, int, int, int, fl
         flat = traced.flatten_inputs((x,), {})
         chunk = scatter(flat, cfg.micro_batches)[0]
         analytic = AnalyticCostModel(measure=functools.partial(measure_device, clock=cfg.clock))
-        profiled = ProfiledCostModel(fallback=analytic, repeats=cfg.profile_repeats, cache_dir=cache_dir, clock=cfg.clock)
+        profiled = ProfiledCostModel(
+            fallback=analytic, repeats=cfg.profile_repeats, cache_dir=cache_dir, clock=cfg.clock
+        )
         profiled.prepare(traced.graph_module, chunk)
         analytic.prepare(traced.graph_module, chunk)  # module classes (Conv2d, MaxPool2d, ...)
         values = materialize(traced.graph_module, chunk)
@@ -127,7 +131,9 @@ def run_models(cfg: Config, cache_dir: str) -> list[tuple[str, int, int, int, fl
         timers: dict[tuple[str, ...], _StageTimer] = {}
         for p in cfg.stage_counts:
             for label, cost in (("profiled", profiled), ("analytic", analytic)):
-                pipe = partition(model, ["cpu"] * p, example_inputs=(x,), micro_batches=cfg.micro_batches, cost_model=cost)
+                pipe = partition(
+                    model, ["cpu"] * p, example_inputs=(x,), micro_batches=cfg.micro_batches, cost_model=cost
+                )
                 for stage, plan in zip(pipe.stages, pipe.plan.stages):
                     key = tuple(plan.nodes)
                     if key not in timers:
@@ -150,11 +156,13 @@ def _mape(rows: list[tuple[str, int, int, int, float, float, str]], label: str) 
 
 
 def print_table(rows: list[tuple[str, int, int, int, float, float, str]]) -> None:
-    header = f"{'model':<10} {'stages':>6} {'stage':>5} {'nodes':>5} {'measured ms':>11} {'predicted ms':>12} {'error':>7}  cost model"
+    header = (f"{'model':<10} {'stages':>6} {'stage':>5} {'nodes':>5} {'measured ms':>11} {'predicted ms':>12} "
+              f"{'error':>7}  cost model")
     print(header)
     print("-" * len(header))
     for name, p, s, n, meas, pred, label in sorted(rows, key=lambda r: (r[6] != "profiled", r[0], r[1], r[2])):
-        print(f"{name:<10} {p:>6} {s:>5} {n:>5} {meas:>11.2f} {pred:>12.2f} {100 * (pred - meas) / meas:>+6.1f}%  {label}")
+        error = 100 * (pred - meas) / meas
+        print(f"{name:<10} {p:>6} {s:>5} {n:>5} {meas:>11.2f} {pred:>12.2f} {error:>+6.1f}%  {label}")
 
 
 def run_gloo(cfg: Config) -> None:

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import GPT, GPTConfig  # noqa: E402
-
-from partitioner import partition  # noqa: E402
 from rank_timing import timed  # noqa: E402
+
+from partitioner import Pipeline, partition  # noqa: E402
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,8 @@ def main() -> None:
         schedule = schedule_cls(stage, n_microbatches=m, loss_fn=loss_fn)
         popt = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
 
-        def pippy_step() -> None:
+        # the loop's values are bound as defaults, not looked up when the step runs
+        def pippy_step(popt: torch.optim.Optimizer = popt, schedule: ScheduleGPipe | Schedule1F1B = schedule) -> None:
             popt.zero_grad()
             if rank == 0:
                 schedule.step(x)
@@ -90,7 +91,7 @@ def main() -> None:
         if rank == 0 and name == "gpipe":
             print(ours.plan.summary(), flush=True)
 
-        def our_step() -> None:
+        def our_step(ours: Pipeline = ours, oopt: torch.optim.Optimizer = oopt) -> None:
             oopt.zero_grad()
             ours.train_step(x, y, loss_fn)
             oopt.step()

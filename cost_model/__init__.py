@@ -10,7 +10,6 @@ models here answers them, so swapping one for another needs no change in the pla
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import cache_dir
-from cost_model.processes import BetweenProcesses
 from cost_model.calibration import CalibratedCostModel, Calibration, measured_stage_ms, stage_records
 from cost_model.cluster import DeviceDescriptionError, DeviceSet, parse_bytes
 from cost_model.comm import LINK_KINDS, Link, default_link, p2p_time, ring_allreduce_time, slowest
@@ -19,6 +18,7 @@ from cost_model.discovery import discover_devices
 from cost_model.interface import BACKWARD_FACTOR, CostModel, backward_time, forward_time
 from cost_model.links import fit_link, measure_copy_link, measure_gloo_link, measure_gloo_p2p
 from cost_model.memory import OPTIMIZER_STATES, StageMemory, in_flight, saved_activation_bytes, stage_memory
+from cost_model.processes import BetweenProcesses
 from cost_model.profiler import Profile, ProfiledCostModel, profile_graph
 
 __all__ = [

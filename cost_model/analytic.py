@@ -11,7 +11,7 @@ is deterministic. Operator classes and their constants live in `ops.py`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -31,7 +31,7 @@ _REFERENCE_MATMUL_DEFAULT = 4096.0
 # Tensor cores: half-precision matrix products run this much faster than the fp32 rate.
 _HALF_SPEEDUP = {"float16": 8.0, "bfloat16": 8.0}
 
-Specs = Union[Mapping[Any, DeviceSpec], DeviceSet, None]
+Specs = Mapping[Any, DeviceSpec] | DeviceSet | None
 
 
 class AnalyticCostModel:
@@ -76,7 +76,10 @@ class AnalyticCostModel:
         measured = self._measure(torch.device(key))
         if spec is not None:  # keep what discovery knew (memory, cores), add the rates
             measured = dataclasses.replace(
-                spec, flops_per_s=measured.flops_per_s, bytes_per_s=measured.bytes_per_s, op_overhead_s=measured.op_overhead_s
+                spec,
+                flops_per_s=measured.flops_per_s,
+                bytes_per_s=measured.bytes_per_s,
+                op_overhead_s=measured.op_overhead_s,
             )
         self._specs[key] = measured
         return measured

@@ -63,7 +63,11 @@ def stage_records(stages: Sequence[Any], measured_ms: Sequence[float]) -> list[d
     if len(stages) != len(measured_ms):
         raise ValueError(f"{len(stages)} stages but {len(measured_ms)} measured times; give one time per stage")
     return [
-        {"device": str(_get(s, "device")), "predicted_ms": float(_get(s, "compute_ms", "predicted_ms")), "measured_ms": float(m)}
+        {
+            "device": str(_get(s, "device")),
+            "predicted_ms": float(_get(s, "compute_ms", "predicted_ms")),
+            "measured_ms": float(m),
+        }
         for s, m in zip(stages, measured_ms)
     ]
 
@@ -116,15 +120,17 @@ class Calibration:
         return {"decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()}}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
-        return cls(float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()})
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        return cls(
+            float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()}
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Calibration":
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 

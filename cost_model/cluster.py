@@ -21,7 +21,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -30,8 +30,9 @@ from cost_model.devices import DeviceError, DeviceSpec
 
 __all__ = ["DeviceDescriptionError", "DeviceSet", "parse_bytes"]
 
-DeviceKey = Union[str, torch.device]
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+DeviceKey = str | torch.device
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
 _ALIASES = {"speed": "flops_per_s", "flops": "flops_per_s", "bandwidth": "bytes_per_s", "memory": "memory_bytes",
             "free_memory": "free_memory_bytes"}
 
@@ -105,7 +106,9 @@ class DeviceSet:
         """The spec of `device`. Raises DeviceError naming the devices this set has."""
         key = _key(device)
         if key not in self.devices:
-            raise DeviceError(f"{key} is not in this device set ({', '.join(self.devices) or 'empty'}); describe it or plan on those")
+            raise DeviceError(
+                f"{key} is not in this device set ({', '.join(self.devices) or 'empty'}); describe it or plan on those"
+            )
         return self.devices[key]
 
     def link(self, a: DeviceKey, b: DeviceKey) -> Link:
@@ -137,14 +140,17 @@ class DeviceSet:
             if entry["compute_capability"] is not None:
                 entry["compute_capability"] = list(entry["compute_capability"])
             devices[key] = entry
-        links = [{"between": sorted(pair), **link.to_dict()} for pair, link in sorted(self.links.items(), key=lambda kv: sorted(kv[0]))]
+        links = [
+            {"between": sorted(pair), **link.to_dict()}
+            for pair, link in sorted(self.links.items(), key=lambda kv: sorted(kv[0]))
+        ]
         out: dict[str, Any] = {"devices": devices, "links": links}
         if self.default_link is not None:
             out["default_link"] = self.default_link.to_dict()
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceSet":
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSet:
         """Build from a description (see the module docstring).
 
         Raises:
@@ -155,7 +161,9 @@ class DeviceSet:
         if isinstance(raw, Sequence) and not isinstance(raw, str):  # a list of {"device": "cuda:0", ...}
             raw = {str(d.get("device", d.get("name", ""))): {k: v for k, v in d.items() if k != "device"} for d in raw}
         if not isinstance(raw, Mapping) or not raw:
-            raise DeviceDescriptionError("the description needs 'devices': {\"cuda:0\": {\"flops_per_s\": ..., \"memory_bytes\": ...}, ...}")
+            raise DeviceDescriptionError(
+                'the description needs \'devices\': {"cuda:0": {"flops_per_s": ..., "memory_bytes": ...}, ...}'
+            )
         devices: dict[str, DeviceSpec] = {}
         for name, entry in raw.items():
             try:
@@ -177,7 +185,7 @@ class DeviceSet:
                     raise ValueError(f"{unknown} not among the devices")
                 links[frozenset(between)] = Link.from_dict({k: v for k, v in entry.items() if k != "between"})
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-                problems.append(f"links[{i}]: {exc}; write {{\"between\": [\"cuda:0\", \"cuda:1\"], \"kind\": \"nvlink\"}}")
+                problems.append(f'links[{i}]: {exc}; write {{"between": ["cuda:0", "cuda:1"], "kind": "nvlink"}}')
         fallback = None
         if data.get("default_link") is not None:
             try:
@@ -185,14 +193,16 @@ class DeviceSet:
             except (TypeError, ValueError) as exc:
                 problems.append(f"default_link: {exc}")
         if problems:
-            raise DeviceDescriptionError("the device description has problems:\n" + "\n".join(f"- {p}" for p in problems))
+            raise DeviceDescriptionError(
+                "the device description has problems:\n" + "\n".join(f"- {p}" for p in problems)
+            )
         return cls(devices, links, fallback)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "DeviceSet":
+    def from_json(cls, text: str) -> DeviceSet:
         try:
             data = json.loads(text)
         except ValueError as exc:
@@ -204,6 +214,6 @@ class DeviceSet:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "DeviceSet":
+    def load(cls, path: str | os.PathLike[str]) -> DeviceSet:
         with open(path) as f:
             return cls.from_json(f.read())

@@ -42,7 +42,7 @@ class Link:
         return {"kind": self.kind, "latency_s": self.latency_s, "bandwidth": self.bandwidth}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | str) -> "Link":
+    def from_dict(cls, data: Mapping[str, Any] | str) -> Link:
         """A link from {'kind', 'latency_s', 'bandwidth'}; a known kind alone takes its defaults.
 
         Raises:
@@ -98,7 +98,7 @@ def slowest(links: Sequence[Link]) -> Link:
     """A link as slow as the worst of `links`: highest latency, lowest bandwidth."""
     if not links:
         raise ValueError("slowest() needs at least one link")
-    return Link("slowest", max(l.latency_s for l in links), min(l.bandwidth for l in links))
+    return Link("slowest", max(link.latency_s for link in links), min(link.bandwidth for link in links))
 
 
 def ring_allreduce_time(nbytes: float, n: int, link: Link) -> float:

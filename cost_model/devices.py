@@ -7,13 +7,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["DeviceError", "DeviceLike", "DeviceSpec", "cpu_cores", "device_present", "host_memory", "measure_device", "resolve_devices"]
+__all__ = ["DeviceError", "DeviceLike", "DeviceSpec", "cpu_cores", "device_present", "host_memory", "measure_device",
+           "resolve_devices"]  # fmt: skip
 
-DeviceLike = Union[str, torch.device]
+DeviceLike = str | torch.device
 
 
 class DeviceError(ValueError):
@@ -44,6 +45,11 @@ class DeviceSpec:
         return self.flops_per_s > 0 and self.bytes_per_s > 0
 
 
+def device_index(device: torch.device) -> int | None:
+    """The device's index; None where it names none (`torch.device("cuda")`), which torch's stubs leave out."""
+    return device.index
+
+
 def resolve_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
     """Check every device exists here and return them as torch.device objects with indices.
 
@@ -59,12 +65,14 @@ def resolve_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
         try:
             dev = torch.device(d)
         except (RuntimeError, TypeError) as exc:
-            raise DeviceError(f"devices contains {d!r}, which is not a device name ('cpu', 'cuda:0', ...): {exc}") from None
+            raise DeviceError(
+                f"devices contains {d!r}, which is not a device name ('cpu', 'cuda:0', ...): {exc}"
+            ) from None
         if dev.type == "cpu":
             resolved.append(torch.device("cpu"))
         elif dev.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = torch.cuda.current_device() if dev.index is None and count else (dev.index or 0)
+            index = torch.cuda.current_device() if device_index(dev) is None and count else (dev.index or 0)
             if index >= count:
                 raise DeviceError(
                     f"devices={[str(x) for x in devices]} but only {count} CUDA devices are visible"
@@ -160,7 +168,7 @@ def measure_device(device: torch.device, clock: str = "wall") -> DeviceSpec:
     return _measure(device, torch.get_num_threads(), clock)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _measure(device: torch.device, threads: int, clock: str) -> DeviceSpec:
     n = 1024 if device.type == "cpu" else 4096
     a = torch.randn(n, n, device=device)

@@ -56,7 +56,10 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int
         ValueError: an unknown schedule, or a stage index outside 0..stages-1.
     """
     if stages < 1 or micro_batches < 1 or not 0 <= stage < stages:
-        raise ValueError(f"stage={stage}, stages={stages}, micro_batches={micro_batches}: need 0 <= stage < stages and micro_batches >= 1")
+        raise ValueError(
+            f"stage={stage}, stages={stages}, micro_batches={micro_batches}: "
+            "need 0 <= stage < stages and micro_batches >= 1"
+        )
     name = schedule.lower().replace("-", "").replace("_", "")
     if name == "gpipe":
         return micro_batches

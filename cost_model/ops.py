@@ -119,10 +119,14 @@ def classify(node: Mapping[str, Any], kind: str | None = None) -> str:
     own 'kind' attribute, then its 'target', is used. Unknown kinds with tensor output are
     'elementwise'; vertices with no tensor output are 'python' (arithmetic on sizes).
     """
-    name = _normalize(str(kind or node.get("kind") or node.get("target") or ""), "" if kind else str(node.get("op", "")))
+    name = _normalize(
+        str(kind or node.get("kind") or node.get("target") or ""), "" if kind else str(node.get("op", ""))
+    )
     if float(node.get("flops", 0) or 0) > 0:
         shapes = node.get("shapes") or [()]
-        is_conv = "conv" in name if (kind or node.get("kind") or node.get("op") == "call_function") else len(shapes[0]) >= 4
+        is_conv = (
+            "conv" in name if (kind or node.get("kind") or node.get("op") == "call_function") else len(shapes[0]) >= 4
+        )
         return "conv" if is_conv else "gemm"
     if name in _EXACT:
         return _EXACT[name]

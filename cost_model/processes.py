@@ -46,7 +46,14 @@ class BetweenProcesses:
         if callable(method):
             return float(method(nbytes, devices))
         probe = 1 << 20
-        links = [Link("hop", self.transfer_time(1, a, b), probe / max(self.transfer_time(probe + 1, a, b) - self.transfer_time(1, a, b), 1e-12)) for a, b in hops]
+        links = [
+            Link(
+                "hop",
+                self.transfer_time(1, a, b),
+                probe / max(self.transfer_time(probe + 1, a, b) - self.transfer_time(1, a, b), 1e-12),
+            )
+            for a, b in hops
+        ]
         return ring_allreduce_time(nbytes, n, slowest(links))
 
     def __getattr__(self, name: str) -> Any:  # forward_time, prepare, spec, fallback, ...

@@ -24,9 +24,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from cost_model.cache import cache_dir as default_cache_dir
-from cost_model.cache import cache_key, read_json, write_json
-from cost_model.devices import device_present
+from cost_model.cache import cache_dir as default_cache_dir, cache_key, read_json, write_json
+from cost_model.devices import device_index, device_present
 from cost_model.interface import CostModel
 from cost_model.timing import BackwardCallProbe, Clock, NodeRunner, make_timer, materialize
 
@@ -61,7 +60,7 @@ class Profile:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Profile":
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
         return cls(
             device=str(data["device"]),
             forward={k: float(v) for k, v in data["forward"].items()},
@@ -98,7 +97,9 @@ def graph_fingerprint(gm: torch.fx.GraphModule) -> list[Any]:
     return [gm.code, [(m, repr(gm.get_submodule(m))) for m in modules], tensors]
 
 
-def _on_device(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], device: torch.device) -> tuple[torch.fx.GraphModule, list[Any]]:
+def _on_device(
+    gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], device: torch.device
+) -> tuple[torch.fx.GraphModule, list[Any]]:
     """The graph and inputs on `device`: the graph itself when its weights are already there."""
     tensors = list(gm.parameters()) + list(gm.buffers())
     if any(t.device != device for t in tensors):
@@ -137,16 +138,19 @@ def profile_graph(
             that cannot time it.
     """
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+    if device.type == "cuda" and device_index(device) is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if warmup < 0 or repeats < 1:
         raise ValueError(f"warmup={warmup}, repeats={repeats}: use warmup >= 0 and repeats >= 1")
     if not device_present(device):
-        raise ValueError(f"cannot profile on {device}: it is not present here; use AnalyticCostModel for absent devices")
+        raise ValueError(
+            f"cannot profile on {device}: it is not present here; use AnalyticCostModel for absent devices"
+        )
     timer = make_timer(device, clock)
     inputs = [_describe(x) for x in pytree.tree_leaves(list(flat_inputs))]
     key = cache_key(
-        "profile-v2", graph_fingerprint(gm), inputs, _device_name(device), torch.__version__, torch.get_num_threads(), clock
+        "profile-v2", graph_fingerprint(gm), inputs, _device_name(device), torch.__version__, torch.get_num_threads(),
+        clock,
     )
     path = default_cache_dir(cache_dir) / "profiles" / f"{key}.json"
     if cache:
@@ -162,7 +166,8 @@ def profile_graph(
         forward=forward,
         backward=backward,
         key=key,
-        meta={"device_name": _device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(), "clock": clock},
+        meta={"device_name": _device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "clock": clock},
     )
     if cache:
         write_json(path, profile.to_dict())
@@ -252,7 +257,8 @@ class ProfiledCostModel:
             fallback = AnalyticCostModel()
         self.fallback = fallback
         self._options: dict[str, Any] = {
-            "warmup": warmup, "repeats": repeats, "cache": cache, "cache_dir": cache_dir, "progress": progress, "clock": clock
+            "warmup": warmup, "repeats": repeats, "cache": cache, "cache_dir": cache_dir, "progress": progress,
+            "clock": clock,
         }
         self._present = present
         self._gm: torch.fx.GraphModule | None = None

@@ -1,4 +1,6 @@
-"""Timing helpers for the profiler: clocks, one graph node run alone (forward, then backward), the backward-call probe."""
+"""Timing helpers for the profiler: clocks, one graph node run alone (forward, then backward),
+the backward-call probe.
+"""
 
 from __future__ import annotations
 
@@ -60,7 +62,9 @@ def steady_host_allocator(limit_bytes: int = 1 << 30) -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, int(limit_bytes)) and libc.mallopt(m_trim_threshold, int(limit_bytes)))
+        return bool(
+            libc.mallopt(m_mmap_threshold, int(limit_bytes)) and libc.mallopt(m_trim_threshold, int(limit_bytes))
+        )
     except (OSError, AttributeError):
         return False
 
@@ -153,7 +157,9 @@ class NodeRunner:
             leaf.grad = None
         if not self.inplace:
             return self.args, self.kwargs
-        args, kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs))
+        args, kwargs = pytree.tree_map(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs)
+        )
         return args, kwargs
 
     def run_once(self) -> tuple[float, float]:

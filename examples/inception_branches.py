@@ -63,7 +63,9 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        print(f"step {step:3d}  loss {loss.item():.4f}  {step * args.batch / (time.perf_counter() - start):.0f} samples/s")
+        print(
+            f"step {step:3d}  loss {loss.item():.4f}  {step * args.batch / (time.perf_counter() - start):.0f} samples/s"
+        )
     pipe.plan.visualize(args.out)
     print(f"wrote {args.out}")
     if not losses[-1] < losses[0]:

@@ -73,8 +73,12 @@ class InceptionBlock(nn.Module):
         q = c // 4
         self.b1 = nn.Conv2d(c, q, 1)
         self.b2 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
-        self.b3 = nn.Sequential(nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
-        self.b4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1))
+        self.b3 = nn.Sequential(
+            nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1)
+        )
+        self.b4 = nn.Sequential(
+            nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(c, q, 1), nn.ReLU(), nn.Conv2d(q, q, 3, padding=1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x + torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1))

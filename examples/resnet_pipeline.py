@@ -69,7 +69,11 @@ class ResNet(nn.Module):
         self.stem = nn.Sequential(nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
         groups, cin = [], w
         for i, cout in enumerate((w, 2 * w, 4 * w)):
-            groups.append(nn.Sequential(*[BasicBlock(cin if b == 0 else cout, cout, 2 if i and b == 0 else 1) for b in range(cfg.blocks)]))
+            groups.append(
+                nn.Sequential(
+                    *[BasicBlock(cin if b == 0 else cout, cout, 2 if i and b == 0 else 1) for b in range(cfg.blocks)]
+                )
+            )
             cin = cout
         self.layer1, self.layer2, self.layer3 = groups
         self.fc = nn.Linear(cin, cfg.classes)
@@ -96,7 +100,9 @@ def parse(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(Config):
         default = getattr(Config, f.name)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=f"default {default}")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=type(default), default=default, help=f"default {default}"
+        )
     return Config(**vars(parser.parse_args(argv)))
 
 

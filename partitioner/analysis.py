@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Callable, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeGuard
 
 import networkx as nx
 
@@ -40,7 +40,7 @@ _COMPUTE = ("call_function", "call_method", "call_module")
 _SOURCE = ("<source>",)
 _SINK = ("<sink>",)
 
-NodeTime = Union[Mapping[str, float], Callable[[str], float]]
+NodeTime = Mapping[str, float] | Callable[[str], float]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ForkJoinRegion:
     join: str | None
     branches: list[list[str]]
     shortcut: bool = False
-    nested: list["ForkJoinRegion"] = field(default_factory=list)
+    nested: list[ForkJoinRegion] = field(default_factory=list)
 
     @property
     def parallel(self) -> bool:
@@ -105,7 +105,8 @@ class CutPoints:
     cheapest: list[Cut]
 
 
-def _is_compute(graph: nx.DiGraph, name: object) -> bool:
+def _is_compute(name: object, graph: nx.DiGraph) -> TypeGuard[str]:
+    """A vertex of the graph (so a node name, not a virtual vertex) that computes."""
     return name in graph and graph.nodes[name].get("op", "call_function") in _COMPUTE
 
 
@@ -200,12 +201,13 @@ class _Finder:
     def add(self, fork: object, join: object, heads: list[object], parent: ForkJoinRegion | None, inner: bool) -> None:
         """Record the region from `fork` through `heads` to `join`, and regions of heads meeting earlier."""
         graph, positions = self.graph, self.positions
-        meets_at_end = join == _SINK or not _is_compute(graph, join)
-        branches, shortcut = [], join in self.flow.successors(fork)
+        meets_at_end = join == _SINK or not _is_compute(join, graph)
+        branches: list[list[str]] = []
+        shortcut = join in self.flow.successors(fork)
         interior: set[object] = set()
         groups = _components(self.flow, heads, join)
         for _, group in groups:
-            work = sorted((n for n in group if _is_compute(graph, n)), key=positions.__getitem__)
+            work = sorted((n for n in group if _is_compute(n, graph)), key=positions.__getitem__)
             interior |= group
             if work:
                 branches.append(work)
@@ -236,7 +238,7 @@ class _Finder:
                 continue
             join = self.ipdom[fork]
             heads = [s for s in self.flow.successors(fork) if s != join]
-            if len(heads) >= 2 or _is_compute(self.graph, join):
+            if len(heads) >= 2 or _is_compute(join, self.graph):
                 self.add(fork, join, heads, None, False)
         # Nesting: a region's parent is the smallest region whose interior holds its fork.
         innermost: dict[object, ForkJoinRegion] = {}
@@ -280,7 +282,7 @@ def iter_regions(regions: Iterable[ForkJoinRegion], depth: int = 0) -> Iterator[
 def _time_of(graph: nx.DiGraph, node_time: NodeTime) -> Callable[[str], float]:
     if callable(node_time):
         return node_time
-    missing = [n for n in graph if _is_compute(graph, n) and n not in node_time]
+    missing = [n for n in graph if _is_compute(n, graph) and n not in node_time]
     if missing:
         raise ValueError(
             f"node_time has no time for {len(missing)} compute vertices, e.g. {missing[:5]}; "
@@ -376,12 +378,11 @@ def cut_points(graph: nx.DiGraph, order: Sequence[str], k: int = 5) -> CutPoints
 
 def _human(value: float, base: int, unit: str) -> str:
     prefixes = ("", "Ki", "Mi", "Gi", "Ti") if base == 1024 else ("", "k", "M", "G", "T")
-    for prefix in prefixes[:-1]:
-        if abs(value) < base:
-            break
+    i = 0
+    while i < len(prefixes) - 1 and abs(value) >= base:
         value /= base
-    else:
-        prefix = prefixes[-1]
+        i += 1
+    prefix = prefixes[i]
     return f"{value:.1f} {prefix}{unit}" if prefix else f"{value:.0f} {unit}"
 
 
@@ -421,7 +422,7 @@ def describe(graph: nx.DiGraph, node_time: NodeTime | None = None, k: int = 5, m
     if len(regions) > max_regions:
         lines.append(f"  ... and {len(regions) - max_regions} more")
 
-    compute = sorted((n for n in graph if _is_compute(graph, n)), key=_positions(graph).__getitem__)
+    compute = sorted((n for n in graph if _is_compute(n, graph)), key=_positions(graph).__getitem__)
     if node_time is None:
         path = critical_path(graph, lambda n: float(graph.nodes[n].get("flops", 0)))
         length, total = _human(path.length, 1000, "FLOP"), _human(path.total, 1000, "FLOP")

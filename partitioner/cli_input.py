@@ -56,7 +56,9 @@ def load_factory(spec: str) -> Callable[..., Any]:
     """
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"{spec!r} is not MODULE:FACTORY; write e.g. mymodels:make_model or path/to/models.py:make_model")
+        raise UsageError(
+            f"{spec!r} is not MODULE:FACTORY; write e.g. mymodels:make_model or path/to/models.py:make_model"
+        )
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
@@ -132,7 +134,9 @@ def load_example(spec: str, batch: int | None, micro_batches: int) -> Example:
         ) from None
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         got = type(result).__name__ if not isinstance(result, tuple) else f"a tuple of {len(result)}"
-        raise UsageError(f"{spec} returned {got}; it must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
+        raise UsageError(
+            f"{spec} returned {got}; it must return (model, example_inputs) or (model, example_inputs, example_kwargs)"
+        )
     model, inputs = result[0], result[1]
     kwargs = dict(result[2]) if len(result) == 3 and result[2] else {}
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
@@ -150,5 +154,7 @@ def load_example(spec: str, batch: int | None, micro_batches: int) -> Example:
             )
     full = batch if batch is not None else have
     if micro_batches > full:
-        raise UsageError(f"--micro-batches {micro_batches} is more than the batch of {full} samples; use at most {full}")
+        raise UsageError(
+            f"--micro-batches {micro_batches} is more than the batch of {full} samples; use at most {full}"
+        )
     return Example(spec, model, tuple(args), kwargs, full, micro_batches)

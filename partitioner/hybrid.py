@@ -31,9 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
-from cost_model.memory import optimizer_states
 from partitioner.errors import PartitionError
 from partitioner.planner import boundary_bytes
 
@@ -97,7 +95,9 @@ class _Grid:
 
     def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
         self.cuts = cuts
-        self.recv, self.send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts)
+        self.recv, self.send = boundary_bytes(
+            problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts
+        )
 
         def prefix(x: np.ndarray) -> np.ndarray:
             return np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)[..., cuts]
@@ -107,10 +107,19 @@ class _Grid:
 
 
 def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
-    return prefix[..., None, cols] - prefix[..., rows, None]
+    out: np.ndarray = prefix[..., None, cols] - prefix[..., rows, None]
+    return out
 
 
-def _window(p: HybridProblem, w: int, r: int) -> tuple:
+# (replicas, device kinds, receive link, send link, all-reduce ring, smallest capacity); links and
+# ring are (latency, seconds per byte), None where there is no neighbour or no replica to reduce with.
+LinkCost = tuple[float, ...] | None
+Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
+Windows = dict[tuple[int, int], Window]  # by (first device, replicas)
+Choice = dict[int, tuple[np.ndarray, np.ndarray]]  # by devices left: (replicas, next cut) per (stages, cut)
+
+
+def _window(p: HybridProblem, w: int, r: int) -> Window:
     """What a stage's costs depend on when it runs on devices w .. w+r-1 (equal keys, equal costs)."""
     kinds = tuple(np.unique(p.device_kind[w : w + r]).tolist())
     recv = tuple(p.link[w - 1, w : w + r].max(axis=0).tolist()) if w > 0 else None
@@ -119,7 +128,9 @@ def _window(p: HybridProblem, w: int, r: int) -> tuple:
     return r, kinds, recv, send, reduce, float(p.capacity[w : w + r].min())
 
 
-def _stage_parts(p: HybridProblem, g: _Grid, window: tuple, m: int, rows: slice, cols: slice) -> tuple[np.ndarray, ...]:
+def _stage_parts(
+    p: HybridProblem, g: _Grid, window: Window, m: int, rows: slice, cols: slice
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
     r, kinds, recv_link, send_link, reduce, _ = window
     comp = np.max(_diff(g.fixed[list(kinds)], rows, cols) + _diff(g.batch[list(kinds)], rows, cols) / m, axis=0)
@@ -150,7 +161,7 @@ Matrix = Callable[[int, int, slice, slice, np.ndarray], np.ndarray]
 def _dp(
     D: int, K: int, qmax: int, rmax: int, matrix: Matrix, schedule: str, m: int,
     limit: Callable[[int], float] | None = None, exact_stages: bool = False,
-) -> tuple[np.ndarray, dict]:
+) -> tuple[np.ndarray, Choice]:
     """Suffix DP: f[k][q, i] = smallest max stage value covering cuts[i].. with q stages on the last k devices.
 
     `matrix(w, r, rows, cols, needs)` gives the value of a stage [cuts[i], cuts[j]) on devices
@@ -161,7 +172,7 @@ def _dp(
     f = [np.full((qmax + 1, K), np.inf) for _ in range(D + 1)]
     f[0][0, K - 1] = 0.0
     alive = [np.array([True] + [False] * qmax)]
-    choice: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    choice: Choice = {}
     for k in range(1, D + 1):
         rows = slice(0, 1) if k == D else slice(1, K - 1)
         best_r = np.zeros((qmax + 1, K), dtype=np.int32)
@@ -196,11 +207,11 @@ def _dp(
 
 
 def _pass(
-    problem: HybridProblem, grid: _Grid, windows: dict, m: int, qmax: int, rmax: int, mode: str,
+    problem: HybridProblem, grid: _Grid, windows: Windows, m: int, qmax: int, rmax: int, mode: str,
     exact_stages: bool, limit: Callable[[int], float] | None = None, ratio: bool = False,
-) -> tuple[np.ndarray, dict]:
+) -> tuple[np.ndarray, Choice]:
     """One DP on `grid` for m micro-batches: max W with memory as a limit, or (ratio) max memory / capacity."""
-    cache: dict[tuple, tuple[np.ndarray, ...]] = {}
+    cache: dict[tuple[Window, int, int], tuple[np.ndarray, ...]] = {}
 
     def matrix(w: int, r: int, rows: slice, cols: slice, needs: np.ndarray) -> np.ndarray:
         window = windows[w, r]
@@ -221,7 +232,7 @@ def _pass(
     return _dp(problem.devices, len(grid.cuts), qmax, rmax, matrix, mode, m, limit, exact_stages)
 
 
-def _walk(choice: dict, D: int, q: int) -> tuple[list[int], list[int]]:
+def _walk(choice: Choice, D: int, q: int) -> tuple[list[int], list[int]]:
     """Cut indices and replicas of the best suffix from (D devices, q stages, cut 0)."""
     idx, reps, k, i = [0], [], D, 0
     while k > 0:
@@ -244,7 +255,8 @@ def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | Non
 
 
 def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1) -> np.ndarray:
-    """About `size` candidates at equal node counts and equal times, plus every `stride`-th position within `width` of `around`."""
+    """About `size` candidates at equal node counts and equal times, plus every `stride`-th position within
+    `width` of `around`."""
     n = problem.n
     if n + 1 <= size:
         return np.arange(n + 1)
@@ -256,12 +268,12 @@ def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: 
     return np.unique(np.clip(np.concatenate(parts), 0, n)).astype(np.int64)
 
 
-def _windows(problem: HybridProblem, rmax: int) -> dict[tuple[int, int], tuple]:
+def _windows(problem: HybridProblem, rmax: int) -> Windows:
     D = problem.devices
     return {(w, r): _window(problem, w, r) for w in range(D) for r in range(1, min(D - w, rmax) + 1)}
 
 
-def _units(windows: dict[tuple[int, int], tuple], qmax: int, rmax: int) -> int:
+def _units(windows: Windows, qmax: int, rmax: int) -> int:
     """DP cost of one pass in units of K^2: q values per (devices left, replicas), plus stage matrices."""
     D = max(w for w, _ in windows) + 1
     loops = sum(max(1, min(k - r, qmax - 1)) for k in range(1, D + 1) for r in range(1, min(k, rmax) + 1))
@@ -328,20 +340,26 @@ def solve_hybrid(
         raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, mode)
     _, m, _, bounds, reps = best
     schedule = mode
-    same = mode == "1f1b" and evaluate(problem, bounds, reps, m, "gpipe")[2] == evaluate(problem, bounds, reps, m, mode)[2]
+    same = (
+        mode == "1f1b" and evaluate(problem, bounds, reps, m, "gpipe")[2] == evaluate(problem, bounds, reps, m, mode)[2]
+    )
     if same and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
         schedule = "gpipe"
     step, work, memory = evaluate(problem, bounds, reps, m, schedule)
     return HybridSolution(bounds, reps, m, schedule, step, work, memory)
 
 
-def evaluate(problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str) -> tuple[float, list[float], list[float]]:
+def evaluate(
+    problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str
+) -> tuple[float, list[float], list[float]]:
     """Predicted step seconds, W per stage and bytes per replica of a given configuration."""
     cuts = np.asarray(bounds, dtype=np.int64)
     grid, p, w = _Grid(problem, cuts), len(replicas), 0
     work, memory = [], []
     for s, r in enumerate(replicas):
-        wk, static, flight = _stage_parts(problem, grid, _window(problem, w, r), m, slice(s, s + 1), slice(s + 1, s + 2))
+        wk, static, flight = _stage_parts(
+            problem, grid, _window(problem, w, r), m, slice(s, s + 1), slice(s + 1, s + 2)
+        )
         work.append(float(wk[0, 0]))
         memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, r) * flight[0, 0]))
         w += r
@@ -349,7 +367,8 @@ def evaluate(problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[i
 
 
 def _infeasible(
-    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict, stages: int | None, grid: _Grid, windows: dict, mode: str
+    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: _Grid,
+    windows: Windows, mode: str,
 ) -> InfeasibleError:
     """The error naming the memory each device would need under the split that needs the least."""
     D, best = problem.devices, None
@@ -374,7 +393,8 @@ def _infeasible(
         "the model fits on no split of these devices: every choice of stages, replicas and micro-batches "
         "puts some stage over its device's memory. The smallest memory each device would need "
         f"({len(reps)} stages, replicas {reps}, {m} micro-batches, {mode}):\n" + "\n".join(lines)
-        + "\nFix: use devices with at least that much memory, add devices, or use an optimizer with fewer states (sgd).",
+        + "\nFix: use devices with at least that much memory, add devices, or use an optimizer with fewer states "
+        "(sgd).",
         needed,
     )
 

@@ -70,7 +70,9 @@ class CostSplitPolicy:
         if isinstance(devices, (str, torch.device)) or len(devices) < 1:
             raise PartitionError(f"devices={devices!r}: pass one device per pipeline stage, e.g. ['cuda:0', 'cuda:1']")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise PartitionError(f"micro_batches must be an integer >= 1 (PiPPy's n_microbatches), got {micro_batches!r}")
+            raise PartitionError(
+                f"micro_batches must be an integer >= 1 (PiPPy's n_microbatches), got {micro_batches!r}"
+            )
         if schedule not in ("gpipe", "1f1b"):
             raise PartitionError(f"schedule={schedule!r}; use 'gpipe' (ScheduleGPipe) or '1f1b' (Schedule1F1B)")
         self.devices = [torch.device(d) for d in devices]
@@ -89,7 +91,8 @@ class CostSplitPolicy:
         nodes = compute_nodes(gm)
         if len(nodes) < len(self.devices):
             raise PartitionError(
-                f"the exported graph has {len(nodes)} operations for {len(self.devices)} stages; pass at most {len(nodes)} devices"
+                f"the exported graph has {len(nodes)} operations for {len(self.devices)} stages; "
+                f"pass at most {len(nodes)} devices"
             )
         self.plan = plan_hybrid(
             graph, [n.name for n in nodes], self.devices, self.cost_model or AnalyticCostModel(),

@@ -47,7 +47,8 @@ def test_linear_roofline_hand_computed() -> None:
 
 def test_memory_bound_matmul_uses_bytes() -> None:
     # 1 x 4096 by 4096 x 4096: 33.5 MFLOP but 64 MiB of weights to read at 10 GB/s.
-    node = {**LINEAR, "flops": 2 * 4096 * 4096, "shapes": [(1, 4096)], "out_bytes": 4096 * 4, "param_bytes": 4096 * 4096 * 4}
+    node = {**LINEAR, "flops": 2 * 4096 * 4096, "shapes": [(1, 4096)], "out_bytes": 4096 * 4,
+            "param_bytes": 4096 * 4096 * 4}
     moved = (2 * 4096 * 4 + 4096 * 4096 * 4) / 1e10
     assert model().forward_time(node, CPU) == pytest.approx(8e-6 + moved)
 
@@ -102,7 +103,9 @@ def test_transfers_default_and_described() -> None:
 
 def test_absent_device_without_description_says_how_to_describe_it() -> None:
     with pytest.raises(DeviceError, match="flops_per_s"):
-        model().node_time(LINEAR, torch.device("cuda", 7) if not torch.cuda.is_available() else torch.device("cuda", 99))
+        model().node_time(
+            LINEAR, torch.device("cuda", 7) if not torch.cuda.is_available() else torch.device("cuda", 99)
+        )
 
 
 class Net(nn.Module):
@@ -133,7 +136,9 @@ def test_swapping_cost_models_needs_no_planner_change(tmp_path: Any) -> None:
     x = torch.randn(4, 3, 8, 8)
     profiled = ProfiledCostModel(fallback=model(), warmup=0, repeats=1, cache_dir=str(tmp_path), progress=False)
     profiled.prepare(torch.fx.symbolic_trace(Net()), [x[:2]])
-    for cost in (model(), AnalyticCostModel(DeviceSet.from_dict({"devices": {"cpu": {"speed": 1e11, "bandwidth": 1e10}}}), measure=never), profiled):
+    described = AnalyticCostModel(DeviceSet.from_dict({"devices": {"cpu": {"speed": 1e11, "bandwidth": 1e10}}}),
+                                  measure=never)
+    for cost in (model(), described, profiled):
         net = Net()
         pipe = partition(net, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=cost)
         assert len(pipe.plan.stages) == 2

@@ -85,7 +85,8 @@ def test_hand_described_eight_gpus_round_trip_through_json(tmp_path: Any) -> Non
     cluster = DeviceSet.from_dict(eight_gpus())
     assert len(cluster.names) == 8 and len(cluster.links) == 12
     spec = cluster.spec("cuda:5")
-    assert (spec.flops_per_s, spec.memory_bytes, spec.kind, spec.compute_capability) == (6.0e13, 80 << 30, "cuda", (9, 0))
+    got = (spec.flops_per_s, spec.memory_bytes, spec.kind, spec.compute_capability)
+    assert got == (6.0e13, 80 << 30, "cuda", (9, 0))
     assert cluster.link("cuda:0", "cuda:3").kind == "nvlink"
     assert cluster.link("cuda:3", "cuda:4") == LINK_KINDS["network"]
 

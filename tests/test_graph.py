@@ -31,7 +31,8 @@ def test_tied_weight_bytes_counted_once() -> None:
     traced = trace(model, (idx,))
     g = build_graph(traced.graph_module, [idx])
     total = sum(d["param_bytes"] for _, d in g.nodes(data=True))
-    expected = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    expected = sum(p.numel() * 4 for p in model.parameters())
+    expected += sum(b.numel() * b.element_size() for b in model.buffers())
     assert total == expected
 
 

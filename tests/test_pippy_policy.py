@@ -20,7 +20,9 @@ SPLIT = torch.ops.pippy._pipe_split.default
 
 
 def cluster(speeds: list[float]) -> AnalyticCostModel:
-    devices = {f"cuda:{i}": {"flops_per_s": s, "bytes_per_s": s * 5, "memory_bytes": "1GiB"} for i, s in enumerate(speeds)}
+    devices = {
+        f"cuda:{i}": {"flops_per_s": s, "bytes_per_s": s * 5, "memory_bytes": "1GiB"} for i, s in enumerate(speeds)
+    }
     return AnalyticCostModel(DeviceSet.from_dict({"devices": devices, "default_link": "pcie"}))
 
 
@@ -102,4 +104,5 @@ def test_bad_arguments() -> None:
             split_policy(**kwargs)
     model, args, _ = zoo.mlp()
     with pytest.raises(PartitionError, match="at most"):
-        pipeline(model, (args[0][:2],), split_policy=split_policy([f"cuda:{i}" for i in range(20)], cluster([1e10] * 20)))
+        pipeline(model, (args[0][:2],),
+                 split_policy=split_policy([f"cuda:{i}" for i in range(20)], cluster([1e10] * 20)))

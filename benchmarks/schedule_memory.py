@@ -95,7 +95,7 @@ def main() -> None:
     peaks, grads = {}, {}
     for schedule in ("gpipe", "1f1b"):
         model = copy.deepcopy(base)
-        pipe = partition(model, ["cpu"] * args.stages, (x,), micro_batches=args.micro_batches, schedule=schedule,
+        pipe = partition(model, ["cpu"] * args.stages, example_inputs=(x,), micro_batches=args.micro_batches, schedule=schedule,
                          threads=False, cost_model=AnalyticCostModel())
         counter.reset()
         with hooks:  # one thread: the hooks see every stage

@@ -74,9 +74,9 @@ def plan(
 def partition(
     model: nn.Module,
     devices: Sequence[DeviceLike],
+    *,
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
-    *,
     micro_batches: int = 1,
     schedule: Schedule = "gpipe",
     placement: PlacementChoice = "pipeline",

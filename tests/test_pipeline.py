@@ -46,7 +46,8 @@ def test_train_step_equals_plain_model(name: str, schedule: str, devices: int, t
     reference = copy.deepcopy(model)
     with torch.no_grad():
         targets = [torch.randn_like(a) for a in leaves(reference(*args, **kwargs))]
-    pipe = partition(model, ["cpu"] * devices, args, kwargs, micro_batches=4 if schedule == "interleaved" else 3,
+    pipe = partition(model, ["cpu"] * devices, example_inputs=args, example_kwargs=kwargs,
+                     micro_batches=4 if schedule == "interleaved" else 3,
                      schedule=schedule, threads=threads, cost_model=AnalyticCostModel())  # type: ignore[arg-type]
     assert pipe.plan.schedule == schedule
     loss = pipe.train_step(args, targets, loss_fn, input_kwargs=kwargs)
@@ -65,7 +66,7 @@ def test_train_step_reuses_the_pipeline_across_steps_and_batch_sizes() -> None:
     torch.manual_seed(0)
     model, (x,), _ = zoo.mlp()
     reference = copy.deepcopy(model)
-    pipe = partition(model, ["cpu"] * 3, (x,), micro_batches=2, schedule="1f1b", cost_model=AnalyticCostModel())
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=2, schedule="1f1b", cost_model=AnalyticCostModel())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in (x, torch.randn(5, x.shape[1]), x):
@@ -82,7 +83,7 @@ def test_train_step_reuses_the_pipeline_across_steps_and_batch_sizes() -> None:
 
 def test_one_f_one_b_holds_at_most_the_pipeline_depth_in_flight() -> None:
     model, (x,), _ = zoo.mlp()
-    pipe = partition(model, ["cpu"] * 3, (torch.cat([x, x]),), micro_batches=8, schedule="1f1b",
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(torch.cat([x, x]),), micro_batches=8, schedule="1f1b",
                      cost_model=AnalyticCostModel())
     live = {0: 0, 1: 0, 2: 0}
     peak = dict(live)
@@ -97,7 +98,7 @@ def test_a_failing_worker_fails_the_step_and_the_next_step_runs() -> None:
     torch.manual_seed(0)
     model, (x,), _ = zoo.mlp()
     reference = copy.deepcopy(model)
-    pipe = partition(model, ["cpu"] * 3, (x,), micro_batches=3, schedule="1f1b", threads=True,
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=3, schedule="1f1b", threads=True,
                      cost_model=AnalyticCostModel())
     y = [torch.randn(x.shape[0], 10)]
 
@@ -116,4 +117,4 @@ def test_a_failing_worker_fails_the_step_and_the_next_step_runs() -> None:
 def test_replicas_in_one_process_name_torchrun() -> None:
     model, (x,), _ = zoo.mlp()
     with pytest.raises(PartitionError, match="torchrun"):
-        partition(model, ["cpu"] * 2, (x,), micro_batches=2, replicas=[1, 1])
+        partition(model, ["cpu"] * 2, example_inputs=(x,), micro_batches=2, replicas=[1, 1])

@@ -27,7 +27,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def build(model: nn.Module, x: torch.Tensor, stages: int, threads: bool, schedule: str = "gpipe", m: int = 4) -> Any:
-    return partition(model, ["cpu"] * stages, (x,), micro_batches=m, schedule=schedule, threads=threads,  # type: ignore[arg-type]
+    return partition(model, ["cpu"] * stages, example_inputs=(x,), micro_batches=m, schedule=schedule, threads=threads,  # type: ignore[arg-type]
                      cost_model=AnalyticCostModel())
 
 
@@ -108,7 +108,7 @@ def test_partition_leaves_the_callers_tensors_and_the_model_untouched(tmp_path: 
         x = torch.randn(8, 8)
         before_x = x.clone()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        pipe = partition(model, ["cpu"] * 2, (x,), micro_batches=2, cost_model=ProfiledCostModel())
+        pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), micro_batches=2, cost_model=ProfiledCostModel())
         assert torch.equal(x, before_x), attempt
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), attempt
         assert all(p.grad is None for p in model.parameters()), attempt
@@ -180,7 +180,7 @@ def test_a_write_in_a_middle_stage_is_seen_by_a_later_stage(threads: bool, sched
     cuts = [names[:first], names[first:second], names[second:]]
     custom = Plan(stages=[StagePlan(s, "cpu", nodes) for s, nodes in enumerate(cuts)], micro_batches=2,
                   schedule=schedule)  # type: ignore[arg-type]
-    pipe = partition(model, ["cpu"] * 3, (x,), plan=custom, threads=threads)
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), plan=custom, threads=threads)
     loss = pipe.train_step(x, y, F.mse_loss)
     ref_loss = F.mse_loss(reference(x), y)
     ref_loss.backward()
@@ -209,8 +209,8 @@ def test_a_non_tensor_argument_other_than_the_examples_is_a_named_error() -> Non
     model = Scaled()
     x, mask = torch.randn(6, 4), torch.ones(6, 4)
     with pytest.warns(UserWarning, match=r"set calls while being traced: Python side effects"):
-        pipe = partition(model, ["cpu"] * 2, (x,), {"scale": 3, "mask": mask}, micro_batches=2,
-                         cost_model=AnalyticCostModel())
+        pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), example_kwargs={"scale": 3, "mask": mask},
+                         micro_batches=2, cost_model=AnalyticCostModel())
     reference = copy.deepcopy(model)
     assert rel(pipe(x, scale=3, mask=mask), reference(x, scale=3, mask=mask)) < 1e-5
     with pytest.raises(PartitionError, match=r"argument 'scale' is 2, but the pipeline was traced with 3"):

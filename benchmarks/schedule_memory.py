@@ -95,7 +95,8 @@ def main() -> None:
     peaks, grads = {}, {}
     for schedule in ("gpipe", "1f1b"):
         model = copy.deepcopy(base)
-        pipe = partition(model, ["cpu"] * args.stages, example_inputs=(x,), micro_batches=args.micro_batches, schedule=schedule,
+        pipe = partition(model, ["cpu"] * args.stages, example_inputs=(x,), micro_batches=args.micro_batches,
+                         schedule=schedule,
                          threads=False, cost_model=AnalyticCostModel())
         counter.reset()
         with hooks:  # one thread: the hooks see every stage
@@ -105,7 +106,8 @@ def main() -> None:
     worst = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(grads["1f1b"], grads["gpipe"]))
     p, m = args.stages, args.micro_batches
     expected = sum(min(p - s, m) for s in range(p)) / (p * m)  # micro-batches in flight, over GPipe's m per stage
-    print(f"GPT {cfg.layers} blocks, width {cfg.width}, batch {args.batch} x {cfg.seq} tokens, {p} stages on cpu, m={m}")
+    print(f"GPT {cfg.layers} blocks, width {cfg.width}, batch {args.batch} x {cfg.seq} tokens, "
+          f"{p} stages on cpu, m={m}")
     print(f"{'run':<22} {'peak saved MiB':>15} {'vs plain model':>15}")
     print(f"{'plain model':<22} {plain_peak / 2**20:>15.2f} {1.0:>15.2f}")
     for schedule, peak in peaks.items():

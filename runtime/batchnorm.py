@@ -29,7 +29,8 @@ class DeferredBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.bn
         if not (self.deferring and bn.training and bn.track_running_stats):
-            return bn(x)
+            out: torch.Tensor = bn(x)
+            return out
         dims = [0, *range(2, x.dim())]
         with torch.no_grad():
             var, mean = torch.var_mean(x.detach(), dim=dims, correction=0)
@@ -62,8 +63,10 @@ class DeferredBatchNormOp(nn.Module):
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
                 momentum: float, eps: float, cudnn_enabled: bool) -> torch.Tensor:
         if not (self.deferring and training):
-            return torch.ops.aten.batch_norm.default(x, weight, bias, running_mean, running_var, training, momentum,
-                                                     eps, cudnn_enabled)
+            out: torch.Tensor = torch.ops.aten.batch_norm.default(
+                x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+            )
+            return out
         with torch.no_grad():
             var, mean = torch.var_mean(x.detach(), dim=[0, *range(2, x.dim())], correction=0)
             self._stats.append((x.numel() // x.shape[1], mean, var))
@@ -91,8 +94,8 @@ def fold(
         return
     with torch.no_grad():
         total = sum(n for n, _, _ in stats)
-        mean = sum(n * m for n, m, _ in stats) / total
-        m2 = sum(n * (v + (m - mean) ** 2) for n, m, v in stats)
+        mean = torch.stack([n * m for n, m, _ in stats]).sum(0) / total
+        m2 = torch.stack([n * (v + (m - mean) ** 2) for n, m, v in stats]).sum(0)
         unbiased = m2 / max(total - 1, 1)
         factor = momentum
         if num_batches_tracked is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["consolidate", "load", "save"]
 
@@ -61,7 +62,7 @@ def load(pipe: Any, path: str | os.PathLike[str], optimizer: torch.optim.Optimiz
             for entry, meta in metadata.items():
                 if entry.startswith(prefix):
                     name = entry[len(prefix):]
-                    if hasattr(meta, "size"):
+                    if isinstance(meta, TensorStorageMetadata):
                         state[entry] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
                     else:
                         state[entry] = None

@@ -16,6 +16,7 @@ update and the sum equals single-process full-batch training.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -27,10 +28,10 @@ from torch import nn
 
 from runtime import checkpoint
 from runtime.comm import Comm, TorchComm
-from runtime.interpreter import Interpreter, Routes
-from runtime.plan import Plan
 from runtime.errors import PartitionError
+from runtime.interpreter import Interpreter
 from runtime.pipeline import StageGraph
+from runtime.plan import Plan
 from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
 from runtime.steps import train_step_inputs, transaction, write_back
@@ -57,7 +58,8 @@ class _GradGroup:
         for p in [*self.params, None]:
             if p is None or (bucket and size + p.numel() * p.element_size() > _BUCKET_BYTES):
                 if bucket:
-                    flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in bucket])
+                    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in bucket]
+                    flat = torch.cat([g.reshape(-1) for g in grads])
                     self.pending.append((comm.all_reduce(flat, self.group), flat, bucket))
                 bucket, size = [], 0
             if p is not None:
@@ -113,7 +115,9 @@ class DistributedPipeline(nn.Module):
         if not plan.programs:
             plan.programs = plan_programs(plan, groups)
         if len(plan.programs) != dist.get_world_size():
-            raise ValueError(f"the plan has programs for {len(plan.programs)} ranks but the job has {dist.get_world_size()}")
+            raise ValueError(
+                f"the plan has programs for {len(plan.programs)} ranks but the job has {dist.get_world_size()}"
+            )
         self._program = plan.programs[self.rank].ops
         readers = tensor_stages(gm, plan.stage_of())
         self._groups = self._make_groups(model, readers)
@@ -126,7 +130,8 @@ class DistributedPipeline(nn.Module):
             )
         comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.comm = _make_comm(timeout_s)
-        self.transport = P2PTransport(self.comm, comm_device, dist.new_group(backend="gloo"), timeout_s, self.describe_rank)
+        headers = dist.new_group(backend="gloo")  # message descriptions travel on the CPU, also on NCCL jobs
+        self.transport = P2PTransport(self.comm, comm_device, headers, timeout_s, self.describe_rank)
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         graphs = {model.training: StageGraph(stages, output_node, constants, plan, io)}
         if other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
@@ -134,8 +139,9 @@ class DistributedPipeline(nn.Module):
             if not other_mode.plan.programs:
                 other_mode.plan.programs = plan_programs(other_mode.plan, groups)
         self._modes = {
-            training: (Interpreter(g.stages, g.routes(), self.transport, self.rank_of, self.rank, g.output_node, g.constants, unflatten_outputs,
-                                   reduce=self._start_reduce), g.plan.programs[self.rank].ops)
+            training: (Interpreter(g.stages, g.routes(), self.transport, self.rank_of, self.rank, g.output_node,
+                                   g.constants, unflatten_outputs, reduce=self._start_reduce),
+                       g.plan.programs[self.rank].ops)
             for training, g in graphs.items()
         }
         self._traced_mode = model.training
@@ -263,7 +269,8 @@ class DistributedPipeline(nn.Module):
             for g in self._groups:
                 start = time.time()
                 try:
-                    g.finish(lambda work, g=g: self.transport._wait(work, -1, f"the all-reduce over ranks {list(g.ranks)}"))
+                    what = f"the all-reduce over ranks {list(g.ranks)}"
+                    g.finish(functools.partial(self.transport.wait, peer=-1, what=what))
                 except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
                     raise self.transport.group_failure(g.ranks, exc) from None
                 interpreter._record("allreduce-wait", min(self._stages), -1, start)

@@ -50,8 +50,11 @@ def mutated_arg(node: torch.fx.Node, root: torch.nn.Module | None = None) -> tor
     first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if first is None:
         return None
-    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
-        return first if node.kwargs.get("inplace") is True else node.kwargs["out"]  # type: ignore[no-any-return]
+    if node.kwargs.get("inplace") is True:
+        return first
+    out = node.kwargs.get("out")
+    if isinstance(out, torch.fx.Node):
+        return out
     if node.op == "call_method":
         name = str(node.target)
         return first if name.endswith("_") and not name.endswith("__") else None
@@ -94,7 +97,9 @@ def order_mutations(gm: torch.fx.GraphModule) -> int:
         found += 1
         aliases = {target, _base(target)}
         for value in aliases:
-            later = [u for u in value.users if u is not n and position.get(u, -1) > position[n] and u.target is not after]
+            later = [
+                u for u in value.users if u is not n and position.get(u, -1) > position[n] and u.target is not after
+            ]
             if not later:
                 continue
             with gm.graph.inserting_after(n):

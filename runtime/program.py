@@ -96,7 +96,8 @@ class Op:
         found = match.fullmatch(" ".join(words)) if match else None
         if found is None:
             raise ValueError(
-                f"cannot parse op {text!r}; expected e.g. 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9' or 'STEP'"
+                f"cannot parse op {text!r}; expected e.g. 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', "
+                "'AR r0,1 t9' or 'STEP'"
             )
         kind = words[0]
         g = found.groupdict()
@@ -132,7 +133,8 @@ class Program:
 
     def compute(self) -> list[Action]:
         """The schedule's actions of this rank (F and B, W folded into nothing), in order."""
-        return [Action(op.stage, op.kind, op.microbatch) for op in self.ops if op.kind in ("F", "B")]  # type: ignore[arg-type]
+        return [Action(op.stage, "F" if op.kind == "F" else "B", op.microbatch) for op in self.ops
+                if op.kind in ("F", "B")]
 
 
 def format_program(ops: Sequence[Op]) -> str:
@@ -226,7 +228,7 @@ def lower(
                                                             peer=dst_rank, tick=t))
             batches.setdefault((dst_rank, t), []).append(Op("RECV", microbatch=a.microbatch, src=a.stage, dst=other,
                                                             peer=src_rank, tick=t))
-    reduce_after: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # tick -> (group ranks)
+    reduce_after: dict[int, list[tuple[int, ...]]] = {}  # tick -> the rank groups all-reduced after it
     if not forward_only:
         for ranks, group_stages in groups:
             members = tuple(sorted(set(ranks)))
@@ -240,9 +242,9 @@ def lower(
         ops: list[Op] = []
         by_tick = {tick_of[a]: a for a in actions}
         for t in range(tick):
-            a = by_tick.get(t)
-            if a is not None:
-                ops.append(Op(a.kind, stage=a.stage, microbatch=a.microbatch, tick=t))
+            action = by_tick.get(t)
+            if action is not None:
+                ops.append(Op(action.kind, stage=action.stage, microbatch=action.microbatch, tick=t))
             ops += sorted(batches.get((r, t), []), key=lambda op: (op.key(), op.kind))
             for members in sorted(reduce_after.get(t, [])):
                 if r in members:
@@ -253,7 +255,7 @@ def lower(
 
 
 def plan_programs(
-    plan: "Plan",
+    plan: Plan,
     groups: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
     *,
     forward_only: bool = False,

@@ -35,7 +35,7 @@ class Action:
         for kind in ("F", "B"):
             stage, sep, mb = text.partition(kind)
             if sep:
-                return cls(int(stage), kind, int(mb))  # type: ignore[arg-type]
+                return cls(int(stage), kind, int(mb))
         raise ValueError(f"cannot parse action {text!r}; expected e.g. '1F0' or '0B3'")
 
 
@@ -89,7 +89,9 @@ def dag_gpipe(micro_batches: int, levels: Sequence[int], owner: Sequence[int]) -
         owner 1:        2F0     | 2F1           || 2B1 2B0
     """
     if micro_batches < 1 or len(levels) != len(owner) or not levels:
-        raise ValueError(f"need micro_batches >= 1 and one level and owner per stage, got {micro_batches}, {levels}, {owner}")
+        raise ValueError(
+            f"need micro_batches >= 1 and one level and owner per stage, got {micro_batches}, {levels}, {owner}"
+        )
     lists: list[list[Action]] = [[] for _ in range(max(owner) + 1)]
     forwards = sorted(
         ((i + levels[s], s, i) for s in range(len(levels)) for i in range(micro_batches)),
@@ -239,7 +241,10 @@ def rank_schedule(
     # depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
     if schedule == "gpipe" and single:
         return dag_gpipe(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
-    per_stage = one_f_one_b(micro_batches, p) if schedule == "1f1b" else dag_gpipe(micro_batches, levels, list(range(p)))
+    if schedule == "1f1b":
+        per_stage = one_f_one_b(micro_batches, p)
+    else:
+        per_stage = dag_gpipe(micro_batches, levels, list(range(p)))
     lists: list[list[Action]] = [[] for _ in range(world)]
     owner: dict[int, int] = {}
     for s, actions in enumerate(per_stage):

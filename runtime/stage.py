@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, cast
 
 import torch
 import torch.fx
@@ -51,7 +51,7 @@ def _export_batch_norms(gm: torch.fx.GraphModule) -> dict[str, tuple[Any, Any, A
             if isinstance(mean, torch.fx.Node) and mean.op == "get_attr" and isinstance(var, torch.fx.Node):
                 prefix = str(mean.target).rpartition(".")[0]
                 try:
-                    count = operator.attrgetter(f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked")(gm)
+                    count = operator.attrgetter(f"{prefix}.num_batches_tracked".lstrip("."))(gm)
                 except AttributeError:
                     count = None
                 found[node.name] = (operator.attrgetter(str(mean.target))(gm), operator.attrgetter(str(var.target))(gm),
@@ -169,7 +169,8 @@ def stage_io(gm: torch.fx.GraphModule, plan: Plan) -> list[tuple[list[str], list
                 if name in own_names:
                     continue
                 if stage_of.get(name, -1) > s:
-                    raise ValueError(f"stage {s} reads {name}, computed later in stage {stage_of[name]}; stages must follow topological order")
+                    raise ValueError(f"stage {s} reads {name}, computed later in stage {stage_of[name]}; "
+                                     "stages must follow topological order")
                 inputs.append(name)
         outputs = [
             n.name for n in own if any(u.op == "output" or stage_of.get(u.name, -1) > s for u in n.users)
@@ -202,7 +203,6 @@ def build_stages(
     stage_of = plan.stage_of()
     io = stage_io(gm, plan)
     nodes = {n.name: n for n in gm.graph.nodes}
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
     readers = tensor_stages(gm, stage_of)
     wanted = range(len(plan.stages)) if local is None else sorted(set(local))
     if local is not None and len({devices[s] for s in wanted}) > 1:
@@ -232,14 +232,11 @@ def build_stages(
             elif t.device != dev:
                 _move(t, dev)
         wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp] = {}
-        stages = [
-            _build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers)
-            for s in wanted
-        ]
+        built = [_build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers) for s in wanted]
     except BaseException:
         undo()
         raise
-    return stages, undo
+    return built, undo
 
 
 def _build_one(
@@ -291,16 +288,17 @@ def _build_one(
             if producer.name not in env and producer.op == "get_attr":
                 attr(producer)
         if _counts_batches(node, counted):  # export's num_batches_tracked += 1: the deferred commit does it once
-            env[node.name] = env[node.args[0].name]  # type: ignore[union-attr]
+            env[node.name] = env[cast(torch.fx.Node, node.args[0]).name]
             continue
         if node.name in counted:  # export's batch_norm on the model's running statistics, training
             site = wrappers.setdefault(node.name, DeferredBatchNormOp(*counted[node.name]))
             deferred.append(site)
             attrs[f"deferred_{node.name}"] = site
-            env[node.name] = graph.call_module(f"deferred_{node.name}", torch.fx.node.map_arg(node.args, lambda n: env[n.name]))
+            args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+            env[node.name] = graph.call_module(f"deferred_{node.name}", args)
             continue
+        target = str(node.target)
         if node.op == "call_module":
-            target = str(node.target)
             module = gm.get_submodule(target)
             if isinstance(module, _BatchNorm):  # one deferred wrapper per call site, as plain BatchNorm
                 module = wrappers.setdefault(node.name, DeferredBatchNorm(module))  # updates once per call

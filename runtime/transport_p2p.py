@@ -130,20 +130,21 @@ class P2PTransport:
         """The values of message `key`, on `device`, once its batch has arrived."""
         batch, structure, tensors, peer = self._incoming.pop(key)
         if not batch.done:
-            self._wait(batch.work, peer, f"the message of stage {key[0]} to stage {key[1]}, micro-batch {key[2]}")
+            self.wait(batch.work, peer, f"the message of stage {key[0]} to stage {key[1]}, micro-batch {key[2]}")
             batch.done = True
-        return _fill(structure, [t.to(device) for t in tensors])
+        values: list[Any] = _fill(structure, [t.to(device) for t in tensors])
+        return values
 
     def flush(self) -> None:
         """Wait for every batch and header of this step to complete."""
         batches, self._batches = self._batches, []
         for batch in batches:
             if not batch.done:
-                self._wait(batch.work, batch.peer, "a send to complete")
+                self.wait(batch.work, batch.peer, "a send to complete")
                 batch.done = True
         headers, self._headers = self._headers, []
         for work, _, peer in headers:
-            self._wait(work, peer, "a header send to complete")
+            self.wait(work, peer, "a header send to complete")
 
     # ---- headers (first step of a signature only) ----
 
@@ -155,9 +156,9 @@ class P2PTransport:
 
     def _receive_header(self, peer: int) -> Meta:
         size = torch.empty(1, dtype=torch.int64)
-        self._wait(self._call(dist.irecv, size, peer), peer, "a message header")
+        self.wait(self._call(dist.irecv, size, peer), peer, "a message header")
         body = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self._call(dist.irecv, body, peer), peer, "a message header")
+        self.wait(self._call(dist.irecv, body, peer), peer, "a message header")
         meta: Meta = pickle.loads(body.numpy().tobytes())
         return meta
 
@@ -182,13 +183,15 @@ class P2PTransport:
 
     # ---- failures ----
 
-    def _wait(self, work: Any, peer: int, what: str) -> None:
+    def wait(self, work: Any, peer: int, what: str) -> None:
+        """Wait for `work` (from this transport or a collective); a peer that fails or stays silent is a PeerError."""
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses of many kinds
             raise self.failure(peer, f"while waiting for {what}: {type(exc).__name__}: {exc}") from None
         if ok is False:
-            raise self.failure(peer, f"did not answer within {self.timeout.total_seconds():.0f} s while waiting for {what}")
+            seconds = self.timeout.total_seconds()
+            raise self.failure(peer, f"did not answer within {seconds:.0f} s while waiting for {what}")
 
     def group_failure(self, ranks: Any, exc: BaseException) -> PeerError:
         """A collective over `ranks` broke: name the first failure reported, else the group."""
@@ -199,7 +202,8 @@ class P2PTransport:
         mine = f"{self.describe_rank(peer)} failed or stopped answering" if peer >= 0 else "a rank failed"
         first = _first_failure(mine)
         me = self.describe_rank(dist.get_rank())
-        return PeerError(f"{first}; {me} stops ({detail}). Restart the job; with torchrun --max-restarts and a checkpoint it resumes.")
+        return PeerError(f"{first}; {me} stops ({detail}). Restart the job; with torchrun --max-restarts and a "
+                         "checkpoint it resumes.")
 
 
 class _Slot:
@@ -252,9 +256,9 @@ def _first_failure(mine: str) -> str:
         return mine
     try:
         if store.check([_FAILURE_KEY]):
-            return store.get(_FAILURE_KEY).decode()
+            return str(store.get(_FAILURE_KEY).decode())
         store.compare_set(_FAILURE_KEY, "", mine)
-        return store.get(_FAILURE_KEY).decode()
+        return str(store.get(_FAILURE_KEY).decode())
     except Exception:  # noqa: BLE001 - the store may live in the rank that died
         return mine
 

@@ -72,7 +72,8 @@ def equivalence(cases: list[str]) -> int:
         worst, loss_err = 0.0, 0.0
         # the example's shapes, then fewer samples, then (token inputs) a shorter sequence: each
         # new input signature sends message headers once more, in the order NCCL needs
-        variants = [(x, y)] + ([(x[:6], y[:6])] if 6 >= m else []) + ([(x[:, :9], y[:, :9])] if x.dim() == 2 and not x.is_floating_point() else [])
+        tokens = x.dim() == 2 and not x.is_floating_point()
+        variants = [(x, y)] + ([(x[:6], y[:6])] if 6 >= m else []) + ([(x[:, :9], y[:, :9])] if tokens else [])
         held = pipe.held_tensor_ids()
         for vx, vy in variants:
             model.zero_grad()
@@ -88,18 +89,20 @@ def equivalence(cases: list[str]) -> int:
         local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
         stage_bytes = sum(p.numel() * p.element_size() for p in pipe.stage_modules.parameters())
-        ok = worst < 1e-5 and loss_err < 1e-5 and local_bytes == stage_bytes and (len(pipe.plan.stages) == 1 or local_bytes < full_bytes)
+        shared = len(pipe.plan.stages) == 1 or local_bytes < full_bytes
+        ok = worst < 1e-5 and loss_err < 1e-5 and local_bytes == stage_bytes and shared
         if placement == "branches":  # the branches really sit on both ranks
             ok = ok and {s.ranks[0] for s in pipe.plan.stages} == set(range(world))
         bad += not ok
         print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
-              f"grad_err={worst:.2e} loss_err={loss_err:.2e} param_bytes={local_bytes}/{full_bytes} ok={ok}", flush=True)
+              f"grad_err={worst:.2e} loss_err={loss_err:.2e} param_bytes={local_bytes}/{full_bytes} ok={ok}",
+              flush=True)
     return bad
 
 
 def train(pipe, model, x, y, steps: int, optimizer) -> list[float]:  # type: ignore[no-untyped-def]
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         optimizer.zero_grad()
         loss = pipe.train_step(x, y, lm_loss)
         optimizer.step()
@@ -118,7 +121,8 @@ def checkpoint(directory: str) -> int:
     after = train(pipe, model, x, y, 3, opt)
 
     fresh, _, _ = data("tiny_gpt", seed=1)  # other weights: everything must come from the checkpoint
-    pipe2 = partition(fresh, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="interleaved", virtual_stages=2)
+    pipe2 = partition(fresh, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="interleaved",
+                      virtual_stages=2)
     opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     pipe2.load_checkpoint(directory, opt2)
     resumed = train(pipe2, fresh, x, y, 3, opt2)
@@ -189,7 +193,8 @@ def infeasible() -> int:
         partition(model, ["cpu"] * int(os.environ["WORLD_SIZE"]), example_inputs=(x,), micro_batches=4,
                   replicas="auto", cost_model=AnalyticCostModel(measure=lambda d: tiny), timeout=120)
     except (InfeasibleError, ValueError) as exc:
-        print(f"RESULT rank={dist.get_rank()} raised {type(exc).__name__}: {str(exc).splitlines()[0]} ok=True", flush=True)
+        first = str(exc).splitlines()[0]
+        print(f"RESULT rank={dist.get_rank()} raised {type(exc).__name__}: {first} ok=True", flush=True)
         return 0
     print(f"RESULT rank={dist.get_rank()} planned a model that cannot fit ok=False", flush=True)
     return 1

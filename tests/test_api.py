@@ -37,7 +37,8 @@ def assert_same_outputs(out: Any, ref: Any) -> None:
 
 
 def run_and_compare(
-    name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None, placement: str = "pipeline"
+    name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None,
+    placement: str = "pipeline",
 ) -> None:
     if name == "hf_gpt2":
         pytest.importorskip("transformers")  # installed by the test extra
@@ -58,7 +59,9 @@ def run_and_compare(
     ref = reference(*args, **kwargs)
     assert_same_outputs(out, ref)
 
-    weights = [torch.randn_like(x) for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    weights = [
+        torch.randn_like(x) for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
     weighted_loss(out, weights).backward()
     weighted_loss(ref, weights).backward()
     ref_params = dict(reference.named_parameters())
@@ -329,7 +332,8 @@ def test_model_too_big_for_the_devices_names_what_each_needs() -> None:
     model, (x,), _ = zoo.tiny_gpt()  # about 160 KB of weights: no split of two 20 KB devices holds it
     before = snapshot(model)
     with pytest.raises(InfeasibleError, match=r"needs .* \(has .*\)"):
-        partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel(measure=lambda d: small))
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2,
+                  cost_model=AnalyticCostModel(measure=lambda d: small))
     assert_untouched(model, before)
 
 
@@ -339,5 +343,6 @@ def test_plan_fits_in_memory_when_it_can() -> None:
 
     roomy = DeviceSpec(name="roomy", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 30)
     model, (x,), _ = zoo.tiny_gpt()
-    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel(measure=lambda d: roomy))
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2,
+                     cost_model=AnalyticCostModel(measure=lambda d: roomy))
     assert len(pipe.plan.stages) == 2

@@ -32,7 +32,8 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """Run the worker on `ranks` gloo processes; with `nccl_rules`, every message obeys NCCL's rules
     (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra, WORKER, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra,
+           WORKER, *args]
     env = {**os.environ, NCCL_RULES_ENV: "1" if nccl_rules else "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True, env=env)
@@ -58,9 +59,9 @@ def check_equivalence(ranks: int, cases: list[str], nccl_rules: bool = True) -> 
 
 
 def test_two_ranks_every_schedule() -> None:
-    check_equivalence(
-        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-", "inception:gpipe:-:branches",
-            "mode_dependent:1f1b:-:pipeline:eval"],  # partitioned in training, trained in eval: the eval graph runs
+    check_equivalence(  # mode_dependent: partitioned in training, trained in eval (the eval graph runs)
+        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-",
+            "inception:gpipe:-:branches", "mode_dependent:1f1b:-:pipeline:eval"],
     )
 
 
@@ -78,7 +79,8 @@ def test_three_ranks_schedules_and_uneven_replicas() -> None:
 def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
     check_equivalence(
         4,
-        ["tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:gpipe:[2,2]", "tiny_gpt:1f1b:[2,2]", "inception:gpipe:-",
+        ["tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:gpipe:[2,2]", "tiny_gpt:1f1b:[2,2]",
+         "inception:gpipe:-",
          "tiny_gpt:1f1b:auto"],  # auto: the hybrid planner picks stages and replicas
     )
 
@@ -92,8 +94,8 @@ def test_checkpoint_round_trip_into_another_plan(tmp_path: Path) -> None:
 
 
 def test_killed_rank_is_named_by_every_other_rank_within_60_s(tmp_path: Path) -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3", "PYTHONPATH": ROOT,
-           NCCL_RULES_ENV: "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3",
+           "PYTHONPATH": ROOT, NCCL_RULES_ENV: "1"}
     start = time.monotonic()
     procs = [
         subprocess.Popen([sys.executable, WORKER, "fault", "1"], env={**env, "RANK": str(r)}, cwd=ROOT,

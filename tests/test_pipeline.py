@@ -66,7 +66,8 @@ def test_train_step_reuses_the_pipeline_across_steps_and_batch_sizes() -> None:
     torch.manual_seed(0)
     model, (x,), _ = zoo.mlp()
     reference = copy.deepcopy(model)
-    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=2, schedule="1f1b", cost_model=AnalyticCostModel())
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), micro_batches=2, schedule="1f1b",
+                     cost_model=AnalyticCostModel())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in (x, torch.randn(5, x.shape[1]), x):

@@ -169,7 +169,8 @@ def test_a_write_in_a_middle_stage_is_seen_by_a_later_stage(threads: bool, sched
     model = zoo.InPlace()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    names = [n for s in plan(model, ["cpu"], example_inputs=(x,), cost_model=AnalyticCostModel()).stages for n in s.nodes]
+    whole = plan(model, ["cpu"], example_inputs=(x,), cost_model=AnalyticCostModel())
+    names = [n for s in whole.stages for n in s.nodes]
     # stage 0 makes h and writes h *= 2; stage 1 writes h += 1; stage 2 reads h (from stage 0 as a skip, unless ordered)
     first = names.index("mul_") + 1
     second = names.index("add_") + 1

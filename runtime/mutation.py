@@ -2,13 +2,15 @@
 
 A traced graph only has data edges. `h.mul_(2)` whose result is unused leaves no edge to the
 nodes that read `h` afterwards, so a planner may put a reader in a stage that runs before
-(or beside) the mutation, or receives an unmutated copy. `order_mutations` rewrites every
-later use of the mutated tensor (or of the tensor a mutated view belongs to) into
-`after(h, mul_)`, which returns `h` once `mul_` has run: an edge the planner and both
-runtimes respect, across stages, ranks and threads.
+(or beside) the mutation, or receives an unmutated copy. `order_mutations` makes every later
+use of the written tensor read the in-place op's result (the same tensor), and every later
+use of a tensor written through a view read `after(x, op)`, which returns `x` once `op` ran:
+edges the planner and both runtimes respect, across stages, ranks and threads. `check_cuts`
+refuses a plan that would let a stage read `x` from a copy the write never reached.
 
-    x ─► mul_(x, 2)               x ─► mul_(x, 2) ─┐
-    x ─────────────► reader   =>  x ───────────────┴► after ─► reader
+    x ─► mul_(x, 2)               x ─► mul_(x, 2) ─► reader     (mul_ returns the x it wrote)
+    x ─────────────► reader   =>
+    v = x[0]; v.add_(1); x ─► r   =>  after(x, add_) ─► r    (a view written: x, read after the write)
 
 `mutated_inputs` names the placeholders the graph writes into, so micro-batches of those
 inputs get their own storage (views of one batch share a version counter).
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["after", "mutated_inputs", "order_mutations"]
+__all__ = ["after", "check_cuts", "mutated_inputs", "order_mutations"]
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
@@ -95,16 +97,18 @@ def order_mutations(gm: torch.fx.GraphModule) -> int:
         if target is None:
             continue
         found += 1
-        aliases = {target, _base(target)}
-        for value in aliases:
+        for value in dict.fromkeys([target, _base(target)]):
             later = [
                 u for u in value.users if u is not n and position.get(u, -1) > position[n] and u.target is not after
             ]
             if not later:
                 continue
-            with gm.graph.inserting_after(n):
-                ordered = gm.graph.call_function(after, (value, n))
-            position[ordered] = position[n]
+            if value is target and n.target is not operator.setitem:
+                ordered = n  # an in-place op returns the tensor it wrote: later readers take it from there
+            else:  # written through a view (or by setitem): read the same tensor once the write is done
+                with gm.graph.inserting_after(n):
+                    ordered = gm.graph.call_function(after, (value, n))
+                position[ordered] = position[n]
             for u in later:
                 u.replace_input_with(value, ordered)
     if found:
@@ -123,3 +127,36 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> list[str]:
             if base.op == "placeholder" and base.name not in names:
                 names.append(base.name)
     return names
+
+
+def check_cuts(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """Raise ValueError where a cut would lose a write through a view: aliasing does not cross stages.
+
+    For `after(x, write)` (x written through a view), the view must be made in the writing
+    stage, and x must be read there or come from a stage that does the write itself.
+    """
+    for node in gm.graph.nodes:
+        if node.target is not after or node.name not in stage_of:
+            continue
+        value, *writes = node.args
+        if not isinstance(value, torch.fx.Node):
+            continue
+        producer = stage_of.get(value.name, -1)
+        for write in writes:
+            if not isinstance(write, torch.fx.Node) or write.name not in stage_of:
+                continue
+            where = stage_of[write.name]
+            view = mutated_arg(write, gm)
+            chain = []
+            while view is not None and view is not value and view.op != "placeholder":
+                chain.append(view)
+                view = view.args[0] if view.args and isinstance(view.args[0], torch.fx.Node) else None
+            apart = [v.name for v in chain if stage_of.get(v.name, where) != where]
+            if apart or (producer != where and stage_of[node.name] != where):
+                raise ValueError(
+                    f"{write.name} (stage {where}) writes into {value.name} through a view"
+                    + (f" made in another stage ({', '.join(apart)})" if apart else "")
+                    + f", but stage {stage_of[node.name]} would read {value.name} from a copy made before that write; "
+                    f"keep {value.name}'s views, the write and its later readers in one stage (a plan with other cuts), "
+                    "or write into the tensor itself rather than a view"
+                )

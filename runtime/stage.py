@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
-from runtime.mutation import after, mutated_inputs
+from runtime.mutation import after, check_cuts, mutated_inputs
 from runtime.plan import Plan
 
 __all__ = ["Stage", "build_stages", "stage_io", "tensor_stages", "weight_groups"]
@@ -154,6 +154,7 @@ def stage_io(gm: torch.fx.GraphModule, plan: Plan) -> list[tuple[list[str], list
     missing = [n for n in stage_of if n not in nodes]
     if missing:
         raise ValueError(f"the plan names nodes the graph does not have: {missing[:5]}")
+    check_cuts(gm, stage_of)
     result = []
     for s, stage in enumerate(plan.stages):
         own = [nodes[name] for name in stage.nodes if nodes[name].target not in _DROP_TARGETS]

@@ -81,12 +81,13 @@ def test_model_writing_into_its_input(stages: int, threads: bool, schedule: str)
 
 
 @pytest.mark.parametrize("stages,threads", SETTINGS)
-def test_in_place_result_unused_is_ordered_before_later_readers(stages: int, threads: bool) -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_in_place_result_unused_is_ordered_before_later_readers(stages: int, threads: bool, schedule: str) -> None:
     torch.manual_seed(0)
     model = zoo.InPlace()
     reference = copy.deepcopy(model)
     x = torch.randn(8, 8)
-    pipe = build(model, x, stages, threads)
+    pipe = build(model, x, stages, threads, schedule)
     for _ in range(3):  # threads: a race would show on some run
         out = pipe(x)
         ref = reference(x)
@@ -95,6 +96,12 @@ def test_in_place_result_unused_is_ordered_before_later_readers(stages: int, thr
     reference.zero_grad()
     out.sum().backward()
     ref.sum().backward()
+    assert_same_grads(model, reference)
+    model.zero_grad()
+    reference.zero_grad()
+    y = torch.randn(8, 8)
+    assert rel(pipe.train_step(x, y, F.mse_loss), F.mse_loss(reference(x), y)) < 1e-5
+    F.mse_loss(reference(x), y).backward()
     assert_same_grads(model, reference)
 
 
@@ -204,14 +211,18 @@ class Scaled(nn.Module):
         return self.b(h)
 
 
-def test_a_non_tensor_argument_other_than_the_examples_is_a_named_error() -> None:
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_non_tensor_argument_other_than_the_examples_is_a_named_error(stages: int, threads: bool,
+                                                                        schedule: str) -> None:
     from partitioner import PartitionError
 
     model = Scaled()
     x, mask = torch.randn(6, 4), torch.ones(6, 4)
     with pytest.warns(UserWarning, match=r"set calls while being traced: Python side effects"):
-        pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), example_kwargs={"scale": 3, "mask": mask},
-                         micro_batches=2, cost_model=AnalyticCostModel())
+        pipe = partition(model, ["cpu"] * stages, example_inputs=(x,), example_kwargs={"scale": 3, "mask": mask},
+                         micro_batches=2, schedule=schedule, threads=threads,  # type: ignore[arg-type]
+                         cost_model=AnalyticCostModel())
     reference = copy.deepcopy(model)
     assert rel(pipe(x, scale=3, mask=mask), reference(x, scale=3, mask=mask)) < 1e-5
     with pytest.raises(PartitionError, match=r"argument 'scale' is 2, but the pipeline was traced with 3"):
@@ -220,6 +231,9 @@ def test_a_non_tensor_argument_other_than_the_examples_is_a_named_error() -> Non
         pipe(x, scale=3)
     with pytest.raises(PartitionError, match="scale"):
         pipe.train_step(x, torch.zeros(6, 4), F.mse_loss, input_kwargs={"scale": 4, "mask": mask})
+    y = torch.randn(6, 4)
+    loss = pipe.train_step(x, y, F.mse_loss, input_kwargs={"scale": 3, "mask": mask})
+    assert rel(loss, F.mse_loss(reference(x, scale=3, mask=mask), y)) < 1e-5
 
 
 class GradRegions(nn.Module):
@@ -302,12 +316,13 @@ def test_a_batchnorm_called_twice_updates_once_per_call_and_step(stages: int, th
 
 @pytest.mark.parametrize("stages,threads", SETTINGS)
 @pytest.mark.parametrize("start", ["train", "eval"])
-def test_train_and_eval_follow_the_module(stages: int, threads: bool, start: str) -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_train_and_eval_follow_the_module(stages: int, threads: bool, start: str, schedule: str) -> None:
     torch.manual_seed(0)
     model = zoo.ModeDependent().train(start == "train")
     reference = copy.deepcopy(model)
     x = torch.randn(8, 6)
-    pipe = build(model, x, stages, threads, m=2 if threads else 1)
+    pipe = build(model, x, stages, threads, schedule, m=2 if threads else 1)
     for mode in ("eval", "train", "eval", "train"):
         pipe.train(mode == "train")
         reference.train(mode == "train")
@@ -323,6 +338,12 @@ def test_train_and_eval_follow_the_module(stages: int, threads: bool, start: str
                 assert rel(pipe(x), copy.deepcopy(reference).eval()(x)) > 0.05  # not the eval graph
     model.eval()  # the model's own switch counts too
     assert rel(pipe(x), reference.eval()(x)) < 1e-5
+    y = torch.randn(8, 6)  # a training step in eval mode runs the eval graph (no dropout): exact
+    model.zero_grad()
+    reference.zero_grad()
+    assert rel(pipe.train_step(x, y, F.mse_loss), F.mse_loss(reference(x), y)) < 1e-5
+    F.mse_loss(reference(x), y).backward()
+    assert_same_grads(model, reference)
 
 
 class AutocastRegion(nn.Module):
@@ -394,3 +415,82 @@ def test_batchnorm_in_an_export_graph_updates_once_per_call_and_step(m: int, thr
     reference.load_state_dict(model.state_dict())
     assert rel(pipe(x), reference(x)) < 1e-5
     assert int(model.bn.num_batches_tracked) == 2  # eval leaves the statistics alone
+
+
+class ExportOnlyRegions(nn.Module):
+    """Traced by torch.export (fx stops at `range(h.shape[1] // 4)`): grad-mode and autocast regions there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.layers[0](x))
+        for _ in range(h.shape[1] // 4):
+            h = h + 1
+        with torch.no_grad():
+            h = self.layers[1](h)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = self.layers[2](h)
+        return self.layers[3](low.float()), low
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_regions_in_an_export_graph(stages: int, threads: bool, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = ExportOnlyRegions()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = build(model, x, stages, threads, schedule)
+    out, ref = pipe(x), reference(x)
+    assert [t.dtype for t in out] == [t.dtype for t in ref] == [torch.float32, torch.bfloat16]
+    out[0].sum().backward()
+    ref[0].sum().backward()
+    assert model.layers[0].weight.grad is None and model.layers[1].weight.grad is None  # behind no_grad
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert rel(p.grad, q.grad) < 2e-2  # type: ignore[arg-type]
+
+
+class ViewWrite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        g = torch.tanh(self.b(x))
+        h[:, :4].add_(1)  # written through a view of h
+        return self.c(g) + h
+
+
+@pytest.mark.parametrize("threads", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_write_through_a_view_is_ordered_or_its_cut_refused(threads: bool, schedule: str) -> None:
+    from partitioner import Plan, StagePlan, plan
+
+    torch.manual_seed(0)
+    model = ViewWrite()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    names = [n for s in plan(model, ["cpu"], example_inputs=(x,), cost_model=AnalyticCostModel()).stages
+             for n in s.nodes]
+
+    def cut_before(name: str) -> Plan:
+        k = names.index(name)
+        return Plan(stages=[StagePlan(0, "cpu", names[:k]), StagePlan(1, "cpu", names[k:])], micro_batches=2,
+                    schedule=schedule)  # type: ignore[arg-type]
+
+    # safe: h, its view and the write in stage 0; the reader of h in stage 1 gets the written h
+    reference = copy.deepcopy(model)
+    pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), plan=cut_before("c"), threads=threads)
+    assert rel(pipe.train_step(x, y, F.mse_loss), F.mse_loss(reference(x), y)) < 1e-5
+    F.mse_loss(reference(x), y).backward()
+    assert_same_grads(model, reference)
+    # unsafe: the view made in stage 0, written in stage 1: a copy would miss the write, so it is refused
+    with pytest.raises(ValueError, match="add_ .stage 1. writes into a through a view made in another stage"):
+        partition(copy.deepcopy(reference), ["cpu"] * 2, example_inputs=(x,), plan=cut_before("add_"),
+                  threads=threads)

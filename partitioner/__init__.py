@@ -2,8 +2,8 @@
 
 from partitioner.api import describe_model, partition, plan
 from partitioner.errors import PartitionError, TraceError
-from runtime.pipeline import Pipeline
 from partitioner.visualizer import Plan
+from runtime.pipeline import Pipeline
 from runtime.plan import StagePlan
 
 __all__ = ["PartitionError", "Pipeline", "Plan", "StagePlan", "TraceError", "describe_model", "partition", "plan"]

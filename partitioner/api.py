@@ -4,31 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Any, Literal, Mapping, Sequence, cast, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cost_model import default_cost_model
-from cost_model.devices import host_memory
-from cost_model.processes import BetweenProcesses
 from cost_model.analytic import CostModel
-from cost_model.devices import DeviceLike, resolve_devices
-from partitioner.errors import PartitionError
-from partitioner.graph import build_graph, compute_nodes
+from cost_model.devices import DeviceLike, host_memory, resolve_devices
+from cost_model.processes import BetweenProcesses
 from partitioner.assemble import finish
 from partitioner.branches import plan_branches
+from partitioner.errors import PartitionError
+from partitioner.fidelity import (
+    InputSplitSpec,
+    OutputMergeSpec,
+    SplitPoint,
+    SplitPoints,
+    _batched_outputs,
+    _check_fidelity_arguments,
+    _Cuts,
+    _cuts,
+    _input_dims,
+    _shape_graph,
+    forced_cuts,
+)
+from partitioner.graph import build_graph, compute_nodes
 from partitioner.hybrid_plan import plan_hybrid
 from partitioner.planner import plan_pipeline
 from partitioner.trace import Traced, trace
-from partitioner.visualizer import Plan as DrawablePlan
-from partitioner.visualizer import with_graph
+from partitioner.visualizer import Plan as DrawablePlan, with_graph
 from runtime.distributed import DistributedPipeline
-from runtime.microbatch import batch_size, scatter
-from runtime.pipeline import Pipeline, StageGraph
 from runtime.interpreter import Routes
 from runtime.launch import distributed, init_process_group, stage_layout
+from runtime.microbatch import batch_size, scatter
+from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan, Schedule
 from runtime.stage import build_stages, stage_io, weight_groups
 
@@ -52,6 +63,9 @@ def plan(
     virtual_stages: int = 2,
     cost_model: CostModel | None = None,
     processes: bool | None = None,
+    input_split_spec: InputSplitSpec | None = None,
+    split_points: SplitPoints = "markers",
+    split_spec: Mapping[str, SplitPoint] | None = None,
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -64,11 +78,12 @@ def plan(
     """
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages)
+    _check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     layout = _layout(len(resolved), schedule, replicas, virtual_stages, multi)
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     return _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
-                        placement, replicas == "auto", multi)
+                        placement, replicas == "auto", multi, _cuts(split_points, split_spec))
 
 
 def partition(
@@ -86,6 +101,10 @@ def partition(
     plan: Plan | None = None,
     threads: bool | None = None,
     timeout: float = 300.0,
+    output_merge_spec: OutputMergeSpec | None = None,
+    input_split_spec: InputSplitSpec | None = None,
+    split_points: SplitPoints = "markers",
+    split_spec: Mapping[str, SplitPoint] | None = None,
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -110,6 +129,16 @@ def partition(
         plan: a Plan to run as it is (from `partitioner.plan`, or `Plan.from_json`), skipping planning.
         threads: one process only: run each worker on a thread; default when there are several devices.
         timeout: torchrun only: seconds to wait for another rank before failing with an error naming it.
+        output_merge_spec: how outputs without a batch dimension merge across micro-batches: one
+            rule ("sum", "mean" (weighted by micro-batch size), "first", "cat", ("cat", dim)) for
+            all of them, or {output path: rule} ("[1]", "['aux']"). Without a rule such an output
+            is returned once if every micro-batch gave the same value, else PartitionError.
+        input_split_spec: {forward argument name: dim to split along, or None to give the
+            tensor whole to every micro-batch}; default: tensors whose dim 0 is the batch split.
+        split_points: "markers" (default): pipe_split() calls and `split_spec` are cuts every
+            plan makes; "cost": ignore them and cut by cost alone.
+        split_spec: PiPPy's {module path: SplitPoint.BEGINNING or SplitPoint.END}: cut before
+            the module's first node or after its last one.
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -130,15 +159,20 @@ def partition(
             micro_batches = plan.micro_batches
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages)
+    _check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
     if distributed():
+        if input_split_spec is not None:
+            raise PartitionError("input_split_spec is not supported under torchrun yet; split the inputs yourself")
         return _partition_distributed(model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule,
-                                      replicas, virtual_stages, timeout, placement)
+                                      replicas, virtual_stages, timeout, placement, _cuts(split_points, split_spec))
     layout = _layout(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
+    dims = _input_dims(model, traced, input_split_spec)
+    batched = _batched_outputs(traced, flat, first_chunk, dims, micro_batches)
     if plan is None:
         plan = _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
-                            placement, False, False)
+                            placement, False, False, _cuts(split_points, split_spec))
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
         plan.programs = []
@@ -157,7 +191,8 @@ def partition(
         output_node, placeholders, constants = _graph_io(gm)
         return Pipeline(model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs,
                         traced.unflatten_outputs, placeholders, threads, traced.mutated_inputs, other,
-                        traced.other_mode_error)
+                        traced.other_mode_error, batched_outputs=batched, output_merge_spec=output_merge_spec,
+                        input_dims=dims)
     except BaseException:
         for u in reversed(undos):
             u()
@@ -252,14 +287,20 @@ def _plan_traced(
     placement: str,
     auto: bool,
     processes: bool,
+    cuts: _Cuts | None = None,
 ) -> DrawablePlan:
     """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
     gm = traced.graph_module
     if micro_batches < max(len(r) for r in layout):
         raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
                              f"{max(len(r) for r in layout)}")
-    graph = build_graph(gm, first_chunk)
+    graph = _shape_graph(traced, first_chunk)
     order = [n.name for n in compute_nodes(gm)]
+    forced = forced_cuts(graph, order, cuts or _Cuts("markers", {}))
+    if forced and (auto or placement != "pipeline"):
+        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which placement={placement!r}"
+                             f"{' with replicas=auto' if auto else ''} cannot keep; use placement='pipeline', or "
+                             "split_points='cost' to ignore them")
     cost = _prepared(cost_model, gm, first_chunk)
     if processes:  # every stage replica is a process: ranks on one device still pay for transfers
         cost = BetweenProcesses(cost)
@@ -268,10 +309,11 @@ def _plan_traced(
                            schedules=(schedule,))
     elif placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
-        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout], schedule)
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout],
+                             cast(Schedule, schedule), forced=forced)
         for stage, ranks in zip(made.stages, layout):
             stage.ranks = ranks
-        if not processes:
+        if not processes and not forced:  # the memory-aware fallback knows no markers
             made = _within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
@@ -311,15 +353,17 @@ def _finish(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes
 
 
 def _trace_example(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int,
+    input_split_spec: InputSplitSpec | None = None,
 ) -> tuple[Traced, list[Any], list[Any]]:
     """Trace the model; return it, the example's placeholder values and its first micro-batch."""
     traced = trace(model, args, kwargs)
     # Shape propagation and profiling run the model: on copies, so the caller's tensors stay as they are.
     flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
+    dims = _input_dims(model, traced, input_split_spec)
     try:
-        batch_size(flat)
-        first_chunk = scatter(flat, micro_batches)[0]
+        batch_size([v for v, d in zip(flat, dims or ["auto"] * len(flat)) if d == "auto"] or flat)
+        first_chunk = scatter(flat, micro_batches, dims)[0]
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None
     return traced, flat, first_chunk
@@ -349,7 +393,8 @@ def _choose(
     """The plan for `placement`; for "auto", the faster of pipeline and branches as simulated."""
     if placement == "pipeline":
         return plan_pipeline(graph, order, devices, cost, micro_batches)
-    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=0.0 if placement == "branches" else 0.05)
+    min_gain = 0.0 if placement == "branches" else 0.05
+    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=min_gain)
     if placement == "branches":
         return branches
     chain = plan_pipeline(graph, order, devices, cost, micro_batches)
@@ -413,12 +458,14 @@ def _partition_distributed(
     virtual_stages: int,
     timeout: float,
     placement: str = "pipeline",
+    cuts: _Cuts | None = None,
 ) -> DistributedPipeline:
     if not dist.is_initialized():
         init_process_group(devices, timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(devices) != world:
-        raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; pass one device per rank")
+        raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; "
+                             "pass one device per rank")
     if devices[rank].type == "cuda":
         torch.cuda.set_device(devices[rank])
     layout = _layout(world, schedule, replicas, virtual_stages, True) if plan is None else []
@@ -430,7 +477,7 @@ def _partition_distributed(
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
                 made = _plan_traced(model, traced, flat, first_chunk, devices, layout, cost_model, micro_batches,
-                                    schedule, placement, replicas == "auto", True)
+                                    schedule, placement, replicas == "auto", True, cuts)
                 text = [("plan", made.to_json())]
             except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
                 failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]

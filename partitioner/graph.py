@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["build_graph", "compute_nodes", "owning_module"]
+__all__ = ["batch_outputs", "build_graph", "compute_nodes", "owning_module"]
 
 # Nodes that do no work and are dropped from stages (export's guards and metadata asserts).
 _NO_WORK = {"_guards_fn"}
@@ -86,17 +86,39 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
     return total
 
 
-def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGraph:
-    """Run `gm` once on `flat_inputs` (no grad, buffers restored) and build the annotated DiGraph."""
+def _run_restored(gm: torch.fx.GraphModule, run: Any) -> Any:
+    """`run()` with no grad and the RNG forked, the graph's buffers restored afterwards."""
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    recorder = _Recorder(gm)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            recorder.run(*flat_inputs)
+            return run()
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 b.copy_(buffers[name])
+
+
+def batch_outputs(
+    gm: torch.fx.GraphModule, whole: Sequence[Any], chunk: Sequence[Any], sizes: tuple[int, int]
+) -> list[bool]:
+    """For every leaf of the graph's output: is its dim 0 the batch? Read off running the graph on
+    the whole example (`sizes[0]` samples) and on its first micro-batch (`sizes[1]`): a leaf whose
+    dim 0 follows the batch size is; a scalar, a fixed-size tensor or a Python value is not."""
+    def leaves(inputs: Sequence[Any]) -> list[Any]:
+        return pytree.tree_leaves(_run_restored(gm, lambda: torch.fx.Interpreter(gm).run(*inputs)))
+
+    big, small = leaves(whole), leaves(chunk)
+    return [
+        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() > 0 and b.dim() > 0
+        and a.shape[0] == sizes[0] and b.shape[0] == sizes[1] and sizes[0] != sizes[1]
+        for a, b in zip(big, small)
+    ]
+
+
+def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGraph:
+    """Run `gm` once on `flat_inputs` (no grad, buffers restored) and build the annotated DiGraph."""
+    recorder = _Recorder(gm)
+    _run_restored(gm, lambda: recorder.run(*flat_inputs))
 
     graph = nx.DiGraph()
     seen: set[int] = set()
@@ -110,6 +132,7 @@ def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGr
             module=owning_module(node),
             position=position,
             param_bytes=_param_bytes(gm, node, seen),
+            cut_before=bool(node.meta.get("cut_before", False)),  # a pipe_split() marker right before it
             **info,
         )
         for producer in node.all_input_nodes:

@@ -46,6 +46,7 @@ class SplitProblem:
     recv_link: np.ndarray  # [stages, 2] (latency s, seconds per byte) into stage s
     send_link: np.ndarray  # [stages, 2] out of stage s
     replicas: np.ndarray | None = None  # [stages] copies of each stage sharing its micro-batches
+    forced: np.ndarray | None = None  # positions every split must cut before (pipe_split markers)
 
     @property
     def n(self) -> int:
@@ -131,11 +132,23 @@ def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], f
     n, p = problem.n, problem.stages
     if p > n:
         raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
+    forced = np.unique(problem.forced) if problem.forced is not None else np.zeros(0, dtype=np.int64)
+    forced = forced[(forced > 0) & (forced < n)]
+    if len(forced) + 1 > p:
+        raise PartitionError(
+            f"the model's pipe_split() markers (or split_spec) make {len(forced) + 1} segments but there are {p} "
+            f"stages; pass at least {len(forced) + 1} devices, or split_points='cost' to ignore the markers"
+        )
     step = max(1, math.ceil(n / max_cuts))
-    cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n]]))
+    cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n], forced]).astype(np.int64))
     recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, n, cuts)
     k = len(cuts)
     not_after = cuts[None, :] <= cuts[:, None]  # b <= a: no such stage
+    if len(forced):  # a stage may not span a marker: [cuts[i], cuts[j]) holds none strictly inside
+        is_forced = np.isin(cuts, forced).astype(np.int64)
+        upto = np.cumsum(is_forced)  # markers at grid points <= j
+        inside = (upto[None, :] - is_forced[None, :]) - upto[:, None]
+        not_after = not_after | (inside > 0)
     comm_of: dict[tuple[float, ...], np.ndarray] = {}  # one matrix per distinct pair of links
     dp = np.full(k, math.inf)
     dp[0] = 0.0
@@ -212,13 +225,16 @@ def plan_pipeline(
     schedule: Schedule = "gpipe",
     *,
     stage_ranks: Sequence[Sequence[int]] | None = None,
+    forced: Sequence[int] = (),
 ) -> Plan:
     """The best contiguous split of `order` over `devices` (one entry per stage), as a Plan.
 
     With `replicas`, stage s runs on replicas[s] ranks (numbered stage by stage) that share
     its micro-batches, so its time counts 1 / replicas[s]; `stage_ranks` names the ranks
     instead (interleaved: stage s on rank s % world). The split minimizes the bottleneck
-    above; the Plan's numbers come from `partitioner.assemble`.
+    above; the Plan's numbers come from `partitioner.assemble`. `forced` are positions in
+    `order` every split cuts before (pipe_split markers): as many stages as segments put the
+    cuts exactly there; more stages split the segments further by cost.
     """
     if stage_ranks is None and replicas is not None:
         starts = np.cumsum([0, *replicas])
@@ -226,8 +242,13 @@ def plan_pipeline(
     problem = make_problem(graph, order, devices, cost)
     if stage_ranks is not None:
         problem.replicas = np.asarray([len(r) for r in stage_ranks], dtype=np.int64)
+    if forced:
+        problem.forced = np.asarray(forced, dtype=np.int64)
     bounds, _ = solve(problem)
-    return assemble(
+    plan = assemble(
         graph, [list(order[a:b]) for a, b in zip(bounds, bounds[1:])], devices, cost,
         micro_batches=micro_batches, schedule=schedule, stage_ranks=stage_ranks,
     )
+    for stage, start in zip(plan.stages, bounds):
+        stage.cut_from_marker = start in set(forced)
+    return plan

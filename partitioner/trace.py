@@ -16,9 +16,10 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from partitioner.errors import PartitionError, TraceError
+from partitioner.leaves import functions_as_leaves, functions_seen, markers_recorded, take_markers
 from runtime.mutation import mutated_inputs, order_mutations
 
-__all__ = ["Traced", "trace"]
+__all__ = ["Traced", "trace", "where"]
 
 
 @dataclass
@@ -83,12 +84,18 @@ class _Tracer(torch.fx.Tracer):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
+        with functions_as_leaves(self), markers_recorded(self, root):
+            return super().trace(root, concrete_args)
+
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         # torch.fx records no grad-mode switches: note the mode each node was traced under
         node = super().create_node(*args, **kwargs)
         node.meta["traced_grad"] = torch.is_grad_enabled()
         autocast = tuple(
-            (device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)
+            (device, torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
         )
         if autocast:  # inside `with torch.autocast(...)` in forward: the stage runs it so too (runtime.stage)
             node.meta["autocast"] = autocast
@@ -109,15 +116,24 @@ def _mark_grad_regions(enabled: torch.fx.Graph, disabled: torch.fx.Graph) -> Non
             a.meta["grad_mode"] = True
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
 def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
     signature = inspect.signature(model.forward)
     for p in signature.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise TypeError(f"forward takes *{p.name}; torch.fx needs named parameters")
     bound = signature.bind(*args, **kwargs)
+    given = set(bound.arguments)
     bound.apply_defaults()
-    # Non-tensor arguments (None, flags, sizes) are baked in: fx cannot branch on them.
+    # Non-tensor arguments (None, flags, sizes) are baked in: fx cannot branch on them. So are
+    # tensor defaults the call leaves out (`y=torch.zeros(B, D)`): constants of the graph.
+    defaults = {k: v for k, v in bound.arguments.items() if k not in given and _is_tensor_tree(v)}
     concrete = {k: v for k, v in bound.arguments.items() if not _is_tensor_tree(v)}
+    # the graph holds copies: the runtime moves and frees its constants, the signature's stay the user's
+    concrete.update({k: pytree.tree_map_only(torch.Tensor, _copy, v) for k, v in defaults.items()})
     names = list(signature.parameters)
 
     not_leaves = _shared_modules(model)
@@ -125,7 +141,16 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     def trace_once() -> tuple[_Tracer, torch.fx.Graph, set[nn.Module]]:
         """The trace, and the modules with weights it calls more than once that are still leaves."""
         tracer = _Tracer(not_leaves)
-        graph = tracer.trace(model, concrete_args=concrete)
+        with warnings.catch_warnings():  # fx cannot assert a baked tensor default; flatten_inputs checks it
+            warnings.filterwarnings("ignore", message="Was not able to add assertion")
+            graph = tracer.trace(model, concrete_args=concrete)
+        for node in list(graph.nodes):  # a tensor default is no code default: flatten_inputs always passes it
+            if node.op == "placeholder" and node.all_input_nodes:
+                held = node.all_input_nodes
+                node.args = ()
+                for attr in held:
+                    if not attr.users:
+                        graph.erase_node(attr)
         calls: dict[str, int] = {}
         for node in graph.nodes:
             if node.op == "call_module":
@@ -147,9 +172,16 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
     def flatten_inputs(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
-        if not call_kwargs and len(call_args) == len(names):  # every argument given by position
+        if not call_kwargs and len(call_args) == len(names) and not defaults:  # every argument given by position
             return list(call_args)
         b = signature.bind(*call_args, **call_kwargs)
+        for name in defaults:
+            if name in b.arguments and b.arguments[name] is not defaults[name]:
+                raise PartitionError(
+                    f"argument {name!r} is passed, but the pipeline was traced with its default tensor, "
+                    "which the graph "
+                    f"holds as a constant; partition with an example that passes {name!r} to run calls that pass it"
+                )
         b.apply_defaults()
         return [b.arguments[n] for n in names]
 
@@ -166,7 +198,15 @@ def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     dynamic_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
-    program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
+    seen: list[type] = []
+    with functions_seen(seen):
+        program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
+    if seen:  # export inlines a Function's forward and drops its backward: refuse, never run it wrong
+        names = ", ".join(sorted({c.__name__ for c in seen}))
+        raise TraceError(
+            f"forward calls the custom autograd Function(s) {names}, whose own backward torch.export would drop; "
+            "make forward traceable by torch.fx (which keeps each Function whole), e.g. no *args"
+        )
     gm = program.module()
     codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
     in_spec = codegen.pytree_info.in_spec
@@ -181,7 +221,7 @@ def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     return Traced(gm, "export", flatten_inputs, unflatten_outputs)
 
 
-def _where(exc: BaseException) -> str:
+def where(exc: BaseException) -> str:
     """The innermost frame of user code (not torch's) in a traceback, as 'file:line in func'."""
     tb = exc.__traceback__
     where = ""
@@ -194,7 +234,8 @@ def _where(exc: BaseException) -> str:
 
 
 def _with_mutations(traced: Traced) -> Traced:
-    """In-place operations ordered before later readers (see runtime.mutation)."""
+    """Markers taken out, in-place operations ordered before later readers (see runtime.mutation)."""
+    take_markers(traced.graph_module)
     order_mutations(traced.graph_module)
     traced.mutated_inputs = mutated_inputs(traced.graph_module)
     return traced
@@ -276,11 +317,13 @@ def _trace_other_mode(traced: Traced, model: nn.Module, args: Sequence[Any], kwa
         model.train(not model.training)
         other = (_fx_trace if traced.method == "fx" else _export_trace)(model, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - the pipeline says so if it is ever switched to that mode
-        traced.other_mode_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        traced.other_mode_error = f"{type(exc).__name__}: {first_line}"
         return
     finally:
         for m, training in modes.items():
             m.training = training
+    take_markers(other.graph_module)
     if other.graph_module.code == traced.graph_module.code:
         return
     order_mutations(other.graph_module)
@@ -306,9 +349,9 @@ def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | Non
             name = type(model).__name__
             raise TraceError(
                 f"cannot trace {name}:\n"
-                f"- torch.fx.symbolic_trace failed at {_where(fx_error) or 'an unknown place'}: "
+                f"- torch.fx.symbolic_trace failed at {where(fx_error) or 'an unknown place'}: "
                 f"{type(fx_error).__name__}: {str(fx_error).strip().splitlines()[0]}\n"
-                f"- torch.export failed at {_where(export_error) or 'an unknown place'}: "
+                f"- torch.export failed at {where(export_error) or 'an unknown place'}: "
                 f"{type(export_error).__name__}: {str(export_error).strip().splitlines()[0]}\n"
                 "Fix: make that code independent of tensor values (torch.where instead of an "
                 "if on a tensor, no .item() or data-dependent shapes), or pass example_inputs "

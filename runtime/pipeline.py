@@ -16,8 +16,8 @@ plan's schedule, so 1F1B holds at most the pipeline depth's activations.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
@@ -26,11 +26,11 @@ from torch import nn
 
 from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter, Routes, StepInputs, thread_state
-from runtime.microbatch import gather, to_device
+from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
 from runtime.plan import Plan
 from runtime.program import Op, Program, plan_programs
 from runtime.stage import Stage
-from runtime.steps import forward_step, train_step_inputs, transaction, write_back
+from runtime.steps import forward_step, step_sizes, train_step_inputs, transaction, write_back
 from runtime.transport_local import LocalTransport, WorkerFailed
 
 __all__ = ["Pipeline", "StageGraph"]
@@ -97,8 +97,16 @@ class Pipeline(nn.Module):
         mutated_inputs: Sequence[str] = (),
         other_mode: StageGraph | None = None,
         other_mode_error: str | None = None,
+        *,
+        batched_outputs: Sequence[bool] | None = None,
+        output_merge_spec: OutputMergeSpec | None = None,
+        input_dims: Sequence[SplitDim] | None = None,
     ) -> None:
         super().__init__()
+        # How micro-batch outputs merge and inputs split: see [Note: merging micro-batches never guesses]
+        self._batched = list(batched_outputs) if batched_outputs is not None else None
+        self._merge_spec = output_merge_spec
+        self._input_dims = list(input_dims) if input_dims is not None else None
         stages, plan = graph.stages, graph.plan
         extra = other_mode.stages if other_mode is not None else []
         self.stage_modules = nn.ModuleList([s.module for s in stages + extra])
@@ -171,7 +179,8 @@ class Pipeline(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         if assign:
-            raise ValueError("load_state_dict(assign=True) would replace parameters the pipeline holds; use assign=False")
+            raise ValueError("load_state_dict(assign=True) would replace parameters the pipeline holds; "
+                             "use assign=False")
         return self.model.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> Pipeline:
@@ -179,11 +188,16 @@ class Pipeline(nn.Module):
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated)
+        step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated,
+                            self._input_dims)
         self._run(step)
         last = self._workers[self._rank_of[-1]]
-        outputs = [last.outputs[i] for i in range(len(step.envs))]
-        return self._unflatten(to_device(gather(outputs), self.output_device))
+        outputs = [to_device(last.outputs[i], self.output_device) for i in range(len(step.envs))]
+        try:
+            merged = gather(outputs, step_sizes(step, self._input_dims), self._batched, self._merge_spec)
+        except ValueError as exc:
+            raise PartitionError(str(exc)) from None
+        return self._unflatten(merged)
 
     def train_step(
         self,
@@ -199,7 +213,7 @@ class Pipeline(nn.Module):
         would put them (see runtime.steps); then step the optimizer as usual.
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
-                                 self.plan.micro_batches, loss_reduction, self._mutated)
+                                 self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
         self._run(step)
         loss = self._workers[self._rank_of[-1]].loss
         assert loss is not None

@@ -46,6 +46,7 @@ class StagePlan:
     send_bytes: int = 0
     ranks: list[int] = field(default_factory=list)
     reads_from: list[int] = field(default_factory=list)
+    cut_from_marker: bool = False  # the cut before this stage is a pipe_split() marker / split_spec point
 
     @property
     def replicas(self) -> int:
@@ -130,13 +131,16 @@ class Plan:
 
     def summary(self) -> str:
         """The plan as a fixed-width table, one row per stage."""
-        header = ("stage", "device", "nodes", "first .. last node", "pred ms", "comm ms", "params", "activations")
+        header = (
+            "stage", "device", "nodes", "first .. last node", "cut", "pred ms", "comm ms", "params", "activations"
+        )
         rows = [
             (
                 str(s.index),
                 s.device,
                 str(len(s.nodes)),
                 f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-",
+                "marker" if s.cut_from_marker else "-" if s.index == 0 else "cost",
                 f"{s.predicted_ms:.3f}",
                 f"{s.comm_ms:.3f}",
                 human_bytes(s.param_bytes),
@@ -145,11 +149,12 @@ class Plan:
             for s in self.stages
         ]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        line = "  ".join("{:<%d}" % w for w in widths)
+        line = "  ".join(f"{{:<{w}}}" for w in widths)
         out = [line.format(*header), line.format(*("-" * w for w in widths))]
         out += [line.format(*r) for r in rows]
         out.append(
-            f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, schedule {self.schedule}; "
+            f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, "
+            f"schedule {self.schedule}; "
             f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
         )
         return "\n".join(out)

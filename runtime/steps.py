@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 
-from runtime.batchnorm import DeferredBatchNorm
 from runtime.interpreter import StepInputs
-from runtime.microbatch import batch_size, scatter
+from runtime.microbatch import SplitDim, batch_size, scatter
 
-__all__ = ["forward_step", "train_step_inputs", "transaction", "write_back"]
+__all__ = ["forward_step", "step_sizes", "train_step_inputs", "transaction", "write_back"]
 
 
 def forward_step(
@@ -21,15 +20,28 @@ def forward_step(
     kwargs: Mapping[str, Any],
     micro_batches: int,
     mutated: Sequence[str] = (),
+    dims: Sequence[SplitDim] | None = None,
 ) -> StepInputs:
     flat = flatten(args, kwargs)
-    return StepInputs(_envs(flat, input_names, micro_batches, mutated), "forward", written=_written(flat, input_names, mutated))
+    return StepInputs(_envs(flat, input_names, micro_batches, mutated, dims), "forward",
+                      written=_written(flat, input_names, mutated))
 
 
-def _envs(flat: list[Any], names: list[str], micro_batches: int, mutated: Sequence[str]) -> list[dict[str, Any]]:
+def step_sizes(step: StepInputs, dims: Sequence[SplitDim] | None = None) -> list[int]:
+    """Each micro-batch's number of samples (of the inputs split along dim 0 by default)."""
+    sizes = []
+    for env in step.envs:
+        values = list(env.values())
+        auto = [v for v, d in zip(values, dims or ["auto"] * len(values)) if d == "auto"]
+        sizes.append(batch_size(auto or values))
+    return sizes
+
+
+def _envs(flat: list[Any], names: list[str], micro_batches: int, mutated: Sequence[str],
+          dims: Sequence[SplitDim] | None = None) -> list[dict[str, Any]]:
     """Each micro-batch's inputs by name; inputs the graph writes into get their own storage
     (views of one batch share a version counter, so a write in one would break another's backward)."""
-    envs = [dict(zip(names, c)) for c in scatter(flat, micro_batches)]
+    envs = [dict(zip(names, c)) for c in scatter(flat, micro_batches, dims)]
     if micro_batches > 1:
         for env in envs:
             for name in mutated:
@@ -64,6 +76,7 @@ def train_step_inputs(
     micro_batches: int,
     loss_reduction: Literal["mean", "sum"],
     mutated: Sequence[str] = (),
+    dims: Sequence[SplitDim] | None = None,
 ) -> StepInputs:
     """Micro-batches of inputs and targets; each micro-batch's loss weighted so gradients equal
     `loss_fn(model(inputs), targets).backward()` on the whole batch ("mean": by its share of
@@ -72,15 +85,26 @@ def train_step_inputs(
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     flat = flatten(args, dict(input_kwargs or {}))
-    envs = _envs(flat, input_names, micro_batches, mutated)
+    envs = _envs(flat, input_names, micro_batches, mutated, dims)
     target_chunks = scatter([targets], micro_batches)
     sizes = [batch_size(c[0]) for c in target_chunks]
     weights = [n / sum(sizes) if loss_reduction == "mean" else 1.0 for n in sizes]
-    return StepInputs(envs, "train", [c[0] for c in target_chunks], weights, loss_fn, _written(flat, input_names, mutated))
+    targets_of = [c[0] for c in target_chunks]
+    return StepInputs(envs, "train", targets_of, weights, loss_fn, _written(flat, input_names, mutated))
+
+
+class Deferred(Protocol):
+    """What a step needs of a deferred BatchNorm (runtime.batchnorm): defer, then commit or discard."""
+
+    deferring: bool
+
+    def commit(self) -> None: ...
+
+    def discard(self) -> None: ...
 
 
 @contextlib.contextmanager
-def transaction(params: Sequence[torch.nn.Parameter], bns: Sequence[DeferredBatchNorm], *, grads: bool) -> Iterator[None]:
+def transaction(params: Sequence[torch.nn.Parameter], bns: Sequence[Deferred], *, grads: bool) -> Iterator[None]:
     """A step that changes parameters' gradients (`grads`) and BatchNorm statistics only if it succeeds.
 
     Gradients already there (accumulated over earlier steps) are set aside, the step computes

@@ -140,3 +140,42 @@ def test_large_graph_uses_coarse_cuts_and_stays_fast() -> None:
     bounds, bottleneck = solve(problem)
     assert len(bounds) == 9 and time.perf_counter() - start < 60  # a hang guard, not a speed target
     assert bottleneck <= problem.node_times[0].sum() / 8 * 1.05
+
+
+def _uniform(n: int, stages: int) -> SplitProblem:
+    return SplitProblem(
+        node_times=np.ones((stages, n)),
+        producers=np.arange(-1, n),
+        consumers=[np.array([i + 1]) for i in range(-1, n)],
+        value_bytes=np.zeros(n + 1),
+        recv_link=np.zeros((stages, 2)),
+        send_link=np.zeros((stages, 2)),
+    )
+
+
+@pytest.mark.parametrize(("stages", "forced", "expected"), [
+    (2, [2], [0, 2, 12]),  # as many stages as segments: exactly on the marker, however unbalanced
+    (3, [2], [0, 2, 7, 12]),  # one stage more: the long segment is split by cost
+    (3, [2, 10], [0, 2, 10, 12]),
+    (4, [6], [0, 3, 6, 9, 12]),
+])
+def test_forced_cuts_are_kept_and_segments_split_further_by_cost(stages: int, forced: list[int],
+                                                                 expected: list[int]) -> None:
+    problem = _uniform(12, stages)
+    problem.forced = np.array(forced)
+    bounds, _ = solve(problem)
+    assert bounds == expected
+    # the same split as the brute force over splits that keep every forced cut
+    best = min(
+        max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds_, bounds_[1:])))
+        for inner in itertools.combinations(range(1, 12), stages - 1) if set(forced) <= set(inner)
+        for bounds_ in [(0, *inner, 12)]
+    )
+    assert max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))) == best
+
+
+def test_more_segments_than_stages() -> None:
+    problem = _uniform(6, 2)
+    problem.forced = np.array([2, 4])
+    with pytest.raises(PartitionError, match="make 3 segments but there are 2 stages.*split_points='cost'"):
+        solve(problem)

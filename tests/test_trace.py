@@ -74,3 +74,16 @@ def test_both_tracers_fail_with_one_error() -> None:
 
     with pytest.raises(TraceError, match=r"cannot trace Branchy:(.|\n)*test_trace.py:\d+ in forward"):
         trace(Branchy(), (torch.randn(3, 2),))
+
+
+def test_custom_function_is_one_leaf_node_and_markers_become_cut_marks() -> None:
+    model, (x,), _ = zoo.custom_functions()
+    gm = trace(model, (x,)).graph_module
+    leaves = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__.endswith("_apply")]
+    assert [n.target.__name__ for n in leaves] == ["StraightThrough_apply", "CountingFn_apply", "ScaleSplit_apply"]
+    assert leaves[2].args[1:] == (0.5, True)  # non-tensor arguments are constants of the node
+    assert torch.allclose(gm(x), model(x))
+    markers, (y,), _ = zoo.markers()
+    gm = trace(markers, (y,)).graph_module
+    assert [n.target for n in gm.graph.nodes if n.meta.get("cut_before")] == ["rest.0"]
+    assert not any("pipe_split" in str(n.target) for n in gm.graph.nodes)  # the marker itself runs nowhere

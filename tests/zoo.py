@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import pipe_split
 
 BATCH = 7  # odd on purpose: 3 and 4 micro-batches are uneven (3,2,2 and 2,2,2,1)
 
@@ -211,3 +212,167 @@ ZOO: dict[str, Callable[[], Case]] = {
     "in_place": in_place,
     "mode_dependent": mode_dependent,
 }
+
+
+# --- fidelity cases (tests/test_fidelity.py): what fx and micro-batching could silently change ---
+
+BACKWARD_CALLS: list[int] = []  # CountingFn.backward records here: a side effect the pipeline must run
+
+
+class StraightThrough(torch.autograd.Function):
+    """Round in forward, identity in backward: autograd of round() would give zero gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class CountingFn(torch.autograd.Function):
+    """tanh whose backward also records how many rows it saw (a side effect for later)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        BACKWARD_CALLS.append(int(grad.shape[0]))
+        return grad * (1 - y * y)
+
+
+class ScaleSplit(torch.autograd.Function):
+    """Two outputs and non-tensor arguments; its backward is its own (gradient damped by `damp`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: float, damp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.k, ctx.damp = k, damp
+        return x * k, x.sum(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = ga * ctx.k + gb
+        return (grad * 0.5 if ctx.damp else grad), None, None
+
+
+class CustomFunctions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(17, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = StraightThrough.apply(self.a(x))
+        h = CountingFn.apply(self.b(h))
+        scaled, total = ScaleSplit.apply(h, 0.5, True)
+        return self.c(torch.cat([scaled, total], dim=-1))
+
+
+class MixedIO(nn.Module):
+    """An input without the batch dimension (a table as long as the batch, given whole), and
+    outputs of mixed kinds: per-sample logits, a fixed-size tensor, a scalar that differs per
+    micro-batch (needs a merge rule), a Python value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 5)
+        self.scale = nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> dict[str, Any]:
+        h = torch.tanh(self.enc(x) + table.mean(0))
+        logits = self.head(h)
+        return {"logits": logits, "scale": self.scale * 2, "energy": h.pow(2).sum(), "classes": 5}
+
+
+class TensorDefault(nn.Module):
+    """A tensor default in forward's signature: fx bakes it in as a constant of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor = torch.linspace(0.5, 1.5, 8)) -> torch.Tensor:  # noqa: B008
+        return self.b(torch.tanh(self.a(x)) * gain)
+
+
+class Aliased(nn.Module):
+    """A weight tied between two modules, a module registered under two names and called twice,
+    and a buffer read at the start and again after any cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 12, bias=False)
+        self.mid = nn.Linear(12, 12)
+        self.again = self.mid  # the same module under a second name
+        self.out2 = nn.Linear(8, 7)
+        self.register_buffer("shift", torch.linspace(-1, 1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(x + self.shift))
+        h = torch.tanh(self.again(torch.tanh(self.mid(h))))
+        h = F.linear(h, self.emb.weight.t())  # the tied use: emb's weight again, transposed
+        return self.out2(torch.tanh(h) - self.shift)
+
+
+class Markers(nn.Module):
+    """One pipe_split() between two cheap layers, far from where cost alone would cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.rest = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        pipe_split()
+        return self.head(self.rest(h))
+
+
+class MarkersExport(Markers):
+    """The same, with `*inputs`: torch.fx refuses it, so torch.export traces it."""
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(inputs[0])
+
+
+def custom_functions() -> Case:
+    return CustomFunctions(), (torch.randn(BATCH, 8),), {}
+
+
+def mixed_io() -> Case:
+    return MixedIO(), (torch.randn(BATCH, 8), torch.randn(BATCH, 8)), {}
+
+
+def tensor_default() -> Case:
+    return TensorDefault(), (torch.randn(BATCH, 8),), {}
+
+
+def aliased() -> Case:
+    return Aliased(), (torch.randn(BATCH, 8),), {}
+
+
+def markers() -> Case:
+    return Markers(), (torch.randn(BATCH, 8),), {}
+
+
+def markers_export() -> Case:
+    return MarkersExport(), (torch.randn(BATCH, 8),), {}
+
+
+ZOO.update({
+    "custom_functions": custom_functions,
+    "tensor_default": tensor_default,
+    "aliased": aliased,
+    "markers": markers,
+    "markers_export": markers_export,
+})

@@ -2,42 +2,33 @@
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from typing import Any, Literal, Mapping, Sequence, cast, get_args
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model import default_cost_model
 from cost_model.analytic import CostModel
-from cost_model.devices import DeviceLike, host_memory, resolve_devices
-from cost_model.processes import BetweenProcesses
-from partitioner.assemble import finish
-from partitioner.branches import plan_branches
+from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.fidelity import (
+    Cuts,
     InputSplitSpec,
     OutputMergeSpec,
     SplitPoint,
     SplitPoints,
-    _batched_outputs,
-    _check_fidelity_arguments,
-    _Cuts,
-    _cuts,
-    _input_dims,
-    _shape_graph,
-    forced_cuts,
+    batched_outputs,
+    check_fidelity_arguments,
+    cuts_from,
+    input_dims,
 )
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid_plan import plan_hybrid
-from partitioner.planner import plan_pipeline
+from partitioner.graph import build_graph
+from partitioner.planning import finish_plan, plan_traced, same_cuts, stage_ranks_for
 from partitioner.trace import Traced, trace
-from partitioner.visualizer import Plan as DrawablePlan, with_graph
+from partitioner.visualizer import Plan as DrawablePlan
 from runtime.distributed import DistributedPipeline
-from runtime.interpreter import Routes
-from runtime.launch import distributed, init_process_group, stage_layout
+from runtime.launch import distributed, init_process_group
 from runtime.microbatch import batch_size, scatter
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan, Schedule
@@ -78,12 +69,12 @@ def plan(
     """
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages)
-    _check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
+    check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
-    layout = _layout(len(resolved), schedule, replicas, virtual_stages, multi)
+    stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
-    return _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
-                        placement, replicas == "auto", multi, _cuts(split_points, split_spec))
+    return plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
+                        placement, replicas == "auto", multi, cuts_from(split_points, split_spec))
 
 
 def partition(
@@ -159,33 +150,32 @@ def partition(
             micro_batches = plan.micro_batches
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages)
-    _check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
+    check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
     if distributed():
-        if input_split_spec is not None:
-            raise PartitionError("input_split_spec is not supported under torchrun yet; split the inputs yourself")
         return _partition_distributed(model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule,
-                                      replicas, virtual_stages, timeout, placement, _cuts(split_points, split_spec))
-    layout = _layout(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
+                                      replicas, virtual_stages, timeout, placement, cuts_from(split_points, split_spec),
+                                      input_split_spec)
+    stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
-    dims = _input_dims(model, traced, input_split_spec)
-    batched = _batched_outputs(traced, flat, first_chunk, dims, micro_batches)
+    dims = input_dims(model, traced, input_split_spec)
+    batched = batched_outputs(traced, flat, first_chunk, dims, micro_batches)
     if plan is None:
-        plan = _plan_traced(model, traced, flat, first_chunk, resolved, layout, cost_model, micro_batches, schedule,
-                            placement, False, False, _cuts(split_points, split_spec))
+        plan = plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
+                            placement, False, False, cuts_from(split_points, split_spec))
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
         plan.programs = []
-    stages, undo = build_stages(gm, plan)
+    stages, undo = _build(gm, plan)
     undos = [undo]
     try:
-        _finish(plan, gm, model, processes=False, regenerate=False)
+        finish_plan(plan, gm, model, processes=False, regenerate=False)
         other = None
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = _same_cuts(traced.other_mode, plan)
-            other_stages, other_undo = build_stages(traced.other_mode, other_plan)
+            other_plan = same_cuts(traced.other_mode, plan)
+            other_stages, other_undo = _build(traced.other_mode, other_plan)
             undos.append(other_undo)
-            _finish(other_plan, traced.other_mode, model, processes=False, regenerate=False)
+            finish_plan(other_plan, traced.other_mode, model, processes=False, regenerate=False)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan)
         output_node, placeholders, constants = _graph_io(gm)
@@ -199,27 +189,12 @@ def partition(
         raise
 
 
-def _same_cuts(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
-    """`plan` for another graph of the same model (the other train/eval mode): nodes it shares stay
-    in their stage; a node of its own joins the stage of its latest input."""
-    stage_of = plan.stage_of()
-    assigned: dict[str, int] = {}
-    for node in compute_nodes(gm):
-        s = stage_of.get(node.name)
-        if s is None:
-            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
-        assigned[node.name] = s
-    stages = [
-        dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
-        for st in plan.stages
-    ]
-    other = dataclasses.replace(plan, stages=stages, programs=[], graph=None)
+def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None) -> tuple[list[Any], Any]:
+    """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
     try:
-        stage_io(gm, other)
+        return build_stages(gm, plan, local=local)
     except ValueError as exc:
-        raise PartitionError(f"the model's graph in its other train/eval mode cannot be cut where this one is: {exc}; "
-                             "partition the model in the mode you run it in") from None
-    return other
+        raise PartitionError(str(exc)) from None
 
 
 def _check_arguments(
@@ -261,97 +236,6 @@ def _check_arguments(
     return resolved, args, kwargs
 
 
-def _layout(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
-    if replicas is not None and not processes:
-        raise PartitionError(
-            "replicas need one process per stage replica: launch with torchrun (or initialize torch.distributed)"
-        )
-    if replicas == "auto":
-        return [[r] for r in range(ranks)]
-    try:
-        return stage_layout(ranks, schedule, replicas, virtual_stages)
-    except ValueError as exc:
-        raise PartitionError(str(exc)) from None
-
-
-def _plan_traced(
-    model: nn.Module,
-    traced: Traced,
-    flat: list[Any],
-    first_chunk: list[Any],
-    devices: list[torch.device],
-    layout: list[list[int]],
-    cost_model: CostModel | None,
-    micro_batches: int,
-    schedule: str,
-    placement: str,
-    auto: bool,
-    processes: bool,
-    cuts: _Cuts | None = None,
-) -> DrawablePlan:
-    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
-    gm = traced.graph_module
-    if micro_batches < max(len(r) for r in layout):
-        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
-                             f"{max(len(r) for r in layout)}")
-    graph = _shape_graph(traced, first_chunk)
-    order = [n.name for n in compute_nodes(gm)]
-    forced = forced_cuts(graph, order, cuts or _Cuts("markers", {}))
-    if forced and (auto or placement != "pipeline"):
-        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which placement={placement!r}"
-                             f"{' with replicas=auto' if auto else ''} cannot keep; use placement='pipeline', or "
-                             "split_points='cost' to ignore them")
-    cost = _prepared(cost_model, gm, first_chunk)
-    if processes:  # every stage replica is a process: ranks on one device still pay for transfers
-        cost = BetweenProcesses(cost)
-    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
-        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
-                           schedules=(schedule,))
-    elif placement == "pipeline":
-        stage_devices = [devices[r[0]] for r in layout]
-        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout],
-                             cast(Schedule, schedule), forced=forced)
-        for stage, ranks in zip(made.stages, layout):
-            stage.ranks = ranks
-        if not processes and not forced:  # the memory-aware fallback knows no markers
-            made = _within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
-            for stage, ranks in zip(made.stages, layout):
-                stage.ranks = ranks
-    else:
-        made = _choose(graph, order, devices, cost, micro_batches, placement)
-        if made.placement != "branches":
-            for stage, ranks in zip(made.stages, layout):
-                stage.ranks = ranks
-    made.schedule = schedule  # type: ignore[assignment]
-    made.virtual_stages = virtual_stages_of(made)
-    _finish(made, gm, model, processes=processes, regenerate=True)
-    return with_graph(made, graph, cost)
-
-
-def virtual_stages_of(plan: Plan) -> int:
-    ranks = {r for s in plan.stages for r in s.ranks}
-    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule == "interleaved" else 1
-
-
-def _finish(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:
-    """Give `plan` its exact stage DAG (from the traced graph) and all-reduce groups, then its
-    programs and predictions (partitioner.assemble.finish); a given plan keeps its programs
-    when nothing they depend on changed."""
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    producers = Routes.of(stage_io(gm, plan), output_node).producers()
-    changed = regenerate or not plan.programs
-    for stage, reads in zip(plan.stages, producers):
-        if not stage.ranks:
-            stage.ranks, changed = [stage.index], True
-        if stage.reads_from != reads:
-            stage.reads_from, changed = reads, True
-    if not changed:
-        return
-    stage_ranks = [list(s.ranks) for s in plan.stages]
-    groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
-    finish(plan, [(list(r), st) for r, st in groups])
-
-
 def _trace_example(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int,
     input_split_spec: InputSplitSpec | None = None,
@@ -360,7 +244,7 @@ def _trace_example(
     traced = trace(model, args, kwargs)
     # Shape propagation and profiling run the model: on copies, so the caller's tensors stay as they are.
     flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
-    dims = _input_dims(model, traced, input_split_spec)
+    dims = input_dims(model, traced, input_split_spec)
     try:
         batch_size([v for v, d in zip(flat, dims or ["auto"] * len(flat)) if d == "auto"] or flat)
         first_chunk = scatter(flat, micro_batches, dims)[0]
@@ -387,64 +271,6 @@ def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mappin
     return describe(build_graph(traced.graph_module, traced.flatten_inputs(args, dict(example_kwargs or {}))))
 
 
-def _choose(
-    graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int, placement: str
-) -> Plan:
-    """The plan for `placement`; for "auto", the faster of pipeline and branches as simulated."""
-    if placement == "pipeline":
-        return plan_pipeline(graph, order, devices, cost, micro_batches)
-    min_gain = 0.0 if placement == "branches" else 0.05
-    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=min_gain)
-    if placement == "branches":
-        return branches
-    chain = plan_pipeline(graph, order, devices, cost, micro_batches)
-    times = {"pipeline": chain.predicted_step_ms, "branches": branches.predicted_step_ms}
-    best = branches if branches.placement == "branches" and times["branches"] < times["pipeline"] else chain
-    best.alternatives = times
-    return best
-
-
-def device_capacity(cost: CostModel, device: torch.device) -> int:
-    """Bytes a device holds: the cost model's (possibly hand-described) spec, else what is there."""
-    for model in (cost, getattr(cost, "fallback", None)):
-        spec = getattr(model, "spec", None)
-        if callable(spec):
-            memory = int(spec(device).memory_bytes)
-            if memory > 0:
-                return memory
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return host_memory()[0]
-
-
-def _within_memory(
-    plan: Plan, whole_graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int
-) -> Plan:
-    """`plan` if every device holds its stages (weights, gradients, activations in flight), else a
-    memory-aware split from the hybrid planner; InfeasibleError names what each device would need."""
-    need: dict[str, int] = {}
-    for stage in plan.stages:
-        need[stage.device] = need.get(stage.device, 0) + 2 * stage.param_bytes + stage.activation_bytes
-    capacity = {d: device_capacity(cost, torch.device(d)) for d in need}
-    if all(n <= capacity[d] for d, n in need.items()):
-        return plan
-    shares = {d: sum(1 for x in devices if str(x) == d) for d in need}  # stages sharing one device split it
-    limits = [capacity[str(d)] / shares[str(d)] for d in devices]
-    return plan_hybrid(
-        whole_graph(), order, devices, cost, micro_batches=micro_batches, schedules=("gpipe",),
-        replicate=False, stages=len(devices), memory_bytes=limits, optimizer="sgd",
-    )
-
-
-def _prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:
-    """The cost model to plan with (profiled where the device is here, by default), shown the graph."""
-    cost = cost_model if cost_model is not None else default_cost_model()
-    prepare = getattr(cost, "prepare", None)  # optional: see cost_model.interface
-    if callable(prepare):
-        prepare(gm, flat_inputs)
-    return cost
-
-
 def _partition_distributed(
     model: nn.Module,
     devices: list[torch.device],
@@ -458,7 +284,8 @@ def _partition_distributed(
     virtual_stages: int,
     timeout: float,
     placement: str = "pipeline",
-    cuts: _Cuts | None = None,
+    cuts: Cuts | None = None,
+    input_split_spec: InputSplitSpec | None = None,
 ) -> DistributedPipeline:
     if not dist.is_initialized():
         init_process_group(devices, timeout)
@@ -468,15 +295,16 @@ def _partition_distributed(
                              "pass one device per rank")
     if devices[rank].type == "cuda":
         torch.cuda.set_device(devices[rank])
-    layout = _layout(world, schedule, replicas, virtual_stages, True) if plan is None else []
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches)
+    stage_ranks = stage_ranks_for(world, schedule, replicas, virtual_stages, True) if plan is None else []
+    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
+    dims = input_dims(model, traced, input_split_spec)
     if plan is None:
         text: list[Any] = [None]
         failure: BaseException | None = None
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
-                made = _plan_traced(model, traced, flat, first_chunk, devices, layout, cost_model, micro_batches,
+                made = plan_traced(model, traced, flat, first_chunk, devices, stage_ranks, cost_model, micro_batches,
                                     schedule, placement, replicas == "auto", True, cuts)
                 text = [("plan", made.to_json())]
             except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
@@ -490,28 +318,28 @@ def _partition_distributed(
         plan = DrawablePlan.from_json(payload)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches, plan.programs = micro_batches, []
-    _finish(plan, gm, model, processes=True, regenerate=False)
+    finish_plan(plan, gm, model, processes=True, regenerate=False)
     mine = [s.index for s in plan.stages if rank in s.ranks]
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
     io = stage_io(gm, plan)
-    stages, undo = build_stages(gm, plan, local=mine)
+    stages, undo = _build(gm, plan, local=mine)
     undos = [undo]
     try:
         _, placeholders, constants = _graph_io(gm)
         groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         other = None
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = _same_cuts(traced.other_mode, plan)
-            _finish(other_plan, traced.other_mode, model, processes=True, regenerate=False)
-            other_stages, other_undo = build_stages(traced.other_mode, other_plan, local=mine)
+            other_plan = same_cuts(traced.other_mode, plan)
+            finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
+            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine)
             undos.append(other_undo)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,
                                stage_io(traced.other_mode, other_plan))
         return DistributedPipeline(
             model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
-            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error,
+            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, dims,
         )
     except BaseException:
         for u in reversed(undos):

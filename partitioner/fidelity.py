@@ -15,7 +15,10 @@ from partitioner.graph import batch_outputs, build_graph
 from partitioner.trace import Traced, where
 from runtime.microbatch import InputSplitSpec, OutputMergeSpec, SplitDim, batch_size, check_merge_spec
 
-__all__ = ["InputSplitSpec", "OutputMergeSpec", "SplitPoint", "SplitPoints", "forced_cuts"]
+__all__ = [
+    "Cuts", "InputSplitSpec", "OutputMergeSpec", "SplitPoint", "SplitPoints", "auto_dims", "batched_outputs",
+    "check_fidelity_arguments", "cuts_from", "exported_error", "forced_cuts", "input_dims", "shape_graph",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +38,18 @@ Dim = SplitDim  # one per placeholder
 
 
 @dataclass
-class _Cuts:
+class Cuts:
     """Where the user asked for cuts: `mode` says whether markers count; `spec` is PiPPy's split_spec."""
 
     mode: str
     spec: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _cuts(split_points: str, split_spec: Mapping[str, Any] | None) -> _Cuts:
-    return _Cuts(split_points, dict(split_spec or {}))
+def cuts_from(split_points: str, split_spec: Mapping[str, Any] | None) -> Cuts:
+    return Cuts(split_points, dict(split_spec or {}))
 
 
-def _check_fidelity_arguments(
+def check_fidelity_arguments(
     model: nn.Module,
     output_merge_spec: OutputMergeSpec | None,
     input_split_spec: InputSplitSpec | None,
@@ -78,7 +81,7 @@ def _check_fidelity_arguments(
             raise PartitionError(f"split_spec[{path!r}]={point!r}; use SplitPoint.BEGINNING or SplitPoint.END")
 
 
-def _input_dims(model: nn.Module, traced: Traced, spec: InputSplitSpec | None) -> list[Dim] | None:
+def input_dims(model: nn.Module, traced: Traced, spec: InputSplitSpec | None) -> list[Dim] | None:
     """One split rule per placeholder: the spec's dim or None, "auto" (dim 0 if batch-sized) elsewhere."""
     if spec is None:
         return None
@@ -88,11 +91,11 @@ def _input_dims(model: nn.Module, traced: Traced, spec: InputSplitSpec | None) -
     return [spec.get(name, "auto") for name in inspect.signature(model.forward).parameters]
 
 
-def _auto(values: Sequence[Any], dims: Sequence[Dim] | None) -> list[Any]:
+def auto_dims(values: Sequence[Any], dims: Sequence[Dim] | None) -> list[Any]:
     return [v for v, d in zip(values, dims or ["auto"] * len(values)) if d == "auto"] or list(values)
 
 
-def _exported_error(traced: Traced, exc: Exception) -> TraceError:
+def exported_error(traced: Traced, exc: Exception) -> TraceError:
     return TraceError(
         f"the graph torch.export made of this model fails on a micro-batch, at {where(exc) or 'an unknown place'}: "
         f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
@@ -102,32 +105,32 @@ def _exported_error(traced: Traced, exc: Exception) -> TraceError:
     )
 
 
-def _shape_graph(traced: Traced, chunk: Sequence[Any]) -> nx.DiGraph:
+def shape_graph(traced: Traced, chunk: Sequence[Any]) -> nx.DiGraph:
     """build_graph on a micro-batch; an exported graph that cannot run it is a TraceError."""
     try:
         return build_graph(traced.graph_module, chunk)
     except Exception as exc:  # noqa: BLE001 - guards, data-dependent shapes: all say the trace is wrong
         if traced.method != "export":
             raise
-        raise _exported_error(traced, exc) from None
+        raise exported_error(traced, exc) from None
 
 
-def _batched_outputs(
+def batched_outputs(
     traced: Traced, flat: Sequence[Any], chunk: Sequence[Any], dims: Sequence[Dim] | None, micro_batches: int
 ) -> list[bool] | None:
     """Which output leaves have the batch as dim 0 (see [Note: merging micro-batches never guesses])."""
     if micro_batches == 1:
         return None
-    sizes = (batch_size(_auto(flat, dims)), batch_size(_auto(chunk, dims)))
+    sizes = (batch_size(auto_dims(flat, dims)), batch_size(auto_dims(chunk, dims)))
     try:
         return batch_outputs(traced.graph_module, flat, chunk, sizes)
     except Exception as exc:  # noqa: BLE001
         if traced.method != "export":
             raise
-        raise _exported_error(traced, exc) from None
+        raise exported_error(traced, exc) from None
 
 
-def forced_cuts(graph: nx.DiGraph, order: Sequence[str], cuts: _Cuts) -> list[int]:
+def forced_cuts(graph: nx.DiGraph, order: Sequence[str], cuts: Cuts) -> list[int]:
     """Positions in `order` that every split cuts before: pipe_split() markers and split_spec points."""
     markers = [i for i, name in enumerate(order) if graph.nodes[name].get("cut_before")]
     if cuts.mode == "cost":

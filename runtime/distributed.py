@@ -28,9 +28,9 @@ from torch import nn
 
 from runtime import checkpoint
 from runtime.comm import Comm, TorchComm
-from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter
-from runtime.pipeline import StageGraph
+from runtime.microbatch import SplitDim
+from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
 from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
@@ -99,6 +99,7 @@ class DistributedPipeline(nn.Module):
         mutated_inputs: Sequence[str] = (),
         other_mode: StageGraph | None = None,
         other_mode_error: str | None = None,
+        input_dims: Sequence[SplitDim] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -110,6 +111,7 @@ class DistributedPipeline(nn.Module):
         self._flatten = flatten_inputs
         self._input_names = input_names
         self._mutated = list(mutated_inputs)
+        self._input_dims = list(input_dims) if input_dims is not None else None
         self._last = len(plan.stages) - 1
         self.device = stages[0].device
         if not plan.programs:
@@ -168,15 +170,7 @@ class DistributedPipeline(nn.Module):
         return self._mode()[0]
 
     def _mode(self) -> tuple[Interpreter, list[Op]]:
-        mode = self._modes.get(self.model.training)
-        if mode is not None:
-            return mode
-        if self._other_mode_error is not None:
-            raise PartitionError(
-                f"the model is in {'training' if self.model.training else 'eval'} mode, but its forward could not be "
-                f"traced in that mode ({self._other_mode_error}); partition the model in the mode you run it in"
-            )
-        return self._modes[self._traced_mode]
+        return for_mode(self._modes, self.model.training, self._traced_mode, self._other_mode_error)
 
     @property
     def tracing(self) -> bool:
@@ -258,7 +252,7 @@ class DistributedPipeline(nn.Module):
         None elsewhere; the optimizer then steps on local weights.
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
-                                 self.plan.micro_batches, loss_reduction, self._mutated)
+                                 self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
         bns = list(dict.fromkeys(bn for stage in self._stages.values() for bn in stage.deferred_bns))
         with transaction(self._params, bns, grads=True):
             interpreter, program = self._mode()

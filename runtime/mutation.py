@@ -157,6 +157,7 @@ def check_cuts(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
                     f"{write.name} (stage {where}) writes into {value.name} through a view"
                     + (f" made in another stage ({', '.join(apart)})" if apart else "")
                     + f", but stage {stage_of[node.name]} would read {value.name} from a copy made before that write; "
-                    f"keep {value.name}'s views, the write and its later readers in one stage (a plan with other cuts), "
+                    f"keep {value.name}'s views, the write and its later readers in one stage "
+                    "(a plan with other cuts), "
                     "or write into the tensor itself rather than a view"
                 )

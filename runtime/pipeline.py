@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
 
 import torch
 import torch.fx
@@ -33,7 +33,7 @@ from runtime.stage import Stage
 from runtime.steps import forward_step, step_sizes, train_step_inputs, transaction, write_back
 from runtime.transport_local import LocalTransport, WorkerFailed
 
-__all__ = ["Pipeline", "StageGraph"]
+__all__ = ["Pipeline", "StageGraph", "for_mode"]
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -56,6 +56,23 @@ class StageGraph:
     def routes(self) -> Routes:
         return Routes.of(self.io if self.io is not None else [(s.inputs, s.outputs) for s in self.stages],
                          self.output_node)
+
+
+T = TypeVar("T")
+
+
+def for_mode(modes: Mapping[bool, T], training: bool, traced: bool, error: str | None) -> T:
+    """What runs in the model's mode now: its own graph where forward reads `self.training`, else the
+    one traced graph (the same in both modes); a PartitionError if that mode could not be traced."""
+    found = modes.get(training)
+    if found is not None:
+        return found
+    if error is not None:
+        raise PartitionError(
+            f"the model is in {'training' if training else 'eval'} mode, but its forward could not be traced in "
+            f"that mode ({error}); partition the model in the mode you run it in"
+        )
+    return modes[traced]
 
 
 class _Mode:
@@ -136,15 +153,7 @@ class Pipeline(nn.Module):
 
     def _mode(self) -> _Mode:
         """The graph of the model's mode now."""
-        mode = self._modes.get(self.model.training)
-        if mode is not None:
-            return mode
-        if self._other_mode_error is not None:
-            raise PartitionError(
-                f"the model is in {'training' if self.model.training else 'eval'} mode, but its forward could not be "
-                f"traced in that mode ({self._other_mode_error}); partition the model in the mode you run it in"
-            )
-        return self._modes[self._traced_mode]  # the same graph in both modes
+        return for_mode(self._modes, self.model.training, self._traced_mode, self._other_mode_error)
 
     @property
     def _workers(self) -> list[Interpreter]:

@@ -200,10 +200,37 @@ def infeasible() -> int:
     return 1
 
 
+def whole_input() -> int:
+    """An input given whole to every micro-batch (input_split_spec) under 1F1B: gradients equal the plain model's."""
+    torch.manual_seed(0)
+    model, (x, table), _ = zoo.mixed_io()
+    x = torch.cat([x, x[:1]])
+    table = torch.cat([table, table[:1]])  # as long as the batch, but one table: must not be split
+    y = torch.randint(0, 5, (x.shape[0],))
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out["logits"], target)
+
+    pipe = partition(model, ["cpu"] * int(os.environ["WORLD_SIZE"]), example_inputs=(x, table), micro_batches=4,
+                     schedule="1f1b", input_split_spec={"table": None})
+    pipe.train_step((x, table), y, loss_fn)
+    loss_fn(reference(x, table), y).backward()
+    held = pipe.held_tensor_ids()
+    ref = dict(reference.named_parameters())
+    worst = max((rel(p.grad, ref[n].grad) for n, p in model.named_parameters() if id(p) in held and p.grad is not None),
+                default=1.0)
+    ok = worst < 1e-5
+    print(f"RESULT case=whole_input rank={dist.get_rank()} grad_err={worst:.2e} ok={ok}", flush=True)
+    return 0 if ok else 1
+
+
 def main() -> int:
     mode, *rest = sys.argv[1:]
     if mode == "equivalence":
         code = equivalence(rest)
+    elif mode == "whole_input":
+        code = whole_input()
     elif mode == "checkpoint":
         code = checkpoint(rest[0])
     elif mode == "infeasible":

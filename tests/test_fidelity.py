@@ -178,3 +178,11 @@ def test_custom_function_where_only_export_traces_is_refused() -> None:
 def test_two_torchrun_ranks_1f1b() -> None:
     check_equivalence(2, [f"{name}:1f1b:-" for name in
                           ("custom_functions", "tensor_default", "aliased", "markers", "markers_export")])
+
+
+def test_an_input_given_whole_on_two_torchrun_ranks() -> None:
+    from tests.test_distributed import results, torchrun
+
+    run = torchrun(2, "whole_input")
+    lines = results(run.stdout)
+    assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]

@@ -1,0 +1,209 @@
+"""Planning a traced model: choose the placement, give it its exact stage DAG, programs and predictions.
+
+`partitioner.api` traces and checks what the user passed, then calls `plan_traced`; the
+planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
+`partitioner.assemble` turns that into the Plan's numbers, programs and predictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from cost_model import default_cost_model
+from cost_model.analytic import CostModel
+from cost_model.devices import host_memory
+from cost_model.processes import BetweenProcesses
+from partitioner.assemble import finish
+from partitioner.branches import plan_branches
+from partitioner.errors import PartitionError
+from partitioner.fidelity import Cuts, forced_cuts, shape_graph
+from partitioner.graph import build_graph, compute_nodes
+from partitioner.hybrid_plan import plan_hybrid
+from partitioner.planner import plan_pipeline
+from partitioner.trace import Traced
+from partitioner.visualizer import Plan as DrawablePlan, with_graph
+from runtime.interpreter import Routes
+from runtime.launch import stage_layout
+from runtime.plan import Plan, Schedule
+from runtime.stage import stage_io, weight_groups
+
+__all__ = [
+    "choose", "device_capacity", "finish_plan", "plan_traced", "prepared", "same_cuts", "stage_ranks_for",
+    "within_memory",
+]
+
+
+def stage_ranks_for(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
+    if replicas is not None and not processes:
+        raise PartitionError(
+            "replicas need one process per stage replica: launch with torchrun (or initialize torch.distributed)"
+        )
+    if replicas == "auto":
+        return [[r] for r in range(ranks)]
+    try:
+        return stage_layout(ranks, schedule, replicas, virtual_stages)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def plan_traced(
+    model: nn.Module,
+    traced: Traced,
+    flat: list[Any],
+    first_chunk: list[Any],
+    devices: list[torch.device],
+    layout: list[list[int]],
+    cost_model: CostModel | None,
+    micro_batches: int,
+    schedule: str,
+    placement: str,
+    auto: bool,
+    processes: bool,
+    cuts: Cuts | None = None,
+) -> DrawablePlan:
+    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
+    gm = traced.graph_module
+    if micro_batches < max(len(r) for r in layout):
+        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
+                             f"{max(len(r) for r in layout)}")
+    graph = shape_graph(traced, first_chunk)
+    order = [n.name for n in compute_nodes(gm)]
+    forced = forced_cuts(graph, order, cuts or Cuts("markers", {}))
+    if forced and (auto or placement != "pipeline"):
+        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which placement={placement!r}"
+                             f"{' with replicas=auto' if auto else ''} cannot keep; use placement='pipeline', or "
+                             "split_points='cost' to ignore them")
+    cost = prepared(cost_model, gm, first_chunk)
+    if processes:  # every stage replica is a process: ranks on one device still pay for transfers
+        cost = BetweenProcesses(cost)
+    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
+        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
+                           schedules=(schedule,))
+    elif placement == "pipeline":
+        stage_devices = [devices[r[0]] for r in layout]
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout],
+                             cast(Schedule, schedule), forced=forced)
+        for stage, ranks in zip(made.stages, layout):
+            stage.ranks = ranks
+        if not processes and not forced:  # the memory-aware fallback knows no markers
+            made = within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    else:
+        made = choose(graph, order, devices, cost, micro_batches, placement)
+        if made.placement != "branches":
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    made.schedule = schedule  # type: ignore[assignment]
+    made.virtual_stages = virtual_stages_of(made)
+    finish_plan(made, gm, model, processes=processes, regenerate=True)
+    return with_graph(made, graph, cost)
+
+
+def virtual_stages_of(plan: Plan) -> int:
+    ranks = {r for s in plan.stages for r in s.ranks}
+    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule == "interleaved" else 1
+
+
+def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:
+    """Give `plan` its exact stage DAG (from the traced graph) and all-reduce groups, then its
+    programs and predictions (partitioner.assemble.finish); a given plan keeps its programs
+    when nothing they depend on changed."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    producers = Routes.of(stage_io(gm, plan), output_node).producers()
+    changed = regenerate or not plan.programs
+    for stage, reads in zip(plan.stages, producers):
+        if not stage.ranks:
+            stage.ranks, changed = [stage.index], True
+        if stage.reads_from != reads:
+            stage.reads_from, changed = reads, True
+    if not changed:
+        return
+    stage_ranks = [list(s.ranks) for s in plan.stages]
+    groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
+    finish(plan, [(list(r), st) for r, st in groups])
+
+
+def choose(
+    graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int, placement: str
+) -> Plan:
+    """The plan for `placement`; for "auto", the faster of pipeline and branches as simulated."""
+    if placement == "pipeline":
+        return plan_pipeline(graph, order, devices, cost, micro_batches)
+    min_gain = 0.0 if placement == "branches" else 0.05
+    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=min_gain)
+    if placement == "branches":
+        return branches
+    chain = plan_pipeline(graph, order, devices, cost, micro_batches)
+    times = {"pipeline": chain.predicted_step_ms, "branches": branches.predicted_step_ms}
+    best = branches if branches.placement == "branches" and times["branches"] < times["pipeline"] else chain
+    best.alternatives = times
+    return best
+
+
+def device_capacity(cost: CostModel, device: torch.device) -> int:
+    """Bytes a device holds: the cost model's (possibly hand-described) spec, else what is there."""
+    for model in (cost, getattr(cost, "fallback", None)):
+        spec = getattr(model, "spec", None)
+        if callable(spec):
+            memory = int(spec(device).memory_bytes)
+            if memory > 0:
+                return memory
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return host_memory()[0]
+
+
+def within_memory(
+    plan: Plan, whole_graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int
+) -> Plan:
+    """`plan` if every device holds its stages (weights, gradients, activations in flight), else a
+    memory-aware split from the hybrid planner; InfeasibleError names what each device would need."""
+    need: dict[str, int] = {}
+    for stage in plan.stages:
+        need[stage.device] = need.get(stage.device, 0) + 2 * stage.param_bytes + stage.activation_bytes
+    capacity = {d: device_capacity(cost, torch.device(d)) for d in need}
+    if all(n <= capacity[d] for d, n in need.items()):
+        return plan
+    shares = {d: sum(1 for x in devices if str(x) == d) for d in need}  # stages sharing one device split it
+    limits = [capacity[str(d)] / shares[str(d)] for d in devices]
+    return plan_hybrid(
+        whole_graph(), order, devices, cost, micro_batches=micro_batches, schedules=("gpipe",),
+        replicate=False, stages=len(devices), memory_bytes=limits, optimizer="sgd",
+    )
+
+
+def prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:
+    """The cost model to plan with (profiled where the device is here, by default), shown the graph."""
+    cost = cost_model if cost_model is not None else default_cost_model()
+    prepare = getattr(cost, "prepare", None)  # optional: see cost_model.interface
+    if callable(prepare):
+        prepare(gm, flat_inputs)
+    return cost
+
+
+def same_cuts(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
+    """`plan` for another graph of the same model (the other train/eval mode): nodes it shares stay
+    in their stage; a node of its own joins the stage of its latest input."""
+    stage_of = plan.stage_of()
+    assigned: dict[str, int] = {}
+    for node in compute_nodes(gm):
+        s = stage_of.get(node.name)
+        if s is None:
+            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
+        assigned[node.name] = s
+    stages = [
+        dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
+        for st in plan.stages
+    ]
+    other = dataclasses.replace(plan, stages=stages, programs=[], graph=None)
+    try:
+        stage_io(gm, other)
+    except ValueError as exc:
+        raise PartitionError(f"the model's graph in its other train/eval mode cannot be cut where this one is: {exc}; "
+                             "partition the model in the mode you run it in") from None
+    return other

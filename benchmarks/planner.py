@@ -44,6 +44,7 @@ from partitioner.hybrid_plan import hybrid_problem, plan_hybrid  # noqa: E402
 from partitioner.planner import SplitProblem, plan_pipeline, solve  # noqa: E402
 from partitioner.trace import trace  # noqa: E402
 from tests import zoo  # noqa: E402
+from tests.graphs import fork_join_graph  # noqa: E402
 
 T = TypeVar("T")
 
@@ -63,27 +64,6 @@ def synthetic_graph(nodes: int, seed: int = 0) -> tuple[nx.DiGraph, list[str]]:
     g.add_node("output", name="output", op="output", out_bytes=0)
     g.add_edge(order[-1], "output")
     return g, order
-
-
-def fork_join_graph(blocks: int) -> nx.DiGraph:
-    """Blocks of 9 vertices, x -> (a | c -> (d | e) -> dj | f) -> cat -> add(x, .) with a weight on a: three
-    nested fork/join regions a block, shaped like build_graph's graphs (vertices in first-seen order)."""
-    edges: list[tuple[str, str]] = []
-    prev = "x"
-    for b in range(blocks):
-        edges += [(f"w{b}", f"a{b}"), (prev, f"a{b}"), (prev, f"c{b}"), (f"c{b}", f"d{b}"), (f"c{b}", f"e{b}")]
-        edges += [(f"d{b}", f"dj{b}"), (f"e{b}", f"dj{b}"), (prev, f"f{b}"), (f"a{b}", f"cat{b}")]
-        edges += [(f"dj{b}", f"cat{b}"), (f"f{b}", f"cat{b}"), (f"cat{b}", f"add{b}"), (prev, f"add{b}")]
-        prev = f"add{b}"
-    edges.append((prev, "output"))
-    g, ops = nx.DiGraph(), {"x": "placeholder", "output": "output"}
-    for u, v in edges:
-        for name in (u, v):
-            if name not in g:
-                op = "get_attr" if name.startswith("w") else ops.get(name, "call_function")
-                g.add_node(name, name=name, op=op, position=len(g), out_bytes=4, flops=0)
-        g.add_edge(u, v, bytes=g.nodes[u]["out_bytes"])
-    return g
 
 
 def time_analysis(vertices: int) -> None:

@@ -19,21 +19,7 @@ from partitioner.analysis import (
 )
 from partitioner.graph import build_graph
 from partitioner.trace import trace
-
-OPS = {"x": "placeholder", "a_in": "placeholder", "b_in": "placeholder", "output": "output"}
-
-
-def dag(edges: list[tuple[str, str]], out_bytes: dict[str, int] | None = None) -> nx.DiGraph:
-    """A graph shaped like build_graph's: vertices in first-seen order, `w*` are get_attr weights."""
-    graph = nx.DiGraph()
-    for u, v in edges:
-        for name in (u, v):
-            if name not in graph:
-                op = "get_attr" if name.startswith("w") else OPS.get(name, "call_function")
-                nbytes = (out_bytes or {}).get(name, 4)
-                graph.add_node(name, name=name, op=op, position=len(graph), out_bytes=nbytes, flops=0)
-        graph.add_edge(u, v, bytes=graph.nodes[u]["out_bytes"])
-    return graph
+from tests.graphs import dag, fork_join_graph
 
 
 def traced(model: nn.Module) -> nx.DiGraph:
@@ -197,21 +183,9 @@ def test_describe() -> None:
     ]
 
 
-def synthetic(blocks: int) -> nx.DiGraph:
-    """Blocks of 9 vertices: x -> (a | c -> (d | e) -> dj | f) -> cat -> add(x, .), a weight on a."""
-    edges: list[tuple[str, str]] = []
-    prev = "x"
-    for b in range(blocks):
-        edges += [(f"w{b}", f"a{b}"), (prev, f"a{b}"), (prev, f"c{b}"), (f"c{b}", f"d{b}"), (f"c{b}", f"e{b}")]
-        edges += [(f"d{b}", f"dj{b}"), (f"e{b}", f"dj{b}"), (prev, f"f{b}"), (f"a{b}", f"cat{b}")]
-        edges += [(f"dj{b}", f"cat{b}"), (f"f{b}", f"cat{b}"), (f"cat{b}", f"add{b}"), (prev, f"add{b}")]
-        prev = f"add{b}"
-    return dag(edges + [(prev, "output")])
-
-
 def test_ten_thousand_vertices() -> None:
     # How long this takes is measured by benchmarks/planner.py (target < 5 s), not asserted here.
-    graph = synthetic(1112)
+    graph = fork_join_graph(1112)
     assert graph.number_of_nodes() == 10010
     regions = list(iter_regions(fork_join_regions(graph)))
     path = critical_path(graph, lambda name: 1.0)

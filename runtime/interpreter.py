@@ -34,7 +34,13 @@ Key = tuple[int, int, int]  # (src stage, dst stage, micro-batch)
 
 
 class Transport(Protocol):
-    """Moves values between ranks: `post` a batch of SEND/RECV ops, then `take` what arrived."""
+    """Moves values between ranks: `post` a batch of SEND/RECV ops, then `take` what arrived.
+
+    `can_post_early`: receive-only batches may be posted ahead of their turn (in order) now.
+    """
+
+    @property
+    def can_post_early(self) -> bool: ...
 
     def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None: ...
 
@@ -157,7 +163,7 @@ class Interpreter:
             k = end
 
     def _post_early(self, ops: Sequence[Op], spans: list[tuple[int, int, bool]], posted: int) -> int:
-        while posted < len(spans) and not spans[posted][2] and getattr(self.transport, "can_post_early", False):
+        while posted < len(spans) and not spans[posted][2] and self.transport.can_post_early:
             first, end, _ = spans[posted]
             self._post(list(ops[first:end]))
             posted += 1

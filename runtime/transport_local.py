@@ -35,6 +35,11 @@ class LocalTransport:
         self._ready = threading.Condition()
         self._failed = False
 
+    @property
+    def can_post_early(self) -> bool:
+        """Nothing to gain: a local receive is only a wait on the mailbox."""
+        return False
+
     def reset(self) -> None:
         with self._ready:
             self._box.clear()

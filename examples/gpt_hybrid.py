@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,9 +49,8 @@ def main() -> int:
     parser.add_argument("--out", default="gpt_hybrid_plan.html", help=".html, .png or .svg")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ["WORLD_SIZE"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # rank r takes cuda:LOCAL_RANK
     cfg = GPTConfig(vocab=256, width=args.width, heads=4, layers=args.layers, seq=32)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -62,6 +62,7 @@ def main() -> int:
         model, [device] * world, example_inputs=(x,), micro_batches=args.micro_batches,
         schedule=args.schedule, replicas=replicas,
     )
+    rank = dist.get_rank()  # partition() joined the job
     if rank == 0:
         print(pipe.plan.summary(), flush=True)
     last = rank in pipe.plan.stages[-1].ranks

@@ -28,8 +28,8 @@ from partitioner.planning import finish_plan, plan_traced, same_cuts, stage_rank
 from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
 from runtime.distributed import DistributedPipeline
-from runtime.launch import distributed, init_process_group
-from runtime.microbatch import batch_size, scatter
+from runtime.launch import distributed, init_process_group, job_devices, joined_devices
+from runtime.microbatch import batch_size, scatter, to_device
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan, Schedule
 from runtime.stage import build_stages, stage_io, weight_groups
@@ -152,9 +152,9 @@ def partition(
                                               placement, replicas, virtual_stages)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
     if distributed():
-        return _partition_distributed(model, resolved, args, kwargs, micro_batches, cost_model, plan, schedule,
-                                      replicas, virtual_stages, timeout, placement, cuts_from(split_points, split_spec),
-                                      input_split_spec)
+        return _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
+                                      schedule, replicas, virtual_stages, timeout, placement,
+                                      cuts_from(split_points, split_spec), input_split_spec)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
@@ -189,10 +189,11 @@ def partition(
         raise
 
 
-def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None) -> tuple[list[Any], Any]:
+def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
+           device: torch.device | None = None) -> tuple[list[Any], Any]:
     """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
     try:
-        return build_stages(gm, plan, local=local)
+        return build_stages(gm, plan, local=local, device=device)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 
@@ -212,7 +213,7 @@ def _check_arguments(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     try:
-        resolved = resolve_devices(devices)
+        resolved = job_devices(devices) if distributed() else resolve_devices(devices)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -229,11 +230,21 @@ def _check_arguments(
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
+    home = _model_device(model)  # tracing runs the model as it is: the example goes where its weights are
+    if home is not None:
+        args, kwargs = to_device(args, home), to_device(kwargs, home)
     if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
         raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
     if replicas == "auto" and schedule == "interleaved":
         raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
     return resolved, args, kwargs
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first weight or buffer (None: it has none, or they are on `meta`)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        return None if t.device.type == "meta" else t.device
+    return None
 
 
 def _trace_example(
@@ -273,6 +284,7 @@ def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mappin
 
 def _partition_distributed(
     model: nn.Module,
+    given: list[DeviceLike],
     devices: list[torch.device],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -287,14 +299,9 @@ def _partition_distributed(
     cuts: Cuts | None = None,
     input_split_spec: InputSplitSpec | None = None,
 ) -> DistributedPipeline:
-    if not dist.is_initialized():
-        init_process_group(devices, timeout)
+    # each rank resolves its own entry ('cuda' is cuda:LOCAL_RANK) and every rank checks all of them
+    devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if len(devices) != world:
-        raise PartitionError(f"devices lists {len(devices)} devices but the job has {world} ranks; "
-                             "pass one device per rank")
-    if devices[rank].type == "cuda":
-        torch.cuda.set_device(devices[rank])
     stage_ranks = stage_ranks_for(world, schedule, replicas, virtual_stages, True) if plan is None else []
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
@@ -323,7 +330,7 @@ def _partition_distributed(
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
     io = stage_io(gm, plan)
-    stages, undo = _build(gm, plan, local=mine)
+    stages, undo = _build(gm, plan, local=mine, device=devices[rank])
     undos = [undo]
     try:
         _, placeholders, constants = _graph_io(gm)
@@ -332,14 +339,14 @@ def _partition_distributed(
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
             other_plan = same_cuts(traced.other_mode, plan)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
-            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine)
+            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank])
             undos.append(other_undo)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,
                                stage_io(traced.other_mode, other_plan))
         return DistributedPipeline(
             model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
-            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, dims,
+            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, dims, rank_devices=devices,
         )
     except BaseException:
         for u in reversed(undos):

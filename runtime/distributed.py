@@ -29,6 +29,7 @@ from torch import nn
 from runtime import checkpoint
 from runtime.comm import Comm, TorchComm
 from runtime.interpreter import Interpreter
+from runtime.launch import wire_device
 from runtime.microbatch import SplitDim
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
@@ -46,10 +47,12 @@ NCCL_RULES_ENV = "PARTITIONER_NCCL_RULES"  # "1": run messages through runtime.n
 class _GradGroup:
     """Weights held by the same set of ranks, all-reduced together in buckets."""
 
-    def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], handle: Any) -> None:
+    def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], handle: Any,
+                 wire: torch.device | None = None) -> None:
         self.ranks = ranks
         self.params = params
         self.group = handle
+        self.wire = wire  # where the reduction runs (the CPU where a rank of the group has no GPU)
         self.pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
 
     def start(self, comm: Comm) -> None:
@@ -60,6 +63,8 @@ class _GradGroup:
                 if bucket:
                     grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in bucket]
                     flat = torch.cat([g.reshape(-1) for g in grads])
+                    if self.wire is not None and flat.device != self.wire:
+                        flat = flat.to(self.wire)
                     self.pending.append((comm.all_reduce(flat, self.group), flat, bucket))
                 bucket, size = [], 0
             if p is not None:
@@ -72,7 +77,7 @@ class _GradGroup:
             wait(work)
             offset = 0
             for q in bucket:
-                part = flat[offset : offset + q.numel()].view_as(q)
+                part = flat[offset : offset + q.numel()].view_as(q).to(q.device)
                 offset += q.numel()
                 if q.grad is None:
                     q.grad = part.clone()
@@ -100,6 +105,7 @@ class DistributedPipeline(nn.Module):
         other_mode: StageGraph | None = None,
         other_mode_error: str | None = None,
         input_dims: Sequence[SplitDim] | None = None,
+        rank_devices: Sequence[torch.device] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -114,6 +120,8 @@ class DistributedPipeline(nn.Module):
         self._input_dims = list(input_dims) if input_dims is not None else None
         self._last = len(plan.stages) - 1
         self.device = stages[0].device
+        # Each rank's device (runtime.launch): tensors to a peer travel on the GPU only where both ends have one.
+        self.rank_devices = list(rank_devices) if rank_devices is not None else [self.device] * dist.get_world_size()
         if not plan.programs:
             plan.programs = plan_programs(plan, groups)
         if len(plan.programs) != dist.get_world_size():
@@ -130,10 +138,9 @@ class DistributedPipeline(nn.Module):
                 f"rank {self.rank} holds weights shared with ranks {missing}, but its program never all-reduces them; "
                 "re-plan, or regenerate the plan's programs (plan.programs = []) so they include those all-reduces"
             )
-        comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.comm = _make_comm(timeout_s)
         headers = dist.new_group(backend="gloo")  # message descriptions travel on the CPU, also on NCCL jobs
-        self.transport = P2PTransport(self.comm, comm_device, headers, timeout_s, self.describe_rank)
+        self.transport = P2PTransport(self.comm, self._wire, headers, timeout_s, self.describe_rank)
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         graphs = {model.training: StageGraph(stages, output_node, constants, plan, io)}
         if other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
@@ -224,8 +231,15 @@ class DistributedPipeline(nn.Module):
             if ranks == last_ranks:
                 self._loss_group = handle
             if ranks in by_ranks:
-                groups.append(_GradGroup(ranks, [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])], handle))
+                params = [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])]
+                groups.append(_GradGroup(ranks, params, handle, self._wire(*ranks)))
         return groups
+
+    def _wire(self, *ranks: int) -> torch.device:
+        """Where tensors between this rank and `ranks` travel: see runtime.launch.wire_device."""
+        if dist.get_backend() == "gloo":
+            return torch.device("cpu")
+        return wire_device(self.device, [self.rank_devices[r] for r in ranks])
 
     def _start_reduce(self, ranks: tuple[int, ...]) -> None:
         for g in self._groups:

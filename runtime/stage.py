@@ -190,6 +190,7 @@ def build_stages(
     gm: torch.fx.GraphModule,
     plan: Plan,
     local: Collection[int] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[list[Stage], Callable[[], None]]:
     """Build the stage modules of `plan` and move the model's weights to their devices.
 
@@ -198,9 +199,14 @@ def build_stages(
     freed (emptied) so this process holds its stages' parameters only; weights no stage
     reads are left as they are.
 
+    `device` (with `local`) is this process's own device: a replicated stage names the device
+    of its first replica, and every other replica runs the same stage on its own device.
+
     Returns the stages and an `undo` function that restores every weight as it was.
     """
     devices = [torch.device(s.device) for s in plan.stages]
+    if local is not None and device is not None:
+        devices = [device if s in local else d for s, d in enumerate(devices)]
     stage_of = plan.stage_of()
     io = stage_io(gm, plan)
     nodes = {n.name: n for n in gm.graph.nodes}

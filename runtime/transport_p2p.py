@@ -56,13 +56,13 @@ class P2PTransport:
     def __init__(
         self,
         comm: Comm,
-        comm_device: torch.device,
+        wire: Callable[[int], torch.device],
         header_group: Any,
         timeout_s: float,
         describe_rank: Callable[[int], str],
     ) -> None:
         self.comm = comm
-        self.device = comm_device
+        self.wire = wire  # the device tensors to and from a peer travel on (GPU for NCCL, CPU for gloo)
         self.header_group = header_group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.describe_rank = describe_rank
@@ -102,14 +102,15 @@ class P2PTransport:
                 self._check_same(op, meta)
                 if self._fresh:
                     self._send_header(meta, op.peer)
-                sends[op.key()] = self._to_comm(found)
+                sends[op.key()] = self._to_comm(found, op.peer)
         receives: dict[Key, tuple[Any, list[torch.Tensor]]] = {}
         for op in ops:
             if op.kind == "RECV":
                 if self._fresh:
                     self._known[(self._signature, op.key())] = self._receive_header(op.peer)
                 structure, shapes = self._known[(self._signature, op.key())]
-                receives[op.key()] = (structure, [torch.empty(s, dtype=d, device=self.device) for s, d in shapes])
+                receives[op.key()] = (structure, [torch.empty(s, dtype=d, device=self.wire(op.peer))
+                                                 for s, d in shapes])
         transfers = [  # in the ops' order, which both ranks of a pair share
             P2P("send", t, op.peer) if op.kind == "SEND" else P2P("recv", t, op.peer)
             for op in ops
@@ -178,8 +179,9 @@ class P2PTransport:
                 "cut elsewhere (plan= with other stages) or pad to a fixed shape"
             )
 
-    def _to_comm(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.detach().to(self.device).contiguous() for t in tensors]
+    def _to_comm(self, tensors: list[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        device = self.wire(peer)
+        return [t.detach().to(device).contiguous() for t in tensors]
 
     # ---- failures ----
 

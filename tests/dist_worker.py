@@ -8,6 +8,8 @@ Modes:
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
   resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
   infeasible         plan for devices far too small: every rank must raise, none may wait
+  devices CASE       bad device lists ('differ': rank 1 passes another list; 'gpu': GPUs this machine
+                     lacks): every rank must raise the same PartitionError, none may wait
 Prints 'RESULT ...' lines; exits non-zero on any mismatch.
 """
 
@@ -200,6 +202,24 @@ def infeasible() -> int:
     return 1
 
 
+def bad_devices(case: str) -> int:
+    from partitioner.errors import PartitionError
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if case == "differ":
+        devices = ["cpu"] * world if rank != 1 else ["cpu:0"] * world
+    else:
+        devices = ["cuda"] * world
+    model, x, _ = data("tiny_gpt")
+    try:
+        partition(model, devices, example_inputs=(x,), micro_batches=2, timeout=60)
+    except PartitionError as exc:
+        print(f"RESULT rank={rank} raised {str(exc).splitlines()[0]} ok=True", flush=True)
+        return 0
+    print(f"RESULT rank={rank} accepted devices={devices} ok=False", flush=True)
+    return 1
+
+
 def whole_input() -> int:
     """An input given whole to every micro-batch (input_split_spec) under 1F1B: gradients equal the plain model's."""
     torch.manual_seed(0)
@@ -236,6 +256,8 @@ def main() -> int:
         code = checkpoint(rest[0])
     elif mode == "infeasible":
         code = infeasible()
+    elif mode == "devices":
+        return bad_devices(rest[0])  # no process group was started
     elif mode == "fault":
         code = fault(int(rest[0]))
     else:

@@ -352,16 +352,25 @@ def caller_state() -> Iterator[None]:
 
 
 def thread_state() -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """The caller's grad mode and autocast state, as a context to enter in a worker thread (thread-local state)."""
+    """The caller's thread-local autograd state, as a context to enter in a worker thread: grad mode,
+    inference mode, autocast (per device type, with its dtype and cache) and saved-tensor hooks
+    (`torch.autograd.graph.save_on_cpu()` and the like)."""
     grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
     autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    cache = torch.is_autocast_cache_enabled()
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     @contextlib.contextmanager
     def enter() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(grad))
+            if inference:
+                stack.enter_context(torch.inference_mode())
             for device, dtype in autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            if hooks is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
 
     return enter

@@ -16,6 +16,7 @@ plan's schedule, so 1F1B holds at most the pipeline depth's activations.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
@@ -31,6 +32,7 @@ from runtime.plan import Plan
 from runtime.program import Op, Program, plan_programs
 from runtime.stage import Stage
 from runtime.steps import forward_step, step_sizes, train_step_inputs, transaction, write_back
+from runtime.streams import compute_stream, current, join_caller
 from runtime.transport_local import LocalTransport, WorkerFailed
 
 __all__ = ["Pipeline", "StageGraph", "for_mode"]
@@ -149,6 +151,7 @@ class Pipeline(nn.Module):
         overlap = len({s.device for s in stages}) > 1 or plan.placement == "branches"
         self._threaded = overlap if threads is None else threads
         self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._streams: dict[int, Any] = {}  # each worker's CUDA compute stream (None off CUDA)
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
 
     def _mode(self) -> _Mode:
@@ -258,12 +261,17 @@ class Pipeline(nn.Module):
 
     def _run_threads(self, programs: Sequence[Program], workers: list[Interpreter]) -> None:
         self._transport.blocking = True
-        state = thread_state()  # grad mode and autocast are thread-local: each worker takes the caller's
+        state = thread_state()  # grad mode, autocast, ... are thread-local: each worker takes the caller's
+        devices = {p.rank: workers[p.rank]._device() for p in programs}
+        sharing = Counter(devices.values())
+        callers = {d: current(d) for d in sharing}  # this thread's streams: workers start after their work
 
         def work(p: Program) -> None:
-            device = workers[p.rank]._device()
+            device = devices[p.rank]
+            if p.rank not in self._streams:  # workers sharing a GPU (branch slots) each get a stream
+                self._streams[p.rank] = compute_stream(device, own=sharing[device] > 1)
             try:
-                with state(), _device_context(device):
+                with state(), _device_context(device), join_caller(self._streams[p.rank], callers[device]):
                     workers[p.rank].run(p.ops)
             except BaseException:
                 self._transport.abort()

@@ -1,7 +1,8 @@
 """The local transport: values between workers of one process (threads, or one thread in tick order).
 
-A send moves the values to the receiving stage's device at once (the producer starts the
-copy) and leaves them in a mailbox; the receiver's `take` waits for them. Within one process
+A send starts moving the values to the receiving stage's device at once (the producer starts
+the copy, on CUDA copy streams: see runtime.streams) and leaves them in a mailbox; the
+receiver's `take` waits for them, and on CUDA for the copy to end on its stream. Within one process
 nothing needs NCCL's ordering, but the programs and the interpreter are the same as under
 torchrun, so one process runs every schedule the same way.
 """
@@ -15,6 +16,7 @@ import torch
 
 from runtime.microbatch import to_device
 from runtime.program import Op
+from runtime.streams import CopyStreams, Handoff
 
 __all__ = ["LocalTransport", "WorkerFailed"]
 
@@ -31,7 +33,8 @@ class LocalTransport:
     def __init__(self, stage_devices: Sequence[torch.device], blocking: bool = True) -> None:
         self.stage_devices = list(stage_devices)
         self.blocking = blocking
-        self._box: dict[Key, list[Any]] = {}
+        self._box: dict[Key, Handoff] = {}
+        self._copies = CopyStreams()
         self._ready = threading.Condition()
         self._failed = False
 
@@ -52,7 +55,9 @@ class LocalTransport:
             self._ready.notify_all()
 
     def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None:
-        moved = {key: to_device(values, self.stage_devices[key[1]]) for key, values in outgoing.items()}
+        src = torch.device(device)
+        moved = {key: self._copies.send(values, src, self.stage_devices[key[1]], to_device)
+                 for key, values in outgoing.items()}
         if moved:
             with self._ready:
                 self._box.update(moved)
@@ -67,4 +72,6 @@ class LocalTransport:
                     raise RuntimeError(f"internal error: stage {key[1]} needs micro-batch {key[2]} from stage "
                                        f"{key[0]} before it was sent; the programs are out of tick order")
                 self._ready.wait()
-            return self._box.pop(key)
+            handoff = self._box.pop(key)
+        values: list[Any] = handoff.receive(torch.device(device))
+        return values

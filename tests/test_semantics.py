@@ -494,3 +494,33 @@ def test_a_write_through_a_view_is_ordered_or_its_cut_refused(threads: bool, sch
     with pytest.raises(ValueError, match="add_ .stage 1. writes into a through a view made in another stage"):
         partition(copy.deepcopy(reference), ["cpu"] * 2, example_inputs=(x,), plan=cut_before("add_"),
                   threads=threads)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+def test_caller_saved_tensor_hooks_and_inference_mode_reach_every_worker(stages: int, threads: bool) -> None:
+    """torch.autograd.graph.saved_tensors_hooks (save_on_cpu and the like) and inference_mode are thread-local."""
+    torch.manual_seed(0)
+    model = AutocastRegion()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    pipe = build(model, x, stages, threads)
+    packed: list[int] = []
+    seen: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(1)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pipe(x)
+    mine = len(packed)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(1) or t, lambda t: t):
+        ref = reference(x)
+    assert mine >= len(seen) > 0  # each micro-batch of every stage saved through the caller's hooks
+    out[0].sum().backward()
+    ref[0].sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 2e-2  # type: ignore[arg-type]
+    with torch.inference_mode():
+        out = pipe(x)
+    assert all(t.is_inference() and not t.requires_grad for t in out)

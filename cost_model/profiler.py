@@ -7,15 +7,20 @@ device's name, the torch version, the thread count and the clock, and stored as 
 under `cache_dir()`; a second run with the same key reads the file and measures nothing.
 
 Two corrections keep the sum of isolated nodes equal to the whole graph's time (see
-`_measure`): nodes run in rounds, and the fixed cost of one `autograd.backward` call, which
-an isolated node pays and a node inside the graph does not, is measured and subtracted.
+`timing.Rounds`): nodes run in rounds, and the fixed cost of one `autograd.backward` call,
+which an isolated node pays and a node inside the graph does not, is measured and subtracted.
+
+On CUDA, CUDA events time each node and a round waits for the device once. A model whose
+weights do not fit the device is profiled chunk by chunk (`cost_model.chunks`); nodes that
+still do not fit are left to the fallback model, and the log says so.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
 import platform
-import statistics
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -25,11 +30,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from cost_model.cache import cache_dir as default_cache_dir, cache_key, read_json, write_json
+from cost_model.chunks import default_budget, measure_chunks, model_bytes
 from cost_model.devices import device_index, device_present
 from cost_model.interface import CostModel
-from cost_model.timing import BackwardCallProbe, Clock, NodeRunner, make_timer, materialize
+from cost_model.timing import Clock, Rounds, Timer, is_out_of_memory, materialize, release_cached, timer_for
 
 __all__ = ["Profile", "ProfiledCostModel", "graph_fingerprint", "profile_graph"]
+
+log = logging.getLogger(__name__)
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 _NO_WORK = {"_guards_fn"}
@@ -37,13 +45,18 @@ _NO_WORK = {"_guards_fn"}
 
 @dataclass
 class Profile:
-    """Measured seconds per node name on one device (one micro-batch)."""
+    """Measured seconds per node name on one device (one micro-batch).
+
+    `unmeasured`: compute nodes the device could not hold (out of memory, or one node alone
+    over the memory budget); they have no entry here and the cost model's fallback times them.
+    """
 
     device: str
     forward: dict[str, float]
     backward: dict[str, float]
     key: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    unmeasured: list[str] = field(default_factory=list)
     from_cache: bool = False
 
     def node_time(self, name: str) -> float:
@@ -67,6 +80,7 @@ class Profile:
             backward={k: float(v) for k, v in data["backward"].items()},
             key=str(data.get("key", "")),
             meta=dict(data.get("meta", {})),
+            unmeasured=[str(n) for n in data.get("unmeasured", [])],
         )
 
 
@@ -119,38 +133,49 @@ def profile_graph(
     cache_dir: str | None = None,
     progress: bool = True,
     clock: Clock = "wall",
+    memory_budget_bytes: int | None = None,
 ) -> Profile:
     """Time every compute node of `gm` on `device`, or read the result from the disk cache.
 
     Args:
         gm: the traced graph; node names key the result.
         flat_inputs: one value per placeholder, in graph order (one micro-batch).
-        device: where to run; the graph is copied there when its weights live elsewhere.
+        device: where to run; the graph is copied there (whole, or chunk by chunk) when its
+            weights live elsewhere. `gm` itself is left where it is, with the same values.
         warmup, repeats: untimed runs, then timed runs whose median is kept.
         cache: read and write the disk cache (folder: `cache_dir`, else $PARTITIONER_CACHE_DIR,
             else ~/.cache/partitioner).
         progress: show a progress bar on stderr while measuring.
         clock: "wall" time, or "cpu" time of this thread (CPU with one torch thread only;
-            steady on a machine shared with other processes). See `timing.make_timer`.
+            steady on a machine shared with other processes). See `timing.make_timer`. On CUDA
+            nodes are timed by CUDA events.
+        memory_budget_bytes: what the device may hold at once. Models over it are profiled in
+            chunks of nodes (`cost_model.chunks`); a node alone over it is not timed (see
+            `Profile.unmeasured`). Default: on CUDA the free memory less a margin, elsewhere
+            no limit. Chunking never changes the result's key or its nodes.
 
     Raises:
-        ValueError: warmup < 0, repeats < 1, a device that is not present here, or a clock
-            that cannot time it.
+        ValueError: warmup < 0, repeats < 1, a negative budget, a device that is not present
+            here, or a clock that cannot time it.
     """
     device = torch.device(device)
     if device.type == "cuda" and device_index(device) is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if warmup < 0 or repeats < 1:
         raise ValueError(f"warmup={warmup}, repeats={repeats}: use warmup >= 0 and repeats >= 1")
+    if memory_budget_bytes is not None and memory_budget_bytes < 0:
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes}: use a number of bytes >= 0, or None")
     if not device_present(device):
         raise ValueError(
             f"cannot profile on {device}: it is not present here; use AnalyticCostModel for absent devices"
         )
-    timer = make_timer(device, clock)
+    timer = timer_for(device, clock)
     inputs = [_describe(x) for x in pytree.tree_leaves(list(flat_inputs))]
+    # CUDA events time differently from the host clocks profiles on CUDA were once taken with.
+    method = "cuda-events" if device.type == "cuda" else clock
     key = cache_key(
         "profile-v2", graph_fingerprint(gm), inputs, _device_name(device), torch.__version__, torch.get_num_threads(),
-        clock,
+        method,
     )
     path = default_cache_dir(cache_dir) / "profiles" / f"{key}.json"
     if cache:
@@ -160,7 +185,11 @@ def profile_graph(
             profile.from_cache = True
             return profile
 
-    forward, backward = _measure(gm, flat_inputs, device, warmup, repeats, progress, timer)
+    # An explicit budget bounds what the device holds, so chunks from the start; by default the
+    # whole graph goes at once when its weights fit, and chunk by chunk otherwise or after running out.
+    budget = memory_budget_bytes if memory_budget_bytes is not None else default_budget(gm, device)
+    whole = memory_budget_bytes is None and (budget is None or model_bytes(gm) <= budget)
+    forward, backward, unmeasured = _measure(gm, flat_inputs, device, warmup, repeats, progress, timer, budget, whole)
     profile = Profile(
         device=str(device),
         forward=forward,
@@ -168,8 +197,9 @@ def profile_graph(
         key=key,
         meta={"device_name": _device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "clock": clock},
+        unmeasured=unmeasured,
     )
-    if cache:
+    if cache and not unmeasured:  # a partial profile may be complete next time (more free memory)
         write_json(path, profile.to_dict())
     return profile
 
@@ -181,60 +211,66 @@ def _measure(
     warmup: int,
     repeats: int,
     progress: bool,
-    timer: Callable[[], float],
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Rounds of one forward + backward per node, in graph order; the median over rounds.
-
-    Rounds rather than back-to-back repeats of one node: a burst of load from another
-    process then spoils a few rounds of every node instead of all repeats of one node, and
-    caches and the allocator see the same sequence of work as in training.
-    """
+    timer: Timer,
+    budget: int | None,
+    whole: bool,
+) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """Forward and backward seconds per node and the nodes not timed: the `whole` graph on the
+    device at once, or (also when that runs out of memory) chunk by chunk within `budget`."""
     from tqdm.auto import tqdm
 
-    gm, inputs = _on_device(gm, flat_inputs, device)
+    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and n.target not in _NO_WORK]
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    runners: list[NodeRunner] = []
+    home = next((t.device for t in itertools.chain(gm.parameters(), gm.buffers())), device)
+    skipped: dict[str, str] = {}  # node name -> why it was not timed
+    bar = tqdm(total=(warmup + repeats) * len(nodes), desc=f"profiling on {device}", unit="node",
+               disable=not progress, leave=False)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            values = materialize(gm, inputs)
-            nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and n.target not in _NO_WORK]
-            runners = [NodeRunner(node, gm, values, device, timer) for node in nodes]
-            del values
-            probe = BackwardCallProbe(device, timer=timer)
-            call_costs: list[float] = []
-            runs: list[list[tuple[float, float]]] = [[] for _ in runners]
-            bar = tqdm(total=(warmup + repeats) * len(runners), desc=f"profiling on {device}", unit="node",
-                       disable=not progress, leave=False)
-            with bar:
-                for round_ in range(warmup + repeats):
-                    for i, runner in enumerate(runners):
-                        result = runner.run_once()
-                        if round_ >= warmup:
-                            runs[i].append(result)
-                    call_cost = probe.run_once()
-                    if round_ >= warmup:
-                        call_costs.append(call_cost)
-                    bar.update(len(runners))
+        with bar, torch.random.fork_rng(devices=sorted({d for d in (device, home) if d.type == "cuda"}, key=str)):
+            rounds = Rounds(device, warmup, repeats, timer, bar)
+            if whole:
+                try:
+                    _measure_whole(gm, flat_inputs, device, nodes, rounds)
+                    return (*rounds.times(nodes), [])
+                except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raised
+                    if not is_out_of_memory(exc):
+                        raise
+                log.info("profiling the whole graph on %s ran out of memory; profiling it chunk by chunk", device)
+                release_cached(device)  # after the except block: the failed attempt's copies are gone
+                bar.reset()
+                rounds = Rounds(device, warmup, repeats, timer, bar)
+            skipped = measure_chunks(gm, flat_inputs, device, home, nodes, budget, rounds)
     finally:
-        for runner in reversed(runners):
-            runner.restore()
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 b.copy_(buffers[name])
-    call_cost = max(statistics.median(call_costs), 0.0) if call_costs else 0.0
-    forward = {n.name: statistics.median(r[0] for r in rs) for n, rs in zip(nodes, runs)}
-    backward = {
-        n.name: max(statistics.median(r[1] for r in rs) - call_cost, 0.0) if any(r[1] for r in rs) else 0.0
-        for n, rs in zip(nodes, runs)
-    }
-    return forward, backward
+    if skipped:
+        names = list(skipped)
+        log.warning(
+            "profiling on %s timed %d of %d nodes; the fallback cost model times the other %d (%s): %s%s",
+            device, len(nodes) - len(skipped), len(nodes), len(skipped), "; ".join(sorted(set(skipped.values()))),
+            ", ".join(names[:10]), ", ..." if len(names) > 10 else "",
+        )
+    forward, backward = rounds.times(nodes)
+    return forward, backward, [n.name for n in nodes if n.name in skipped]
+
+
+def _measure_whole(
+    gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], device: torch.device, nodes: list[torch.fx.Node],
+    rounds: Rounds,
+) -> None:
+    """The whole graph on `device` at once (a copy when its weights live elsewhere)."""
+    whole, inputs = _on_device(gm, flat_inputs, device)
+    rounds.time(whole, nodes, materialize(whole, inputs))
 
 
 class ProfiledCostModel:
-    """Node times measured on the device itself; `fallback` (analytic) for absent devices.
+    """Node times measured on the device itself; `fallback` (analytic) for absent devices and
+    for nodes the device could not hold (`Profile.unmeasured`, said in the log).
 
     Give the traced graph and one micro-batch of flat inputs here or later with `prepare`
-    (the planner's front door calls it). Profiles are taken lazily, once per device.
+    (the planner's front door calls it). Profiles are taken lazily, once per device; the
+    options are `profile_graph`'s.
     """
 
     def __init__(
@@ -250,6 +286,7 @@ class ProfiledCostModel:
         progress: bool = True,
         clock: Clock = "wall",
         present: Callable[[torch.device], bool] = device_present,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         if fallback is None:
             from cost_model.analytic import AnalyticCostModel
@@ -258,7 +295,7 @@ class ProfiledCostModel:
         self.fallback = fallback
         self._options: dict[str, Any] = {
             "warmup": warmup, "repeats": repeats, "cache": cache, "cache_dir": cache_dir, "progress": progress,
-            "clock": clock,
+            "clock": clock, "memory_budget_bytes": memory_budget_bytes,
         }
         self._present = present
         self._gm: torch.fx.GraphModule | None = None
@@ -299,6 +336,8 @@ class ProfiledCostModel:
         name = node.get("name")
         if name in profile.forward:
             return profile
+        if name in profile.unmeasured:  # out of memory: profile_graph logged it
+            return None
         if name not in _NO_WORK and not self._warned:
             self._warned = True
             warnings.warn(

@@ -1,19 +1,25 @@
-"""The profiler: per-node times keyed by node name, the disk cache, and no side effects on the model."""
+"""The profiler: per-node times keyed by node name, the disk cache, no side effects on the model, chunk by
+chunk profiling of a model larger than the device, and the fallback where memory runs out."""
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
+import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import pytest
 import torch
 import torch.fx
 from torch import nn
 
+from cost_model import chunks, profiler
 from cost_model.cache import ENV_VAR
+from cost_model.chunks import node_bytes, plan_chunks
 from cost_model.profiler import ProfiledCostModel, profile_graph
-from cost_model.timing import make_timer
+from cost_model.timing import make_timer, materialize
 
 CPU = torch.device("cpu")
 
@@ -128,3 +134,189 @@ def test_cpu_clock_needs_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     timer = make_timer(CPU, "cpu")
     assert timer() >= 0
+
+
+# ---- chunk by chunk (a model larger than the device), and out of memory ----
+
+
+def needs_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Marked `cuda` (the GPU suite selects it) and skipped where no CUDA device is visible."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(skip(test))
+
+
+class Mixed(nn.Module):
+    """A weight read by get_attr, a tied weight used twice, and a value of type torch.device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 64, bias=False)
+        self.scale = nn.Parameter(torch.ones(64))
+        self.bn = nn.BatchNorm1d(64)
+        self.head = nn.Linear(64, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.embed(x)) * self.scale
+        h = h + torch.ones(h.shape[1], device=x.device)
+        return self.head(torch.relu(h)).sum()
+
+
+def snapshot(gm: nn.Module) -> dict[str, tuple[torch.device, torch.Tensor]]:
+    return {k: (v.device, v.detach().clone()) for k, v in gm.state_dict(keep_vars=True).items()}
+
+
+def assert_unchanged(gm: nn.Module, before: dict[str, tuple[torch.device, torch.Tensor]], params: list[Any]) -> None:
+    assert list(gm.parameters()) == params  # the same Parameter objects
+    assert all(p.grad is None for p in gm.parameters())
+    after = gm.state_dict(keep_vars=True)
+    assert after.keys() == before.keys()
+    for k, (device, value) in before.items():
+        assert after[k].device == device and torch.equal(after[k], value), k
+
+
+def largest_node(gm: torch.fx.GraphModule, inputs: list[Any]) -> int:
+    gm = copy.deepcopy(gm)  # a forward moves BatchNorm's running statistics
+    values = materialize(gm, inputs)
+    return max(node_bytes(gm, n, values) for n in gm.graph.nodes if n.op.startswith("call"))
+
+
+@pytest.mark.parametrize("make", [traced, lambda: (torch.fx.symbolic_trace(Mixed()), [torch.randn(8, 64)])])
+def test_chunked_profile_equals_the_whole_one_and_leaves_the_model(make: Any, tmp_path: Path) -> None:
+    gm, inputs = make()
+    budget = largest_node(gm, inputs)
+    values = materialize(gm, inputs)
+    nodes = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    assert len(plan_chunks(gm, nodes, values, budget)) > 1  # the budget forces several chunks
+    gm, inputs = make()
+    before, params = snapshot(gm), list(gm.parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thread CPU time: steady on a loaded machine
+    try:
+        whole = quick(gm, inputs, tmp_path, cache=False, clock="cpu")
+        chunked = quick(gm, inputs, tmp_path, cache=False, clock="cpu", memory_budget_bytes=budget)
+    finally:
+        torch.set_num_threads(threads)
+    assert_unchanged(gm, before, params)
+    assert chunked.key == whole.key and chunked.unmeasured == whole.unmeasured == []
+    assert list(chunked.forward) == list(whole.forward) and list(chunked.backward) == list(whole.backward)
+    assert all(t >= 0 for t in [*chunked.forward.values(), *chunked.backward.values()])
+    assert whole.total() / 10 < chunked.total() < whole.total() * 10  # the same work, within any noise
+
+
+def test_a_chunked_profile_is_cached_under_the_whole_profiles_key(tmp_path: Path) -> None:
+    gm, inputs = traced()
+    whole = quick(gm, inputs, tmp_path)
+    again = quick(gm, inputs, tmp_path, memory_budget_bytes=largest_node(gm, inputs))
+    assert again.from_cache and again.key == whole.key
+
+
+def out_of_memory_on(shape: tuple[int, ...], error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make moving any tensor of `shape` to the device fail as a full GPU does."""
+    move = chunks.to_device
+
+    def failing(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tuple(t.shape) == shape:
+            raise error
+        return move(t, device)
+
+    monkeypatch.setattr(chunks, "to_device", failing)
+
+
+@pytest.mark.parametrize("error", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB"),
+    RuntimeError("CUDA error: out of memory"),
+])
+def test_out_of_memory_falls_back_to_the_analytic_model_and_says_so(
+    error: Exception, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+    budget = largest_node(gm, inputs)
+    before, params = snapshot(gm), list(gm.parameters())
+    out_of_memory_on((512, 512), error, monkeypatch)  # fc's weight
+    model = ProfiledCostModel(gm, inputs, fallback=Flat(), warmup=0, repeats=1, cache_dir=str(tmp_path),
+                              progress=False, memory_budget_bytes=budget)
+    with caplog.at_level(logging.WARNING, logger="cost_model.profiler"):
+        profile = model.profile(CPU)
+    assert profile.unmeasured == ["fc"] and list(profile.forward) == ["bn", "add_", "relu", "sum_1"]
+    (record,) = caplog.records
+    assert "timed 4 of 5 nodes" in record.message and "other 1 (out of memory on cpu): fc" in record.message
+    fc = {"name": "fc", "op": "call_module"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unmeasured node is no surprise: no "not in the profiled graph" warning
+        assert model.node_time(fc, CPU) == 1.0 and model.forward_time(fc, CPU) == pytest.approx(1.0 / 3)
+    assert model.node_time({"name": "bn", "op": "call_module"}, CPU) == profile.node_time("bn")
+    assert not list((tmp_path / "profiles").glob("*.json"))  # a partial profile is not cached
+    assert_unchanged(gm, before, params)
+
+
+def test_a_node_alone_over_the_budget_is_left_to_the_fallback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+    values = materialize(gm, inputs)
+    fc = next(n for n in gm.graph.nodes if n.name == "fc")
+    rest = max(node_bytes(gm, n, values) for n in gm.graph.nodes if n.op.startswith("call") and n is not fc)
+    assert rest < node_bytes(gm, fc, values)
+    with caplog.at_level(logging.WARNING, logger="cost_model.profiler"):
+        profile = quick(gm, inputs, tmp_path, memory_budget_bytes=rest)
+    assert profile.unmeasured == ["fc"] and "fc" not in profile.forward
+    assert "memory budget" in caplog.text
+
+
+def test_whole_graph_out_of_memory_retries_chunk_by_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+
+    def full(*args: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(profiler, "_on_device", full)
+    with caplog.at_level(logging.INFO, logger="cost_model.profiler"):
+        profile = quick(gm, inputs, tmp_path, cache=False)
+    assert list(profile.forward) == ["fc", "bn", "add_", "relu", "sum_1"] and profile.unmeasured == []
+    assert "chunk by chunk" in caplog.text
+
+
+def test_no_memory_for_the_models_own_run_leaves_every_node_to_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+
+    def full(*args: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(chunks, "materialize", full)
+    with caplog.at_level(logging.WARNING, logger="cost_model.profiler"):
+        profile = quick(gm, inputs, tmp_path, memory_budget_bytes=largest_node(gm, inputs))
+    assert profile.forward == {} and profile.unmeasured == ["fc", "bn", "add_", "relu", "sum_1"]
+    assert "timed 0 of 5 nodes" in caplog.text and "out of memory running the model on cpu" in caplog.text
+
+
+def test_other_errors_propagate_and_leave_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gm, inputs = traced()
+    before, params = snapshot(gm), list(gm.parameters())
+    out_of_memory_on((512,), ValueError("a bug, not memory"), monkeypatch)  # bn's tensors
+    with pytest.raises(ValueError, match="a bug"):
+        quick(gm, inputs, tmp_path, memory_budget_bytes=largest_node(gm, inputs))
+    assert_unchanged(gm, before, params)
+
+
+def test_negative_budget_is_refused() -> None:
+    gm, inputs = traced()
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        profile_graph(gm, inputs, memory_budget_bytes=-1)
+
+
+@needs_cuda
+def test_cuda_profile_chunk_by_chunk_leaves_the_model_on_cpu(tmp_path: Path) -> None:
+    gm, inputs = traced()
+    before, params = snapshot(gm), list(gm.parameters())
+    device = torch.device("cuda", torch.cuda.current_device())
+    whole = profile_graph(gm, inputs, device, warmup=1, repeats=2, cache=False, progress=False)
+    chunked = profile_graph(gm, inputs, device, warmup=1, repeats=2, cache=False, progress=False,
+                            memory_budget_bytes=largest_node(gm, inputs))
+    assert_unchanged(gm, before, params)
+    assert chunked.key == whole.key and list(chunked.forward) == list(whole.forward)
+    assert all(t > 0 for t in chunked.forward.values()) and chunked.unmeasured == []

@@ -6,11 +6,28 @@
 The rates are a DeviceSpec's: measured once per device (a large matmul, a large copy and a
 tiny op, `measure_device`) or described by hand (`DeviceSet`). Given the specs, the model
 is deterministic. Operator classes and their constants live in `ops.py`.
+
+A CUDA GPU of the table (`gpu_table.py`: by the spec's `gpu_type`, else its name) is priced
+from the table instead (see [Note: GPU rates from the table]).
 """
+
+# [Note: GPU rates from the table]
+# The matmul/conv rate of a known GPU is the table's dense peak for the node's precision:
+# fp32 reads the TF32 peak where torch lets that family use TF32 (`tf32_enabled`), bf16 and
+# fp16 their own; a node inside `torch.autocast(device_type="cuda")` in forward (node.meta
+# ["autocast"], from partitioner/trace) is priced at the autocast dtype. The peak is scaled
+# by one efficiency per device, measured where the GPU is here: the spec's flops_per_s (a
+# 4096-cube fp32 matmul, TF32 or not as its `matmul_precision` says) divided by the matching
+# peak, clipped to GPU_EFFICIENCY_RANGE. A GPU that is not here takes DEFAULT_GPU_EFFICIENCY.
+# Memory-bound work runs at the table's bandwidth scaled the same way (the measured copy rate,
+# or DEFAULT_BANDWIDTH_EFFICIENCY of the peak). Other devices keep their measured fp32 rate
+# (x 8 for half precision off the CPU).
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -18,11 +35,21 @@ import torch.fx
 
 from cost_model.cluster import DeviceSet
 from cost_model.comm import default_link, p2p_time, ring_allreduce_time, slowest
-from cost_model.devices import DeviceError, DeviceSpec, device_present, measure_device
+from cost_model.devices import DeviceError, DeviceSpec, device_present, measure_device, tf32_enabled
+from cost_model.gpu_table import GpuTable, GpuType, precision_of
 from cost_model.interface import BACKWARD_FACTOR, CostModel
 from cost_model.ops import classify, gemm_dims, gemm_efficiency, op_costs
 
-__all__ = ["AnalyticCostModel", "BACKWARD_FACTOR", "CostModel"]
+__all__ = [
+    "AnalyticCostModel",
+    "BACKWARD_FACTOR",
+    "CostModel",
+    "DEFAULT_BANDWIDTH_EFFICIENCY",
+    "DEFAULT_GPU_EFFICIENCY",
+    "GPU_EFFICIENCY_RANGE",
+]
+
+log = logging.getLogger(__name__)
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # Side of the square product `measure_device` times, by device type (efficiency is relative to it).
@@ -31,7 +58,41 @@ _REFERENCE_MATMUL_DEFAULT = 4096.0
 # Tensor cores: half-precision matrix products run this much faster than the fp32 rate.
 _HALF_SPEEDUP = {"float16": 8.0, "bfloat16": 8.0}
 
+# Fraction of a table GPU's dense peak that a 4096-cube matrix product reaches, for GPUs that
+# are not here to measure: large bf16 GEMMs reach about 0.7-0.8 of peak on A100 and H100 (cuBLAS).
+DEFAULT_GPU_EFFICIENCY = 0.7
+# A measured efficiency is clipped to this range: below it the measurement was disturbed
+# (a busy GPU, clocks still ramping), above it the table or the measurement is wrong.
+GPU_EFFICIENCY_RANGE = (0.3, 1.0)
+# Fraction of the table's peak memory bandwidth a large device copy reaches (HBM: 0.8-0.9).
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
+_GPU_OP_OVERHEAD_S = 5e-6  # one eager kernel launch, for a GPU that is not here to measure
+
 Specs = Mapping[Any, DeviceSpec] | DeviceSet | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _GpuRates:
+    """A table GPU as priced here: its type, the efficiency applied to every peak, its bandwidth."""
+
+    gpu: GpuType
+    efficiency: float
+    bytes_per_s: float
+
+
+def _clip(value: float) -> float:
+    low, high = GPU_EFFICIENCY_RANGE
+    return min(max(value, low), high)
+
+
+def _autocast_dtype(regions: Any, device_kind: str) -> str | None:
+    """The dtype of the autocast region for `device_kind` among ((device, dtype), ...), as 'bfloat16'."""
+    if isinstance(regions, Mapping):
+        regions = regions.items()
+    for device, dtype in regions or ():
+        if str(device) == device_kind:
+            return str(dtype).removeprefix("torch.")
+    return None
 
 
 class AnalyticCostModel:
@@ -40,38 +101,66 @@ class AnalyticCostModel:
     Args:
         specs: rates per device, as {torch.device or name: DeviceSpec} or a DeviceSet
             (which also supplies the links). Devices missing here, or with rate 0, are
-            measured on first use when present in this process.
+            measured on first use when present in this process; an absent CUDA device whose
+            spec names a known GPU (`gpu_type`, or its `name`) takes the table's rates.
         measure: how to measure a present device (tests pass a fake).
+        gpus: the GPU table (default: `cost_model/gpus.json`; `GpuTable.load(extra=...)` adds types).
+        tf32: whether fp32 matrix products and convolutions run on TF32; None reads torch's
+            switches when each node is priced (`devices.tf32_enabled`).
     """
 
-    def __init__(self, specs: Specs = None, measure: Callable[[torch.device], DeviceSpec] = measure_device) -> None:
+    def __init__(
+        self,
+        specs: Specs = None,
+        measure: Callable[[torch.device], DeviceSpec] = measure_device,
+        gpus: GpuTable | None = None,
+        tf32: bool | None = None,
+    ) -> None:
         self.device_set = specs if isinstance(specs, DeviceSet) else None
         given = specs.devices if isinstance(specs, DeviceSet) else dict(specs or {})
         self._specs: dict[str, DeviceSpec] = {str(torch.device(k)): v for k, v in given.items()}
         self._measure = measure
         self._kinds: dict[str, str] = {}
+        self._autocast: dict[str, Any] = {}
+        self._gpus = gpus if gpus is not None else GpuTable.load()
+        self._tf32 = tf32
+        self._rates: dict[str, _GpuRates | None] = {}
+        self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
 
     def prepare(self, graph_module: torch.fx.GraphModule, flat_inputs: Sequence[Any] = ()) -> None:
-        """Learn each module call's class (Conv2d, MaxPool2d, ...) from the traced graph."""
+        """Learn each module call's class (Conv2d, MaxPool2d, ...) and autocast region from the traced graph."""
         for node in graph_module.graph.nodes:
             if node.op == "call_module":
                 self._kinds[node.name] = type(graph_module.get_submodule(str(node.target))).__name__
+            if node.meta.get("autocast"):
+                self._autocast[node.name] = node.meta["autocast"]
 
     def spec(self, device: torch.device | str) -> DeviceSpec:
         """The rates used for `device`, measuring it once if it is present and not described.
 
+        An absent CUDA device described as a known GPU (`DeviceSpec.gpu_type`, or a name such
+        as "NVIDIA H100 80GB HBM3") gets the table's rates where its own are 0.
+
         Raises:
             DeviceError: the device is neither described nor present here.
+            UnknownGpuError: its `gpu_type` is not in the GPU table.
         """
         key = str(torch.device(device))
         spec = self._specs.get(key)
         if spec is not None and spec.measured:
             return spec
         if not device_present(torch.device(key)):
+            filled = self._from_table(key, spec)
+            if filled is not None:
+                self._specs[key] = filled
+                if spec is not None and not spec.flops_per_s:
+                    self._stated.add(key)
+                return filled
             raise DeviceError(
                 f"no rates for {key}: it is not present here and not described; pass "
-                f"AnalyticCostModel(DeviceSet.from_dict({{'devices': {{'{key}': {{'flops_per_s': ..., "
-                "'bytes_per_s': ..., 'memory_bytes': ...}}}}}))"
+                f"AnalyticCostModel(DeviceSet.from_dict({{'devices': {{'{key}': {{'gpu_type': 'H100-SXM'}}}}}})) "
+                f"for a known GPU ({', '.join(self._gpus.names)}), or describe it with {{'flops_per_s': ..., "
+                "'bytes_per_s': ..., 'memory_bytes': ...}"
             )
         measured = self._measure(torch.device(key))
         if spec is not None:  # keep what discovery knew (memory, cores), add the rates
@@ -80,41 +169,119 @@ class AnalyticCostModel:
                 flops_per_s=measured.flops_per_s,
                 bytes_per_s=measured.bytes_per_s,
                 op_overhead_s=measured.op_overhead_s,
+                matmul_precision=measured.matmul_precision,
             )
         self._specs[key] = measured
         return measured
 
+    def _gpu(self, key: str, spec: DeviceSpec | None) -> GpuType | None:
+        """The table's type for a CUDA device's spec: its `gpu_type` (must be known), else by name and memory."""
+        if spec is None or torch.device(key).type != "cuda" or (spec.kind or "cuda") != "cuda":
+            return None
+        if spec.gpu_type:
+            return self._gpus.get(spec.gpu_type, spec.memory_bytes or None)
+        return self._gpus.lookup(spec.name, spec.memory_bytes or None)
+
+    def _from_table(self, key: str, spec: DeviceSpec | None) -> DeviceSpec | None:
+        """An absent known GPU's spec with the rates it lacks taken from the table (default efficiencies)."""
+        gpu = self._gpu(key, spec)
+        if spec is None or gpu is None:
+            return None
+        flops = spec.flops_per_s or DEFAULT_GPU_EFFICIENCY * gpu.fp32_flops
+        return dataclasses.replace(
+            spec,
+            flops_per_s=flops,
+            bytes_per_s=spec.bytes_per_s or DEFAULT_BANDWIDTH_EFFICIENCY * gpu.memory_bytes_per_s,
+            op_overhead_s=spec.op_overhead_s or _GPU_OP_OVERHEAD_S,
+            memory_bytes=spec.memory_bytes or gpu.memory_bytes,
+            kind=spec.kind or "cuda",
+            gpu_type=gpu.name,
+            matmul_precision=spec.matmul_precision if spec.flops_per_s else "fp32",
+        )
+
+    def gpu_rates(self, device: torch.device | str) -> tuple[GpuType, float, float] | None:
+        """(table type, efficiency, bytes/s) a CUDA device is priced with, or None where it is not a known GPU.
+
+        See [Note: GPU rates from the table] in this module.
+        """
+        rates = self._rates_for(str(torch.device(device)))
+        return (rates.gpu, rates.efficiency, rates.bytes_per_s) if rates is not None else None
+
+    def _rates_for(self, key: str) -> _GpuRates | None:
+        if key not in self._rates:
+            self._rates[key] = self._calibrate(key, self.spec(key))
+        return self._rates[key]
+
+    def _calibrate(self, key: str, spec: DeviceSpec) -> _GpuRates | None:
+        gpu = self._gpu(key, spec)
+        if gpu is None:
+            return None
+        reference = spec.matmul_precision
+        if reference not in ("fp32", "tf32"):  # not recorded: above the fp32 peak it can only be TF32
+            reference = "tf32" if spec.flops_per_s > gpu.fp32_flops * 1.05 else "fp32"
+        raw = spec.flops_per_s / gpu.peak(reference)
+        efficiency = _clip(raw)
+        low, high = GPU_EFFICIENCY_RANGE
+        bandwidth = min(max(spec.bytes_per_s, low * gpu.memory_bytes_per_s), high * gpu.memory_bytes_per_s)
+        if key in self._stated:
+            source = f"not here to measure: the stated default efficiency {DEFAULT_GPU_EFFICIENCY}"
+        else:
+            clipped = "" if math.isclose(raw, efficiency) else f", clipped to {GPU_EFFICIENCY_RANGE}"
+            source = (f"{spec.flops_per_s / 1e12:.1f} TFLOP/s {reference} measured or described, "
+                      f"{raw:.2f} of the {gpu.peak(reference) / 1e12:.1f} peak{clipped}")
+        log.debug("%s (%s) priced as %s: efficiency %.2f (%s) on every precision's peak; memory %.0f GB/s",
+                  key, spec.name, gpu.name, efficiency, source, bandwidth / 1e9)
+        return _GpuRates(gpu, efficiency, bandwidth)
+
     def _kind(self, device: torch.device, spec: DeviceSpec) -> str:
         return spec.kind or torch.device(device).type
+
+    def _precision(self, dtype: str, family: str) -> str:
+        """The table column for a dtype: fp32 products read the TF32 peak where TF32 is on."""
+        precision = precision_of(dtype)
+        if precision == "fp32":
+            tf32 = self._tf32 if self._tf32 is not None else tf32_enabled("conv" if family == "conv" else "matmul")
+            return "tf32" if tf32 else "fp32"
+        return precision
 
     def _times(self, node: Mapping[str, Any], device: torch.device) -> tuple[float, float]:
         if node.get("op") not in _COMPUTE_OPS:
             return 0.0, 0.0
         spec = self.spec(device)
         device_kind = self._kind(device, spec)
-        kind = self._kinds.get(str(node.get("name", "")))
+        rates = self._rates_for(str(torch.device(device))) if device_kind == "cuda" else None
+        bytes_per_s = rates.bytes_per_s if rates is not None else spec.bytes_per_s
+        name = str(node.get("name", ""))
+        kind = self._kinds.get(name)
         cls = classify(node, kind)
         cost = op_costs(device_kind)[cls]
         overhead = spec.op_overhead_s
         out_bytes = float(node.get("out_bytes", 0) or 0)
-        memory_fwd = cost.fwd_bytes * out_bytes / spec.bytes_per_s
-        memory_bwd = cost.bwd_bytes * out_bytes / spec.bytes_per_s
+        memory_fwd = cost.fwd_bytes * out_bytes / bytes_per_s
+        memory_bwd = cost.bwd_bytes * out_bytes / bytes_per_s
         if cls in ("gemm", "conv"):
             flops = float(node["flops"])
             shapes = node.get("shapes") or [()]
             _, m, n, k = gemm_dims(shapes[0], flops, "conv" if cls == "conv" else kind or str(node.get("target", "")))
             reference = _REFERENCE_MATMUL.get(device_kind, _REFERENCE_MATMUL_DEFAULT)
             family = "conv" if cls == "conv" else "matmul"
-            rate = spec.flops_per_s * gemm_efficiency(m, n, k, device_kind, reference, family)
+            shape_efficiency = gemm_efficiency(m, n, k, device_kind, reference, family)
             dtypes = node.get("dtypes") or []
-            if device_kind != "cpu" and dtypes and dtypes[0] in _HALF_SPEEDUP:
-                rate *= _HALF_SPEEDUP[dtypes[0]]
+            dtype = str(dtypes[0]) if dtypes else "float32"
+            if device_kind != "cpu":  # under autocast, products run at its dtype (cpu keeps its fitted path)
+                dtype = _autocast_dtype(self._autocast.get(name) or node.get("autocast"), device_kind) or dtype
+            if rates is not None:
+                rate = rates.gpu.peak(self._precision(dtype, family)) * rates.efficiency * shape_efficiency
+            else:
+                rate = spec.flops_per_s * shape_efficiency
+                if device_kind != "cpu" and dtype in _HALF_SPEEDUP:
+                    rate *= _HALF_SPEEDUP[dtype]
             param_bytes = float(node.get("param_bytes", 0) or 0)
-            moved = (2.0 * out_bytes + param_bytes) / spec.bytes_per_s
+            moved = (2.0 * out_bytes + param_bytes) / bytes_per_s
             compute = max(flops / rate, moved)
             return cost.fwd_overhead * overhead + compute, cost.bwd_overhead * overhead + BACKWARD_FACTOR * compute
         if cls == "embedding":  # backward writes a dense gradient as large as the table
-            memory_bwd += 2.0 * float(node.get("param_bytes", 0) or 0) / spec.bytes_per_s
+            memory_bwd += 2.0 * float(node.get("param_bytes", 0) or 0) / bytes_per_s
         forward = cost.fwd_overhead * overhead + memory_fwd
         backward = cost.bwd_overhead * overhead + memory_bwd if node.get("shapes") else 0.0
         return forward, backward

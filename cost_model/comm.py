@@ -65,6 +65,7 @@ class Link:
 LINK_KINDS: dict[str, Link] = {
     "same": Link("same", 0.0, math.inf),  # one device: nothing moves
     "nvlink": Link("nvlink", 8e-6, 150e9),  # NVLink 3/4 peer-to-peer copy, several links bonded
+    "nvswitch": Link("nvswitch", 8e-6, 300e9),  # every GPU pair of an NVSwitch board (A100 300, H100 450 GB/s)
     "pcie": Link("pcie", 10e-6, 20e9),  # PCIe 4 x16 peer-to-peer
     "host": Link("host", 10e-6, 12e9),  # CPU <-> GPU over PCIe (pinned memory)
     "network": Link("network", 30e-6, 10e9),  # 100 Gb/s between machines (InfiniBand, RoCE)

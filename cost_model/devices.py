@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["DeviceError", "DeviceLike", "DeviceSpec", "cpu_cores", "device_present", "host_memory", "measure_device",
-           "resolve_devices"]  # fmt: skip
+           "resolve_devices", "tf32_enabled"]  # fmt: skip
 
 DeviceLike = str | torch.device
 
@@ -38,6 +38,8 @@ class DeviceSpec:
     kind: str = ""  # "cpu", "cuda", ...: the torch device type ("" when unknown)
     cores: int | None = None  # CPU cores usable by this process
     compute_capability: tuple[int, int] | None = None  # CUDA only
+    gpu_type: str = ""  # a type of cost_model/gpus.json ("H100-SXM"); "" = found from `name` where known
+    matmul_precision: str = ""  # "fp32" or "tf32": what flops_per_s was measured in ("" = not recorded)
 
     @property
     def measured(self) -> bool:
@@ -150,12 +152,32 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def tf32_enabled(family: str = "matmul") -> bool:
+    """Whether CUDA runs fp32 matrix products (`family="matmul"`) or convolutions ("conv") on TF32 tensor cores.
+
+    Reads torch's switches as they are now: `torch.backends.cuda.matmul.fp32_precision` ("tf32" / "ieee";
+    "none" defers to `allow_tf32` and `torch.get_float32_matmul_precision() != "highest"`), and for
+    convolutions `torch.backends.cudnn.conv.fp32_precision`, else `torch.backends.cudnn.allow_tf32`.
+    """
+    if family == "conv":
+        precision = str(getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", "none"))
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+        return bool(torch.backends.cudnn.allow_tf32)
+    precision = str(getattr(torch.backends.cuda.matmul, "fp32_precision", "none"))
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def measure_device(device: torch.device, clock: str = "wall") -> DeviceSpec:
     """Measure a device once per process (and thread count): a square matmul, a large copy, a tiny op.
 
     The matmul is 1024 x 1024 on CPU and 4096 x 4096 elsewhere; the copy 32 MiB on CPU and
     256 MiB elsewhere; the tiny op an 8-element add (its median time is the op overhead).
     `clock="cpu"` times this thread's CPU time (CPU, one torch thread; see `timing.make_timer`).
+    On CUDA the matmul runs as torch is set now (TF32 or not, see `tf32_enabled`), and the spec's
+    `matmul_precision` says which, so the analytic model compares it with the right peak.
 
     Raises:
         ValueError: clock is not "wall" or "cpu", or "cpu" where it cannot time the device.
@@ -165,11 +187,12 @@ def measure_device(device: torch.device, clock: str = "wall") -> DeviceSpec:
         raise ValueError(f"clock={clock!r}; use 'wall' or 'cpu'")
     if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError(f"clock='cpu' needs device 'cpu' and torch.set_num_threads(1), got {device}; use clock='wall'")
-    return _measure(device, torch.get_num_threads(), clock)
+    precision = "tf32" if device.type == "cuda" and tf32_enabled("matmul") else "fp32"
+    return _measure(device, torch.get_num_threads(), clock, precision)
 
 
 @functools.cache
-def _measure(device: torch.device, threads: int, clock: str) -> DeviceSpec:
+def _measure(device: torch.device, threads: int, clock: str, precision: str = "fp32") -> DeviceSpec:
     n = 1024 if device.type == "cpu" else 4096
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
@@ -189,4 +212,5 @@ def _measure(device: torch.device, threads: int, clock: str) -> DeviceSpec:
         memory_bytes=_memory_bytes(device),
         kind=device.type,
         cores=cpu_cores() if device.type == "cpu" else None,
+        matmul_precision=precision,
     )

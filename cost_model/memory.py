@@ -8,20 +8,37 @@
                                         GPipe f = m, 1F1B f = min(p - s, m) for stage s of p
     buffers      2 * (R + S)            one receive and one send buffer for activations
                                         (R in, S out) and one each for their gradients
+
+That total is what the stage's tensors need: compare it with `torch.cuda.max_memory_allocated`.
+A CUDA device holds less than its capacity for them (`usable_bytes`):
+
+    usable = (capacity - CUDA_CONTEXT_BYTES) * (1 - ALLOCATOR_HEADROOM)     on CUDA
+    usable = capacity                                                        elsewhere
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from cost_model.ops import classify
 
-__all__ = ["OPTIMIZER_STATES", "StageMemory", "in_flight", "optimizer_states", "saved_activation_bytes", "stage_memory"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALLOCATOR_HEADROOM", "CUDA_CONTEXT_BYTES", "OPTIMIZER_STATES", "StageMemory", "device_overhead_bytes",
+           "in_flight", "optimizer_states", "saved_activation_bytes", "stage_memory", "usable_bytes"]  # fmt: skip
 
 # Tensors of optimizer state per parameter tensor (same size and dtype).
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
 _SCHEDULES = ("gpipe", "1f1b")
+# What a process's CUDA context takes on the GPU before any tensor: the driver's context, the
+# kernels it loads (lazily since CUDA 11.7) and the cuBLAS/cuDNN handles and workspaces; about
+# 300-600 MiB on A100/H100 with CUDA 12 (nvidia-smi of a process that ran one matmul and one conv).
+CUDA_CONTEXT_BYTES = 512 << 20
+# Fraction of the rest the caching allocator cannot hand out: blocks split and cached for other
+# sizes (reserved minus allocated is commonly 5-15% at a training step's peak).
+ALLOCATOR_HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
@@ -121,3 +138,32 @@ def stage_memory(
         activations=int(flight * (activation_bytes + recv_bytes)),
         buffers=int(2 * (recv_bytes + send_bytes)),
     )
+
+
+def _device_type(kind: str | torch.device) -> str:
+    return str(kind).split(":", 1)[0].lower()  # 'cuda:3' or torch.device('cuda', 3) -> 'cuda'
+
+
+def device_overhead_bytes(kind: str | torch.device) -> int:
+    """Bytes a device loses before holding any tensor: CUDA_CONTEXT_BYTES on 'cuda' (or 'cuda:N'), else 0."""
+    return CUDA_CONTEXT_BYTES if _device_type(kind) == "cuda" else 0
+
+
+def usable_bytes(capacity_bytes: int, kind: str | torch.device) -> int:
+    """Bytes of a device's capacity that a stage's tensors may fill (see the module docstring).
+
+    On CUDA the context and the allocator's headroom come off; other devices keep all of it
+    (host memory has no context, and its allocator returns freed memory to the system).
+
+    Args:
+        capacity_bytes: the device's memory (`DeviceSpec.memory_bytes`, total_memory).
+        kind: the device type or name: 'cuda', 'cuda:3', 'cpu', or a torch.device.
+
+    Raises:
+        ValueError: a negative capacity.
+    """
+    if capacity_bytes < 0:
+        raise ValueError(f"capacity_bytes={capacity_bytes} is negative; pass the device's memory in bytes")
+    if _device_type(kind) != "cuda":
+        return int(capacity_bytes)
+    return max(0, int((capacity_bytes - device_overhead_bytes(kind)) * (1.0 - ALLOCATOR_HEADROOM)))

@@ -6,3 +6,16 @@ import os
 import tempfile
 
 os.environ.setdefault("PARTITIONER_CACHE_DIR", tempfile.mkdtemp(prefix="partitioner-test-cache-"))
+
+
+def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
+    """Tests marked `cuda` skip cleanly where no CUDA device is visible (`pytest -m cuda` runs only them)."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:  # type: ignore[attr-defined]
+            item.add_marker(skip)  # type: ignore[attr-defined]

@@ -144,3 +144,160 @@ def test_swapping_cost_models_needs_no_planner_change(tmp_path: Any) -> None:
         assert len(pipe.plan.stages) == 2
         assert all(s.predicted_ms > 0 for s in pipe.plan.stages)
         torch.testing.assert_close(pipe(x), net(x))
+
+
+# --- GPUs of the table (cost_model/gpus.json): see [Note: GPU rates from the table] ---------------------------
+
+ABSENT = torch.device("cuda", 0) if not torch.cuda.is_available() else torch.device("cuda", 99)
+H100 = DeviceSet.from_dict({"devices": {str(ABSENT): {"gpu_type": "H100-SXM"}}})
+N = 8192  # large enough that the product is compute-bound at every precision
+
+
+def big_linear(dtype: str = "float32", **extra: Any) -> dict[str, Any]:
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {"name": "fc", "op": "call_function", "target": "linear", "flops": 2 * N**3, "shapes": [(N, N)],
+            "dtypes": [dtype], "out_bytes": N * N * size, "param_bytes": N * N * size, **extra}
+
+
+def compute_s(cost: AnalyticCostModel, node: dict[str, Any], device: torch.device = ABSENT) -> float:
+    """Forward seconds less the 4 launch overheads a GPU matrix product pays."""
+    return cost.forward_time(node, device) - 4 * cost.spec(device).op_overhead_s
+
+
+def test_absent_h100_rates_follow_the_table_per_precision() -> None:
+    from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_GPU_EFFICIENCY
+    from cost_model.gpu_table import gpu_type
+
+    h100 = gpu_type("H100-SXM")
+    fp32 = AnalyticCostModel(H100, measure=never, tf32=False)
+    tf32 = AnalyticCostModel(H100, measure=never, tf32=True)
+    spec = fp32.spec(ABSENT)  # filled from the table: planned without the GPU
+    assert (spec.memory_bytes, spec.gpu_type, spec.kind) == (80 << 30, "H100-SXM", "cuda")
+    assert spec.flops_per_s == pytest.approx(DEFAULT_GPU_EFFICIENCY * 66.9e12)
+    assert fp32.gpu_rates(ABSENT) == (h100, DEFAULT_GPU_EFFICIENCY, DEFAULT_BANDWIDTH_EFFICIENCY * 3.35e12)
+    shape = gemm_efficiency(N, N, N, "cuda", 4096)
+    expected = 2 * N**3 / (66.9e12 * DEFAULT_GPU_EFFICIENCY * shape)
+    assert compute_s(fp32, big_linear()) == pytest.approx(expected)
+    # the ratios are the table's: fp32 : tf32 : bf16 = 1 / 66.9 : 1 / 494.7 : 1 / 989.4
+    assert compute_s(fp32, big_linear()) / compute_s(tf32, big_linear()) == pytest.approx(494.7 / 66.9)
+    assert compute_s(fp32, big_linear()) / compute_s(fp32, big_linear("bfloat16")) == pytest.approx(989.4 / 66.9)
+    assert compute_s(tf32, big_linear("float16")) == pytest.approx(compute_s(fp32, big_linear("bfloat16")))
+    # backward is twice the forward's compute, at the same rate
+    node = big_linear("bfloat16")
+    assert fp32.backward_time(node, ABSENT) - 4 * spec.op_overhead_s == pytest.approx(2 * compute_s(fp32, node))
+
+
+def test_tf32_follows_torch_switches_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cost_model.analytic as analytic
+
+    cost = AnalyticCostModel(H100, measure=never)
+    monkeypatch.setattr(analytic, "tf32_enabled", lambda family="matmul": False)
+    slow = compute_s(cost, big_linear())
+    monkeypatch.setattr(analytic, "tf32_enabled", lambda family="matmul": True)
+    assert slow / compute_s(cost, big_linear()) == pytest.approx(494.7 / 66.9)
+
+
+def test_gpu_found_by_name_and_memory_bound_ops_use_table_bandwidth() -> None:
+    from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY
+
+    a100 = torch.device("cuda", 1) if not torch.cuda.is_available() else torch.device("cuda", 98)
+    cluster = DeviceSet.from_dict({"devices": {str(a100): {"name": "NVIDIA A100-SXM4-80GB"}}})
+    cost = AnalyticCostModel(cluster, measure=never, tf32=False)
+    assert cost.spec(a100).gpu_type == "A100-SXM4-80GB"
+    relu = {"name": "relu", "op": "call_function", "target": "relu", "shapes": [(1 << 28,)], "out_bytes": 1 << 30}
+    bandwidth = DEFAULT_BANDWIDTH_EFFICIENCY * 2039e9
+    # accelerator 'activation' class: 2 overheads + 2 x bytes / bandwidth forward
+    assert cost.forward_time(relu, a100) == pytest.approx(2 * 5e-6 + 2 * (1 << 30) / bandwidth)
+
+
+def test_measured_efficiency_scales_every_precision(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    import logging
+
+    import cost_model.analytic as analytic
+
+    # A present H100 whose 4096-cube fp32 matmul ran at 50 TFLOP/s (TF32 off): efficiency 50 / 66.9.
+    measured = DeviceSpec("NVIDIA H100 80GB HBM3", flops_per_s=50e12, bytes_per_s=2.8e12, op_overhead_s=6e-6,
+                          memory_bytes=85_000_000_000, kind="cuda", matmul_precision="fp32")
+    monkeypatch.setattr(analytic, "device_present", lambda device: True)
+    cost = AnalyticCostModel(measure=lambda device: measured, tf32=False)
+    with caplog.at_level(logging.DEBUG, logger="cost_model.analytic"):
+        gpu, efficiency, bandwidth = cost.gpu_rates("cuda:0") or (None, 0.0, 0.0)
+    assert gpu is not None and gpu.name == "H100-SXM"
+    assert (efficiency, bandwidth) == (pytest.approx(50 / 66.9), 2.8e12)
+    assert "efficiency 0.75" in caplog.text and "H100-SXM" in caplog.text
+    shape = gemm_efficiency(N, N, N, "cuda", 4096)
+    bf16 = compute_s(cost, big_linear("bfloat16"), torch.device("cuda", 0))
+    assert bf16 == pytest.approx(2 * N**3 / (989.4e12 * 50 / 66.9 * shape))
+
+
+@pytest.mark.parametrize(
+    "flops, precision, expected",
+    [
+        (400e12, "tf32", 400 / 494.7),  # measured with TF32 on: compared with the TF32 peak
+        (400e12, "", 400 / 494.7),  # not recorded, above the fp32 peak: it was TF32
+        (60e12, "", 60 / 66.9),
+        (10e12, "fp32", 0.3),  # clipped: a disturbed measurement
+        (900e12, "tf32", 1.0),
+    ],
+)
+def test_efficiency_from_described_rates(flops: float, precision: str, expected: float) -> None:
+    cluster = DeviceSet.from_dict({"devices": {str(ABSENT): {
+        "gpu_type": "H100-SXM", "flops_per_s": flops, "bytes_per_s": 1e15, "matmul_precision": precision}}})
+    rates = AnalyticCostModel(cluster, measure=never).gpu_rates(ABSENT)
+    assert rates is not None and rates[1] == pytest.approx(expected)
+    assert rates[2] == 3.35e12  # bandwidth capped at the table's peak
+
+
+def test_autocast_region_prices_products_at_its_dtype() -> None:
+    cost = AnalyticCostModel(H100, measure=never, tf32=False)
+    fp32, bf16 = compute_s(cost, big_linear()), compute_s(cost, big_linear("bfloat16"))
+    # a node dict may carry the region itself ...
+    inside = big_linear(autocast=(("cuda", torch.bfloat16),))
+    assert compute_s(cost, inside) == pytest.approx(bf16)
+    assert compute_s(cost, big_linear(autocast=(("cpu", torch.bfloat16),))) == pytest.approx(fp32)  # not this device
+    # ... or prepare() reads it from the traced graph, where partitioner/trace writes it: node.meta["autocast"]
+    gm = torch.fx.symbolic_trace(Net())
+    node = next(n for n in gm.graph.nodes if n.name == "fc")
+    node.meta["autocast"] = (("cuda", torch.bfloat16),)
+    cost.prepare(gm, [])
+    assert compute_s(cost, {**big_linear(), "name": "fc", "op": "call_module"}) == pytest.approx(bf16)
+    assert compute_s(cost, {**big_linear(), "name": "conv", "op": "call_module", "flops": 2 * N**3}) > bf16
+
+
+def test_trace_records_autocast_regions_as_prepare_reads_them() -> None:
+    from partitioner.trace import trace
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x = self.a(x)
+            return self.b(x.float())
+
+    gm = trace(Mixed(), (torch.randn(2, 8),)).graph_module
+    regions = {n.name: n.meta.get("autocast") for n in gm.graph.nodes}
+    assert regions["a"] == (("cpu", torch.bfloat16),) and regions["b"] is None  # what prepare() reads
+
+
+def test_unknown_gpu_type_in_a_description_names_close_matches() -> None:
+    from cost_model.gpu_table import UnknownGpuError
+
+    cluster = DeviceSet.from_dict({"devices": {str(ABSENT): {"gpu_type": "H1000"}}})
+    with pytest.raises(UnknownGpuError, match="H100-SXM"):
+        AnalyticCostModel(cluster, measure=never).node_time(LINEAR, ABSENT)
+
+
+def test_cuda_devices_not_in_the_table_keep_the_measured_rate() -> None:
+    spec = DeviceSpec("some-gpu", flops_per_s=1e13, bytes_per_s=1e12, op_overhead_s=5e-6, memory_bytes=1 << 34,
+                      kind="cuda")
+    cost = AnalyticCostModel({ABSENT: spec}, measure=never)
+    assert cost.gpu_rates(ABSENT) is None
+    shape = gemm_efficiency(N, N, N, "cuda", 4096)
+    assert compute_s(cost, big_linear()) == pytest.approx(2 * N**3 / (1e13 * shape))
+    assert compute_s(cost, big_linear("bfloat16")) == pytest.approx(2 * N**3 / (8e13 * shape))
+    assert compute_s(cost, big_linear(autocast=(("cuda", torch.float16),))) == pytest.approx(
+        2 * N**3 / (8e13 * shape))

@@ -77,7 +77,8 @@ def test_ranks_with_different_lists_or_a_failed_rank_stop() -> None:
         check_ranks([_rec(["cpu", "cuda"], "cpu"), _rec(["cpu", "cuda"], None, error="only 0 CUDA devices")])
 
 
-@pytest.mark.parametrize("case, expected", [("differ", "rank 1 passed devices="), ("gpu", "rank 0: rank 0 LOCAL_RANK=0")])
+@pytest.mark.parametrize("case, expected",
+                         [("differ", "rank 1 passed devices="), ("gpu", "rank 0: rank 0 LOCAL_RANK=0")])
 def test_torchrun_ranks_stop_together_on_bad_devices(case: str, expected: str) -> None:
     start = time.monotonic()
     run = torchrun(2, "devices", case, timeout=100)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.memory import in_flight, saved_activation_bytes, stage_memory
+from cost_model.memory import (
+    ALLOCATOR_HEADROOM,
+    CUDA_CONTEXT_BYTES,
+    device_overhead_bytes,
+    in_flight,
+    saved_activation_bytes,
+    stage_memory,
+    usable_bytes,
+)
 
 
 def test_micro_batches_in_flight() -> None:
@@ -52,3 +60,21 @@ def test_saved_activations_skip_views_and_sizes() -> None:
         {"op": "call_function", "target": "floordiv", "shapes": [], "out_bytes": 0},
     ]
     assert saved_activation_bytes(nodes) == 64
+
+
+def test_cuda_loses_its_context_and_allocator_headroom() -> None:
+    import torch
+
+    gib = 1 << 30
+    assert CUDA_CONTEXT_BYTES == 512 << 20 and ALLOCATOR_HEADROOM == 0.10
+    assert device_overhead_bytes("cuda") == device_overhead_bytes("cuda:3") == CUDA_CONTEXT_BYTES
+    assert device_overhead_bytes(torch.device("cuda", 1)) == CUDA_CONTEXT_BYTES
+    assert device_overhead_bytes("cpu") == device_overhead_bytes(torch.device("cpu")) == 0
+    # an 80 GiB H100: (80 GiB - 0.5 GiB) x 0.9 = 71.55 GiB for tensors
+    assert usable_bytes(80 * gib, "cuda:0") == int(79.5 * gib * 0.9)
+    assert usable_bytes(80 * gib, "cpu") == 80 * gib  # host memory: no context, no headroom
+    assert usable_bytes(100 << 20, "cuda") == 0  # smaller than the context: nothing, never negative
+    mem = stage_memory(30 * gib, 5 * gib, stage=0, stages=2, micro_batches=4, optimizer="sgd")  # 80 GiB
+    assert mem.total <= 80 * gib and mem.total > usable_bytes(80 * gib, "cuda")
+    with pytest.raises(ValueError, match="negative"):
+        usable_bytes(-1, "cuda")

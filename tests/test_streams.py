@@ -94,7 +94,8 @@ def test_a_worker_stream_starts_after_and_ends_before_the_caller() -> None:
     log: list[str] = []
     worker, caller = FakeStream("worker", log), FakeStream("caller", log)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(pytest.MonkeyPatch.context()).setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        patch = stack.enter_context(pytest.MonkeyPatch.context())
+        patch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
         with join_caller(worker, caller):
             log.append("work")
     assert log == ["worker waits caller", "work", "caller waits worker"]

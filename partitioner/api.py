@@ -24,7 +24,14 @@ from partitioner.fidelity import (
     input_dims,
 )
 from partitioner.graph import build_graph
-from partitioner.planning import finish_plan, plan_traced, same_cuts, stage_ranks_for
+from partitioner.planning import (
+    RECOMPUTE_CHOICES,
+    RecomputeChoice,
+    finish_plan,
+    plan_traced,
+    same_cuts,
+    stage_ranks_for,
+)
 from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
 from runtime.distributed import DistributedPipeline
@@ -57,6 +64,7 @@ def plan(
     input_split_spec: InputSplitSpec | None = None,
     split_points: SplitPoints = "markers",
     split_spec: Mapping[str, SplitPoint] | None = None,
+    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -68,13 +76,13 @@ def plan(
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
     """
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
-                                              placement, replicas, virtual_stages)
+                                              placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     return plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
-                        placement, replicas == "auto", multi, cuts_from(split_points, split_spec))
+                        placement, replicas == "auto", multi, cuts_from(split_points, split_spec), recompute)
 
 
 def partition(
@@ -96,6 +104,7 @@ def partition(
     input_split_spec: InputSplitSpec | None = None,
     split_points: SplitPoints = "markers",
     split_spec: Mapping[str, SplitPoint] | None = None,
+    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -107,8 +116,10 @@ def partition(
             of the first tensor is the batch that is split into micro-batches.
         example_kwargs: keyword inputs of the same example call.
         micro_batches: how many micro-batches each call is split into.
-        schedule: "gpipe", "1f1b" or "interleaved" (interleaved 1F1B, `virtual_stages` stages
-            per device). Every schedule runs in one process (`pipe.train_step`) and under torchrun.
+        schedule: "gpipe", "1f1b", "interleaved" (interleaved 1F1B, `virtual_stages` stages
+            per device), "zb1" (zero-bubble ZB-H1: 1F1B with weight gradients deferred into the
+            bubble) or "zbv" (zero-bubble ZB-V: 2 stages per device in a V). Every schedule runs
+            in one process (`pipe.train_step`) and under torchrun.
         placement: "pipeline" (contiguous stages, one per device), "branches" (parallel
             branches of fork/join regions side by side on the devices, the rest on the first)
             or "auto" (whichever the simulator predicts faster).
@@ -130,6 +141,12 @@ def partition(
             plan makes; "cost": ignore them and cut by cost alone.
         split_spec: PiPPy's {module path: SplitPoint.BEGINNING or SplitPoint.END}: cut before
             the module's first node or after its last one.
+        recompute: activation recomputation, for every stage or one per stage: "none", "selective"
+            (keep matmul and convolution outputs, recompute element-wise ops, norms, softmax and
+            dropout in backward), "full" (keep only each stage's inputs, run its forward again in
+            backward) or "auto" (per stage, the cheapest that fits the device's memory). Results
+            equal the run without it, dropout included. A given `plan` carries its own
+            (`plan.stages[s].recompute`).
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -145,16 +162,19 @@ def partition(
             plan.check()
         except ValueError as exc:
             raise PartitionError(str(exc)) from None
+        if not (isinstance(recompute, str) and recompute == "none"):
+            raise PartitionError(f"recompute={recompute!r} with a given plan: the plan carries each stage's "
+                                 "recomputation; set plan.stages[s].recompute, or plan again with recompute=...")
         schedule, virtual_stages = plan.schedule, max(plan.virtual_stages, 2)
         if micro_batches == 1 and plan.micro_batches != 1:
             micro_batches = plan.micro_batches
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
-                                              placement, replicas, virtual_stages)
+                                              placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
     if distributed():
         return _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
                                       schedule, replicas, virtual_stages, timeout, placement,
-                                      cuts_from(split_points, split_spec), input_split_spec)
+                                      cuts_from(split_points, split_spec), input_split_spec, recompute)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
     traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
     gm = traced.graph_module
@@ -162,7 +182,7 @@ def partition(
     batched = batched_outputs(traced, flat, first_chunk, dims, micro_batches)
     if plan is None:
         plan = plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
-                            placement, False, False, cuts_from(split_points, split_spec))
+                            placement, False, False, cuts_from(split_points, split_spec), recompute)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
         plan.programs = []
@@ -208,6 +228,7 @@ def _check_arguments(
     placement: str,
     replicas: Any,
     virtual_stages: int,
+    recompute: Any = "none",
 ) -> tuple[list[torch.device], tuple[Any, ...], dict[str, Any]]:
     """Every argument check of plan() and partition(), before anything is traced or moved."""
     if not isinstance(model, nn.Module):
@@ -226,6 +247,10 @@ def _check_arguments(
         raise PartitionError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
     if isinstance(replicas, str) and replicas != "auto":
         raise PartitionError(f"replicas={replicas!r}; use 'auto' or a list of counts such as [2, 1]")
+    choices = [recompute] if isinstance(recompute, str) else recompute if isinstance(recompute, (list, tuple)) else None
+    if not choices or any(not isinstance(c, str) or c not in RECOMPUTE_CHOICES for c in choices):
+        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(map(repr, RECOMPUTE_CHOICES))}, "
+                             "or a list of those with one per stage")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
@@ -235,8 +260,9 @@ def _check_arguments(
         args, kwargs = to_device(args, home), to_device(kwargs, home)
     if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
         raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-    if replicas == "auto" and schedule == "interleaved":
-        raise PartitionError("replicas='auto' plans a pipeline of replicated stages: use schedule 'gpipe' or '1f1b'")
+    if replicas == "auto" and schedule not in ("gpipe", "1f1b"):
+        raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule 'gpipe' or '1f1b', "
+                             f"not {schedule!r}; pick one of those, or give replicas yourself")
     return resolved, args, kwargs
 
 
@@ -298,6 +324,7 @@ def _partition_distributed(
     placement: str = "pipeline",
     cuts: Cuts | None = None,
     input_split_spec: InputSplitSpec | None = None,
+    recompute: Any = "none",
 ) -> DistributedPipeline:
     # each rank resolves its own entry ('cuda' is cuda:LOCAL_RANK) and every rank checks all of them
     devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
@@ -312,7 +339,7 @@ def _partition_distributed(
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
                 made = plan_traced(model, traced, flat, first_chunk, devices, stage_ranks, cost_model, micro_batches,
-                                    schedule, placement, replicas == "auto", True, cuts)
+                                    schedule, placement, replicas == "auto", True, cuts, recompute)
                 text = [("plan", made.to_json())]
             except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
                 failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]

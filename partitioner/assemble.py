@@ -18,8 +18,11 @@ simulates an existing plan again (other weight groups, micro-batches or schedule
 - param_bytes: each weight once, in the first stage (lowest index) reading it, so the
   stages add up to the model; a weight read by several stages is all-reduced between them
   (a weight group).
-- activation_bytes: (saved outputs of the stage's nodes + bytes received) per micro-batch,
-  times the most micro-batches one rank holds under the plan's programs.
+- activation_bytes: (bytes the stage's nodes keep for backward under its `recompute` mode +
+  bytes received) per micro-batch, times the most micro-batches one rank holds under the
+  plan's programs (cost_model/recompute_cost.py says what each operator keeps).
+- recompute: "selective" and "full" add the forward they run again to `backward_ms` (and
+  `compute_ms`); `recount` sets the modes of a placed plan.
 - memory_bytes: (2 + optimizer states) x param_bytes + activation_bytes + 2 x (recv + send)
   buffers (cost_model/memory.py).
 - allreduce_ms: ring all-reduce of param_bytes over the replicas' devices (0 for one).
@@ -34,15 +37,17 @@ import networkx as nx
 import torch
 
 from cost_model.interface import CostModel, forward_time
-from cost_model.memory import optimizer_states, saved_activation_bytes
+from cost_model.memory import optimizer_states
+from cost_model.recompute_cost import ModeCost, recompute_costs
 from partitioner.errors import PartitionError
 from partitioner.simulator import group_price, in_flight, message_price, replica_groups, simulate
 from partitioner.timeline import Timeline
-from runtime.plan import Placement, Plan, Schedule, StagePlan
+from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule, StagePlan
 from runtime.program import Program, plan_programs
 
 __all__ = [
-    "Groups", "allreduce_seconds", "assemble", "device_key", "finish", "lower_plan", "merge_groups", "stage_edges",
+    "Groups", "allreduce_seconds", "assemble", "device_key", "finish", "lower_plan", "merge_groups", "recompute_memory",
+    "recount", "stage_edges",
 ]
 
 Groups = Sequence[tuple[Sequence[int], Sequence[int]]]  # (ranks, stages) of weights held by several ranks
@@ -62,6 +67,7 @@ def assemble(
     groups: Groups | None = None,
     optimizer: str = "adam",
     capacity_bytes: Sequence[int | None] | None = None,
+    recompute: Sequence[RecomputeMode] | None = None,
 ) -> Plan:
     """The Plan of a placement, counted by the rules of [Note: stage counting rules].
 
@@ -71,7 +77,8 @@ def assemble(
         stage_devices: the device of each stage.
         cost: node and transfer times (and all-reduce, when it has `allreduce_time`).
         micro_batches: per step.
-        schedule: "gpipe", "1f1b" or "interleaved" (stages round robin over the ranks).
+        schedule: "gpipe", "1f1b", "interleaved" (stages round robin over the ranks), "zb1" or
+            "zbv" (zero-bubble; zbv: stages in a V over the ranks, see runtime.schedule).
         stage_ranks: the ranks running a replica of each stage (default: stage s on rank s).
         rank_devices: the device of each rank (default: its stage's device).
         placement: what kind of placement this is, for the reader.
@@ -80,6 +87,7 @@ def assemble(
             stages in the graph).
         optimizer: for memory_bytes: "sgd", "momentum", "adam", ...
         capacity_bytes: usable bytes of each stage's device, where known.
+        recompute: each stage's activation recomputation (default: none).
 
     Raises:
         PartitionError: a node in two stages or not in the graph, a stage reading a later
@@ -87,15 +95,19 @@ def assemble(
     """
     p = len(stage_nodes)
     ranks = [list(r) for r in stage_ranks] if stage_ranks is not None else [[s] for s in range(p)]
-    _check(graph, stage_nodes, stage_devices, ranks, micro_batches, capacity_bytes)
+    modes: list[RecomputeMode] = list(recompute) if recompute is not None else ["none"] * p
+    _check(graph, stage_nodes, stage_devices, ranks, micro_batches, capacity_bytes, modes)
     device_of = {r: torch.device(stage_devices[s]) for s in range(p) for r in ranks[s]}
     device_of.update({r: torch.device(d) for r, d in enumerate(rank_devices or [])})
     stages, message = _count(graph, stage_nodes, [str(torch.device(d)) for d in stage_devices], ranks, device_of, cost)
+    for stage, mode in zip(stages, modes):
+        if mode != "none":
+            _set_mode(stage, mode, _mode_costs(graph, stage.nodes, _replica_devices(cost, stage, device_of), cost))
     for stage, capacity in zip(stages, capacity_bytes or [None] * p):
         stage.capacity_bytes = capacity
     per_rank = max(sum(r in rs for rs in ranks) for r in device_of)
     plan = Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, placement=placement,
-                virtual_stages=per_rank if schedule == "interleaved" else 1)
+                virtual_stages=per_rank if schedule in ("interleaved", "zbv") else 1)
     weights = _weight_groups(graph, plan) if groups is None else []
     reduce_ms = {tuple(sorted(set(s.ranks))): s.allreduce_ms for s in plan.stages if len(set(s.ranks)) > 1}
     for group_ranks, _, nbytes in weights:
@@ -105,8 +117,8 @@ def assemble(
     plan.programs = lower_plan(plan, merge_groups(chosen), {r: str(d) for r, d in device_of.items()})
     states = optimizer_states(optimizer)
     for stage, flight in zip(plan.stages, in_flight(plan.programs, p)):
-        held = saved_activation_bytes(graph.nodes[n] for n in stage.nodes) + stage.recv_bytes  # per micro-batch
-        stage.activation_bytes = flight * held
+        costs = _mode_costs(graph, stage.nodes, [torch.device(stage.device)], cost, timed=False)
+        stage.activation_bytes = flight * (costs[stage.recompute].kept_bytes + stage.recv_bytes)
         buffers = 2 * (stage.recv_bytes + stage.send_bytes)
         stage.memory_bytes = (2 + states) * stage.param_bytes + stage.activation_bytes + buffers
     _predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0), group_price(plan, [], reduce_ms, None))
@@ -137,6 +149,72 @@ def _count(
             reads_from=sorted(a for a, b in edges if b == s),
         ))
     return stages, message
+
+
+def recount(plan: Plan, graph: nx.DiGraph, cost: CostModel, modes: Sequence[RecomputeMode]) -> None:
+    """Give a placed plan's stages their activation recomputation, and recount what it changes.
+
+    Each stage's `recompute`, `compute_ms`, `backward_ms` and `predicted_ms` (the forward run
+    again), `activation_bytes` (what it keeps, times the micro-batches in flight under the plan's
+    programs) and `memory_bytes` (by as much). Run `finish` next to simulate the plan again.
+
+    Raises:
+        PartitionError: not one mode per stage, or a mode that is not one of RECOMPUTE_MODES.
+    """
+    if len(modes) != len(plan.stages) or any(m not in RECOMPUTE_MODES for m in modes):
+        raise PartitionError(f"recompute modes {list(modes)} for {len(plan.stages)} stages: give one per stage, "
+                             f"each one of {', '.join(RECOMPUTE_MODES)}")
+    for stage, mode, (costs, held) in zip(plan.stages, modes, _by_mode(plan, graph, cost)):
+        _set_mode(stage, mode, costs)
+        if stage.memory_bytes:
+            stage.memory_bytes += held[mode] - stage.activation_bytes
+        stage.activation_bytes = held[mode]
+
+
+def recompute_memory(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[dict[str, int]]:
+    """Each stage's predicted `memory_bytes` under each recomputation mode (what `recount` would make it)."""
+    return [{m: s.memory_bytes - s.activation_bytes + h for m, h in held.items()}
+            for s, (_, held) in zip(plan.stages, _by_mode(plan, graph, cost))]
+
+
+def _by_mode(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[tuple[dict[str, ModeCost], dict[str, int]]]:
+    """Per stage: each mode's ModeCost, and the activation bytes it holds in flight (received values included)."""
+    devices = {prog.rank: torch.device(prog.device) for prog in plan.programs}
+    flights = in_flight(plan.programs, len(plan.stages)) if plan.programs else [plan.micro_batches] * len(plan.stages)
+    found = []
+    for stage, flight in zip(plan.stages, flights):
+        costs = _mode_costs(graph, stage.nodes, _replica_devices(cost, stage, devices), cost)
+        found.append((costs, {m: flight * (c.kept_bytes + stage.recv_bytes) for m, c in costs.items()}))
+    return found
+
+
+def _set_mode(stage: StagePlan, mode: RecomputeMode, costs: Mapping[str, ModeCost]) -> None:
+    """Move the forward a stage runs again from its old mode's backward to `mode`'s."""
+    extra = 1e3 * (costs[mode].extra_forward_s - costs[stage.recompute].extra_forward_s)
+    stage.recompute = mode
+    stage.compute_ms += extra
+    stage.backward_ms += extra
+    stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / stage.replicas
+
+
+def _replica_devices(cost: CostModel, stage: StagePlan, device_of: Mapping[int, torch.device]) -> list[torch.device]:
+    """One device of each rate among the stage's replicas (its own device where ranks are unknown)."""
+    found = [device_of[r] for r in stage.ranks if r in device_of] or [torch.device(stage.device)]
+    return list({device_key(cost, d): d for d in found}.values())
+
+
+def _mode_costs(graph: nx.DiGraph, names: Sequence[str], devices: Sequence[torch.device], cost: CostModel,
+                timed: bool = True) -> dict[str, ModeCost]:
+    """cost_model.recompute_cost for a stage: bytes kept, and its slowest replica's forward run again."""
+    found: list[dict[str, ModeCost]] = []
+    for device in devices:
+        nodes = [
+            {**graph.nodes[n], "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)],
+             "forward_s": forward_time(cost, graph.nodes[n], device) if timed else 0.0}
+            for n in names
+        ]
+        found.append(recompute_costs(nodes, device.type))
+    return {m: ModeCost(found[0][m].kept_bytes, max(c[m].extra_forward_s for c in found)) for m in found[0]}
 
 
 def finish(
@@ -242,12 +320,16 @@ def allreduce_seconds(cost: Any, nbytes: float, devices: Sequence[torch.device])
 
 def _check(
     graph: nx.DiGraph, stage_nodes: Sequence[Sequence[str]], stage_devices: Sequence[Any],
-    ranks: list[list[int]], micro_batches: int, capacity: Sequence[Any] | None,
+    ranks: list[list[int]], micro_batches: int, capacity: Sequence[Any] | None, modes: Sequence[str],
 ) -> None:
     p, problems = len(stage_nodes), []
-    if p < 1 or len(stage_devices) != p or len(ranks) != p or (capacity is not None and len(capacity) != p):
+    if (p < 1 or len(stage_devices) != p or len(ranks) != p or (capacity is not None and len(capacity) != p)
+            or len(modes) != p):
         problems.append(f"{p} stages, {len(stage_devices)} devices, {len(ranks)} rank lists"
-                        f"{'' if capacity is None else f', {len(capacity)} capacities'}: give one of each per stage")
+                        f"{'' if capacity is None else f', {len(capacity)} capacities'}, {len(modes)} recompute modes: "
+                        "give one of each per stage")
+    if any(m not in RECOMPUTE_MODES for m in modes):
+        problems.append(f"recompute modes {list(modes)}: use {', '.join(RECOMPUTE_MODES)}")
     if any(not r or min(r) < 0 for r in ranks):
         problems.append(f"stage ranks {ranks}: every stage needs one or more ranks >= 0")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:

@@ -8,7 +8,7 @@ planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, Literal, Sequence, cast
 
 import torch
 from torch import nn
@@ -16,8 +16,9 @@ from torch import nn
 from cost_model import default_cost_model
 from cost_model.analytic import CostModel
 from cost_model.devices import host_memory
+from cost_model.memory import usable_bytes
 from cost_model.processes import BetweenProcesses
-from partitioner.assemble import finish
+from partitioner.assemble import finish, recompute_memory, recount
 from partitioner.branches import plan_branches
 from partitioner.errors import PartitionError
 from partitioner.fidelity import Cuts, forced_cuts, shape_graph
@@ -28,13 +29,19 @@ from partitioner.trace import Traced
 from partitioner.visualizer import Plan as DrawablePlan, with_graph
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
-from runtime.plan import Plan, Schedule
+from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode, Schedule
+from runtime.recompute import kept_output_writes
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
-    "choose", "device_capacity", "finish_plan", "plan_traced", "prepared", "same_cuts", "stage_ranks_for",
-    "within_memory",
+    "RECOMPUTE_CHOICES", "RecomputeChoice", "choose", "choose_recompute", "device_capacity", "finish_plan",
+    "plan_traced", "prepared", "same_cuts", "stage_ranks_for", "within_memory",
 ]
+
+# What `partition(recompute=...)` takes: a mode for every stage, or "auto" (see choose_recompute);
+# or a list of these, one per stage.
+RecomputeChoice = Literal["none", "selective", "full", "auto"]
+RECOMPUTE_CHOICES: tuple[str, ...] = (*RECOMPUTE_MODES, "auto")
 
 
 def stage_ranks_for(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
@@ -64,6 +71,7 @@ def plan_traced(
     auto: bool,
     processes: bool,
     cuts: Cuts | None = None,
+    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
 ) -> DrawablePlan:
     """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
     gm = traced.graph_module
@@ -71,6 +79,10 @@ def plan_traced(
         raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
                              f"{max(len(r) for r in layout)}")
     graph = shape_graph(traced, first_chunk)
+    for node in gm.graph.nodes:  # module classes: what each call saves for backward (cost_model.recompute_cost)
+        if node.op == "call_module" and node.name in graph:
+            graph.nodes[node.name]["kind"] = type(gm.get_submodule(str(node.target))).__name__
+    recomputing = recompute != "none"
     order = [n.name for n in compute_nodes(gm)]
     forced = forced_cuts(graph, order, cuts or Cuts("markers", {}))
     if forced and (auto or placement != "pipeline"):
@@ -85,11 +97,13 @@ def plan_traced(
                            schedules=(schedule,))
     elif placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
-        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, [len(r) for r in layout],
-                             cast(Schedule, schedule), forced=forced)
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, schedule=cast(Schedule, schedule),
+                             stage_ranks=layout, forced=forced)  # the layout's ranks: zbv lowers only on its V
         for stage, ranks in zip(made.stages, layout):
             stage.ranks = ranks
         if not processes and not forced:  # the memory-aware fallback knows no markers
+            if recomputing:  # what recomputation saves may let this split fit
+                choose_recompute(made, graph, gm, cost, recompute)
             made = within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
@@ -100,13 +114,15 @@ def plan_traced(
                 stage.ranks = ranks
     made.schedule = schedule  # type: ignore[assignment]
     made.virtual_stages = virtual_stages_of(made)
+    if recomputing:
+        choose_recompute(made, graph, gm, cost, recompute)
     finish_plan(made, gm, model, processes=processes, regenerate=True)
     return with_graph(made, graph, cost)
 
 
 def virtual_stages_of(plan: Plan) -> int:
     ranks = {r for s in plan.stages for r in s.ranks}
-    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule == "interleaved" else 1
+    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule in ("interleaved", "zbv") else 1
 
 
 def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:
@@ -145,16 +161,56 @@ def choose(
     return best
 
 
+def choose_recompute(plan: Plan, graph: Any, gm: torch.fx.GraphModule, cost: CostModel,
+                     recompute: RecomputeChoice | Sequence[RecomputeChoice]) -> None:
+    """Give each stage of `plan` its activation recomputation and recount its numbers (assemble.recount).
+
+    `recompute`: one choice for every stage or one per stage; "auto" is per stage the cheapest of
+    "none", "selective" and "full" whose predicted memory fits the stage's share of its device
+    (its `capacity_bytes`, else the device's capacity split among the stages on it), "full"
+    where none fits. Stages that write in place into a product's output never recompute selectively.
+
+    Raises:
+        PartitionError: not one choice per stage, or "selective" asked for a stage that cannot run it.
+    """
+    p = len(plan.stages)
+    modes = [recompute] * p if isinstance(recompute, str) else list(recompute)
+    if len(modes) != p:
+        raise PartitionError(f"recompute lists {len(modes)} modes for a plan of {p} stages; give one per stage, or "
+                             f"one of {', '.join(map(repr, RECOMPUTE_CHOICES))} for all")
+    stage_of = plan.stage_of()
+    blocked = {stage_of[w] for w, k in kept_output_writes(gm) if w in stage_of and stage_of[w] == stage_of.get(k)}
+    refused = sorted(s for s in blocked if modes[s] == "selective")
+    if refused:
+        raise PartitionError(f"stages {refused} write in place into the output of a matmul or convolution, which "
+                             "selective recomputation keeps; use recompute='full' or 'auto' for them, or write out "
+                             "of place in the model (h = h * 2 rather than h.mul_(2))")
+    memory = recompute_memory(plan, graph, cost) if "auto" in modes else []
+    shares = {d: plan.devices.count(d) for d in plan.devices}
+    chosen: list[RecomputeMode] = []
+    for s, (stage, mode) in enumerate(zip(plan.stages, modes)):
+        if mode != "auto":
+            chosen.append(mode)
+            continue
+        limit = stage.capacity_bytes
+        if limit is None:
+            limit = device_capacity(cost, torch.device(stage.device)) // shares[stage.device]
+        fits = [m for m in RECOMPUTE_MODES if memory[s][m] <= limit and not (m == "selective" and s in blocked)]
+        chosen.append(cast(RecomputeMode, fits[0] if fits else "full"))
+    recount(plan, graph, cost, chosen)
+
+
 def device_capacity(cost: CostModel, device: torch.device) -> int:
-    """Bytes a device holds: the cost model's (possibly hand-described) spec, else what is there."""
+    """Bytes a device holds for tensors: the cost model's (possibly hand-described) spec, else what
+    is there; a GPU's CUDA context and allocator headroom come off (cost_model.memory.usable_bytes)."""
     for model in (cost, getattr(cost, "fallback", None)):
         spec = getattr(model, "spec", None)
         if callable(spec):
             memory = int(spec(device).memory_bytes)
             if memory > 0:
-                return memory
+                return usable_bytes(memory, device)
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        return usable_bytes(int(torch.cuda.get_device_properties(device).total_memory), device)
     return host_memory()[0]
 
 

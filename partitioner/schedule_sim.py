@@ -4,7 +4,8 @@ A schedule is per device an ordered list of `Action`s (runtime/schedule.py). A d
 its list in order, one action at a time; an action starts once the device is free and its
 inputs have arrived:
 
-    F(s, i) needs F(s-1, i)'s activations;  B(s, i) needs F(s, i) and B(s+1, i)'s gradients.
+    F(s, i) needs F(s-1, i)'s activations;  B(s, i) needs F(s, i) and B(s+1, i)'s gradients;
+    W(s, i), the weight part of a split backward (zero-bubble schedules), needs B(s, i).
 
 Transfers between devices run on the link, overlapping compute; each directed link carries
 one transfer at a time, in the sender's order. After a device's last backward of a stage it
@@ -17,6 +18,14 @@ here; `simulate(plan)` runs the plan's own programs instead (what the runtime ru
     device 0 FFFF~......~BBBBBBBB      F0 F1, send F1 at 2.0, recv B1's gradient at 5.5
     device 1 ..~FFFFBBBBBBBB~....      recv F0 at 1.0, F0 F1 B1 B0, send B0's gradient at 7.5
              0   2   4   6   8   10 ms: makespan 10, bubble 1 - 12/20 = 40%
+
+[Note: pricing a split backward]
+Where a schedule lists W(s, i), B(s, i) computes only the gradients of the stage's inputs
+and W(s, i) its weights' (runtime/split_backward.py). The plan gives one `backward_ms` per
+stage; `compute_ms` splits it: half each, as for a matmul (dX = dY W^T and dW = X^T dY
+cost the same FLOPs) and so for stages of linear layers; the whole of it in W for a stage
+that reads no other stage (the first stage: no input needs a gradient, B is empty). A
+split B of a stage without weights is priced half too: coarse, but such stages are cheap.
 """
 
 from __future__ import annotations
@@ -26,12 +35,12 @@ from typing import Callable, Literal, Mapping, Sequence
 
 from partitioner.errors import PartitionError
 from partitioner.timeline import ALLREDUCE, BACKWARD, FORWARD, RECV, SEND, DeviceTimeline, Event, Timeline, fill_idle
-from runtime.plan import Plan
+from runtime.plan import Plan, StagePlan
 from runtime.schedule import Action
 
 __all__ = [
-    "ScheduleCheck", "ScheduleError", "StageMs", "TransferMs", "check_schedule", "plan_transfer", "simulate_schedule",
-    "stage_ms",
+    "ScheduleCheck", "ScheduleError", "StageMs", "TransferMs", "check_schedule", "compute_ms", "plan_transfer",
+    "simulate_schedule", "stage_ms",
 ]
 
 TransferMs = Callable[[int, int, int], float]
@@ -47,7 +56,7 @@ class ScheduleCheck:
     """What `check_schedule` proved about a schedule."""
 
     stage_device: list[int]  # device index (list) running each stage
-    peak_in_flight: list[int]  # per stage: max forwards done minus backwards done
+    peak_in_flight: list[int]  # per stage: max forwards done minus backwards (W where split) done
     ticks: int  # steps when every ready device runs one action per step
 
 
@@ -63,6 +72,8 @@ def _producers(stages: int, producers: Producers) -> list[list[int]]:
 
 def _deps(a: Action, stages: int, producers: Producers = None) -> list[Action]:
     prods = _producers(stages, producers)
+    if a.kind == "W":
+        return [Action(a.stage, "B", a.microbatch)]
     if a.kind == "F":
         return [Action(p, "F", a.microbatch) for p in prods[a.stage]]
     return [Action(a.stage, "F", a.microbatch)] + [
@@ -71,8 +82,10 @@ def _deps(a: Action, stages: int, producers: Producers = None) -> list[Action]:
 
 
 def _consumers(a: Action, stages: int, producers: Producers = None) -> list[Action]:
-    """Actions on other stages that read `a`'s output (activations forward, gradients backward)."""
+    """Actions on other stages that read `a`'s output (activations forward, gradients backward; W: none)."""
     prods = _producers(stages, producers)
+    if a.kind == "W":
+        return []
     if a.kind == "F":
         return [Action(c, "F", a.microbatch) for c in range(stages) if a.stage in prods[c]]
     return [Action(p, "B", a.microbatch) for p in prods[a.stage]]
@@ -82,6 +95,9 @@ def check_schedule(
     schedule: Sequence[Sequence[Action]], stages: int, micro_batches: int, producers: Producers = None
 ) -> ScheduleCheck:
     """Prove that `schedule` runs every F and B once per stage and micro-batch and cannot deadlock.
+
+    A stage with any W needs one W per micro-batch, after its B (the deadlock check proves
+    the order: F before B, B before W).
 
     Args:
         schedule: per device, the ordered actions it runs.
@@ -102,7 +118,7 @@ def check_schedule(
         for k, a in enumerate(actions):
             if not isinstance(a, Action):
                 raise TypeError(f"schedule[{d}][{k}] is {a!r}, not an Action; build lists with runtime.schedule")
-            if not (0 <= a.stage < stages and 0 <= a.microbatch < micro_batches and a.kind in ("F", "B")):
+            if not (0 <= a.stage < stages and 0 <= a.microbatch < micro_batches and a.kind in ("F", "B", "W")):
                 problems.append(
                     f"device {d} position {k}: {a} is outside {stages} stages x {micro_batches} micro-batches"
                 )
@@ -113,8 +129,10 @@ def check_schedule(
                 continue
             where[a] = (d, k)
             devices_of.setdefault(a.stage, set()).add(d)
-    kinds: tuple[Literal["F", "B"], ...] = ("F", "B")
-    expected = [Action(s, kind, i) for s in range(stages) for kind in kinds for i in range(micro_batches)]
+    split = _split_stages(schedule)
+    kinds: tuple[Literal["F", "B", "W"], ...] = ("F", "B", "W")
+    expected = [Action(s, kind, i) for s in range(stages) for kind in kinds for i in range(micro_batches)
+                if kind != "W" or s in split]
     missing = [str(a) for a in expected if a not in where]
     if missing:
         more = " ..." if len(missing) > 20 else ""
@@ -164,17 +182,40 @@ def _deadlock_message(
             for dep in _deps(a, stages, producers) if dep not in done
         )
         lines.append(f"- device {d} position {pointer[d]}: {a} needs {waits}")
-    lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after) run first.")
+    lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after, a W's "
+                 "own B) run first.")
     return "\n".join(lines)
 
 
+def _split_stages(schedule: Sequence[Sequence[Action]]) -> set[int]:
+    """Stages whose backward is split into B and W (the schedule lists a W of them)."""
+    return {a.stage for actions in schedule for a in actions if isinstance(a, Action) and a.kind == "W"}
+
+
 def _peak_in_flight(schedule: Sequence[Sequence[Action]], stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds: from F to B, or to W where split."""
+    split = _split_stages(schedule)
     live, peak = [0] * stages, [0] * stages
     for actions in schedule:
         for a in actions:
-            live[a.stage] += 1 if a.kind == "F" else -1
-            peak[a.stage] = max(peak[a.stage], live[a.stage])
+            if a.kind == "F" or a.kind == ("W" if a.stage in split else "B"):
+                live[a.stage] += 1 if a.kind == "F" else -1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
     return peak
+
+
+def compute_ms(stage: StagePlan, kind: str, split: bool = False, reads: bool = True) -> float:
+    """Ms of one F, B or W of `stage`: see [Note: pricing a split backward].
+
+    `split`: the B has a W of its own (W always does); `reads`: the stage reads another
+    stage's values, so its B has inputs' gradients to compute.
+    """
+    if kind == "F":
+        return stage.forward_ms
+    if kind == "B" and not split:
+        return stage.backward_ms
+    weight = stage.backward_ms / 2 if reads else stage.backward_ms
+    return weight if kind == "W" else stage.backward_ms - weight
 
 
 def plan_transfer(plan: Plan) -> TransferMs:
@@ -273,7 +314,8 @@ class _Run:
         self.free = [0.0] * len(schedule)  # compute
         self.reduce_free = [0.0] * len(schedule)
         self.link_free: dict[tuple[int, int], float] = {}
-        self.backwards_left = [micro_batches] * self.stages
+        self.backwards_left = [micro_batches] * self.stages  # the last B (W where split) all-reduces
+        self.split = _split_stages(schedule)
 
     def ready(self, a: Action) -> bool:
         return all(dep in self.finished for dep in _deps(a, self.stages, self.producers))
@@ -285,7 +327,7 @@ class _Run:
         ]
         start = max([self.free[d], *inputs])
         stage = self.plan.stages[a.stage]
-        end = start + (stage.forward_ms if a.kind == "F" else stage.backward_ms)
+        end = start + compute_ms(stage, a.kind, a.stage in self.split, bool(self.producers[a.stage]))
         kind = FORWARD if a.kind == "F" else BACKWARD
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
         self.free[d] = self.finished[a] = end
@@ -293,7 +335,7 @@ class _Run:
             peer = self.device_of[consumer.stage]
             if peer != d and (a, peer) not in self.arrival:
                 self._send(d, peer, a, consumer, end)
-        if a.kind == "B":
+        if a.kind == ("W" if a.stage in self.split else "B"):
             self.backwards_left[a.stage] -= 1
             duration = float(self.reduce_ms(a.stage))
             if self.backwards_left[a.stage] == 0 and duration > 0:

@@ -6,6 +6,8 @@ so what is predicted and drawn is what runs. A rank runs its ops in order:
     F s i   starts when the rank is free and stage s's inputs for micro-batch i are there
             (from its own earlier forward, or the RECV of another rank's SEND);
     B s i   likewise, after F s i and the gradients of the stages that read s;
+    W s i   after B s i (the weight part of a split backward; see [Note: pricing a split
+            backward] in schedule_sim for how B and W share `backward_ms`);
     SEND    starts the transfer when posted (after the tick's compute) and the directed
             link is free; it runs beside compute, one transfer per link at a time;
     RECV    marks where the message arrives; the compute that reads it waits for it;
@@ -39,6 +41,7 @@ from partitioner.schedule_sim import (
     StageMs,
     TransferMs,
     check_schedule,
+    compute_ms,
     plan_transfer,
     simulate_schedule,
     stage_ms,
@@ -114,12 +117,12 @@ def replica_groups(plan: Plan) -> list[tuple[list[int], list[int]]]:
 
 
 def in_flight(programs: Sequence[Program], stages: int) -> list[int]:
-    """Per stage, the most micro-batches one rank has forwarded but not yet backwarded."""
+    """Per stage, the most micro-batches one rank has forwarded but not yet backwarded (its W, where split)."""
     peak = [0] * stages
     for program in programs:
         live = [0] * stages
         for op in program.ops:
-            if op.kind in ("F", "B"):
+            if op.kind in ("F", "W") or (op.kind == "B" and not op.split):
                 live[op.stage] += 1 if op.kind == "F" else -1
                 peak[op.stage] = max(peak[op.stage], live[op.stage])
     return peak
@@ -290,7 +293,7 @@ class _ProgramRun:
             return False
         stage = self.plan.stages[s]
         start = max([self.clock[k], *(t for t in needs if t is not None)])
-        end = start + {"F": stage.forward_ms, "B": stage.backward_ms}.get(op.kind, 0.0)
+        end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
         self.rows[k].events.append(Event(FORWARD if op.kind == "F" else BACKWARD, s, mb, start, end))
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
         self.times[k][i] = (start, end)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
@@ -275,7 +274,7 @@ class DistributedPipeline(nn.Module):
             interpreter.run(program)
             self.transport.flush()
             for g in self._groups:
-                start = time.time()
+                start = interpreter.clock.mark()
                 try:
                     what = f"the all-reduce over ranks {list(g.ranks)}"
                     g.finish(functools.partial(self.transport.wait, peer=-1, what=what))

@@ -16,7 +16,6 @@ the last stage computes the loss, a backward sends its inputs' gradients back (a
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
@@ -24,8 +23,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from runtime.clock import Clock, Mark
 from runtime.microbatch import graph_output, to_device
 from runtime.program import Op
+from runtime.split_backward import WeightWork, backward_input, backward_weight
 from runtime.stage import Stage
 
 __all__ = ["Interpreter", "Routes", "StepInputs", "Transport", "caller_state", "thread_state"]
@@ -117,16 +118,30 @@ class Interpreter:
         self._unflatten = unflatten_outputs
         self._reduce = reduce
         self.tracing = False
-        self.trace: list[dict[str, Any]] = []
+        self.clock = Clock()  # per step: CUDA events on a GPU while tracing (see runtime.clock), else time.time()
+        self._trace: list[dict[str, Any]] = []
+        self._unresolved: list[tuple[dict[str, Any], Clock]] = []  # entries still holding marks, not seconds
         self.outputs: dict[int, Any] = {}
         self.loss: torch.Tensor | None = None
 
+    @property
+    def trace(self) -> list[dict[str, Any]]:
+        """Recorded events, {kind, stage, microbatch, start, end, peer}, times in time.time() seconds."""
+        pending, self._unresolved = self._unresolved, []
+        for clock in dict.fromkeys(c for _, c in pending):
+            clock.resolve()  # CUDA: one synchronize per clock
+        for entry, clock in pending:
+            entry["start"], entry["end"] = clock.seconds(entry["start"]), clock.seconds(entry["end"])
+        return self._trace
+
     def begin(self, step: StepInputs, local: dict[Key, list[Any]]) -> None:
         """Start a step; `local` holds values between stages of this process (shared by its workers)."""
+        self.clock = Clock(self._device() if self.tracing else "cpu")
         self.step = step
         self.local = local
         self.envs = [dict(env) for env in step.envs]
         self.saved: dict[tuple[int, int], tuple[dict[int, list[Any]], dict[str, Any], Any]] = {}
+        self.weight_work: dict[tuple[int, int], WeightWork] = {}  # a split B's part for its W
         self.outgoing: dict[Key, list[Any]] = {}
         self.outputs = {}
         device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
@@ -179,13 +194,13 @@ class Interpreter:
         if op.kind == "F":
             self._forward(op.stage, op.microbatch)
         elif op.kind == "B":
-            self._backward(op.stage, op.microbatch)
+            self._backward(op.stage, op.microbatch, split=op.split)
         elif op.kind == "AR":
-            start = time.time()
+            start = self.clock.mark()
             self._reduce(op.group)
             self._record("allreduce", min(self.stages, default=-1), -1, start)
         elif op.kind == "W":
-            raise NotImplementedError("W (a split weight-gradient backward) has no schedule that emits it yet")
+            self._weight(op.stage, op.microbatch)
 
     def flush_batch(self) -> None:
         """Post the pending batch of sends and receives (one `batch_isend_irecv` on a P2P transport)."""
@@ -194,7 +209,7 @@ class Interpreter:
             self._post(batch)
 
     def _post(self, batch: list[Op]) -> None:
-        start = time.time()
+        start = self.clock.mark()
         outgoing = {op.key(): self.outgoing.pop(op.key()) for op in batch if op.kind == "SEND"}
         self.transport.post(batch, outgoing, self._device())
         self._record("send" if outgoing else "recv", batch[0].src, batch[0].microbatch, start, batch[0].peer)
@@ -207,7 +222,7 @@ class Interpreter:
     def _value(self, key: Key, device: torch.device) -> list[Any]:
         if self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2]):
             return self.local.pop(key)
-        start = time.time()
+        start = self.clock.mark()
         values = self.transport.take(key, device)
         self._record("recv", key[1], key[2], start, self.rank_of(key[0], key[2]))
         return values
@@ -232,7 +247,7 @@ class Interpreter:
             if train and stage.writes:  # a leaf cannot be written in place; its clone can, gradients still reach it
                 env.update({n: _non_leaf(v) for n, v in zip(names, values) if n in stage.writes})
         inputs = [to_device(env[name], stage.device) for name in stage.inputs]
-        start = time.time()
+        start = self.clock.mark()
         with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
             outputs = stage.module(*inputs)
         self._record("forward", s, i, start)
@@ -261,19 +276,21 @@ class Interpreter:
         ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs or not ins or not torch.is_grad_enabled():
             return
-        began: list[float] = []
+        began: list[Mark] = []
+        clock = self.clock  # the hooks may fire after the next step has begun
 
         def first(_: Any) -> None:
-            began.append(time.time())
+            began.append(clock.mark())
 
         def done(_: Any) -> None:
             if began:
-                self._record("backward", s, i, began[0])
+                self._record("backward", s, i, began[0], clock=clock)
 
         torch.autograd.graph.register_multi_grad_hook(outs, first, mode="any")
         torch.autograd.graph.register_multi_grad_hook(ins, done, mode="all")
 
-    def _backward(self, s: int, i: int) -> None:
+    def _backward(self, s: int, i: int, split: bool = False) -> None:
+        """Gradients from the outputs' back to the inputs (sent on); with `split`, the weights' wait for W."""
         received, outputs, loss = self.saved.pop((s, i))
         device = self.stages[s].device
         roots: list[torch.Tensor] = []
@@ -290,17 +307,35 @@ class Interpreter:
                     roots.append(value)
                     grads.append(grad.to(value.device))
         if roots:
-            start = time.time()
-            torch.autograd.backward(roots, grads)
+            start = self.clock.mark()
+            if split:  # see runtime.split_backward
+                inputs = [x for x in _leaves(received) if isinstance(x, torch.Tensor) and x.requires_grad]
+                self.weight_work[(s, i)] = backward_input(roots, grads, inputs)
+            else:
+                torch.autograd.backward(roots, grads)
             self._record("backward", s, i, start)
         for t, values in received.items():
             self._give((s, t, i), [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
         self.envs[i] = dict(self.step.envs[i])  # drop this micro-batch's activations
 
-    def _record(self, kind: str, stage: int, microbatch: int, start: float, peer: int = -1) -> None:
+    def _weight(self, s: int, i: int) -> None:
+        """W: the weight gradients a split B left (nothing when B ran the whole backward)."""
+        work = self.weight_work.pop((s, i), None)
+        if work is not None:
+            start = self.clock.mark()
+            backward_weight(work)
+            self._record("backward", s, i, start)
+
+    def _record(
+        self, kind: str, stage: int, microbatch: int, start: Mark, peer: int = -1, clock: Clock | None = None
+    ) -> None:
+        """Trace an op from `start` (a mark of `clock`, or a time.time() value) to now."""
         if self.tracing:
-            self.trace.append({"kind": kind, "stage": stage, "microbatch": microbatch, "start": start,
-                               "end": time.time(), "peer": peer})
+            clock = clock or self.clock
+            entry = {"kind": kind, "stage": stage, "microbatch": microbatch, "start": start, "end": clock.mark(),
+                     "peer": peer}
+            self._trace.append(entry)
+            self._unresolved.append((entry, clock))
 
 
 def _is_none(x: Any) -> bool:

@@ -12,12 +12,16 @@ from typing import Any, Literal, get_args
 
 from runtime.program import Op, Program
 
-__all__ = ["Placement", "Plan", "Schedule", "StagePlan", "human_bytes"]
+__all__ = ["RECOMPUTE_MODES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "human_bytes"]
 
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
 Placement = Literal["pipeline", "branches", "hybrid"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
+# What a stage keeps for backward (runtime.recompute): everything autograd saves ("none"), matmul and
+# convolution outputs ("selective"), or only its inputs ("full"); the rest runs again in backward.
+RecomputeMode = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 
 
 @dataclass
@@ -47,6 +51,7 @@ class StagePlan:
     ranks: list[int] = field(default_factory=list)
     reads_from: list[int] = field(default_factory=list)
     cut_from_marker: bool = False  # the cut before this stage is a pipe_split() marker / split_spec point
+    recompute: RecomputeMode = "none"  # activation recomputation (runtime.recompute); its cost is in the numbers
 
     @property
     def replicas(self) -> int:
@@ -62,7 +67,7 @@ class Plan:
     schedule: Schedule = "gpipe"
     predicted_step_ms: float = 0.0
     placement: Placement = "pipeline"
-    virtual_stages: int = 1  # interleaved: stages per rank
+    virtual_stages: int = 1  # interleaved: stages per rank (zbv: 2)
     # What each rank (worker) runs in one training step, with predicted times: see runtime.program.
     programs: list[Program] = field(default_factory=list)
     # Predicted step ms of the candidates an "auto" choice compared, by name ({} when none).
@@ -80,6 +85,11 @@ class Plan:
     @property
     def bottleneck_ms(self) -> float:
         return max((s.predicted_ms for s in self.stages), default=0.0)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any stage recomputes activations in backward (runtime.recompute)."""
+        return any(s.recompute != "none" for s in self.stages)
 
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""
@@ -126,6 +136,8 @@ class Plan:
                 problems.append(f"stages[{k}].index is {s.index}; number stages 0, 1, 2, ... in order")
             if any(p >= k or p < 0 for p in s.reads_from):
                 problems.append(f"stage {k} reads from stages {s.reads_from}; a stage reads only earlier stages")
+            if s.recompute not in RECOMPUTE_MODES:
+                problems.append(f"stages[{k}].recompute={s.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
         if problems:
             raise ValueError("invalid plan:\n" + "\n".join(f"- {p}" for p in problems))
 
@@ -155,7 +167,8 @@ class Plan:
         out.append(
             f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, "
             f"schedule {self.schedule}; "
-            f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
+            + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
+            + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
         )
         return "\n".join(out)
 

@@ -21,7 +21,8 @@ send and receive of tick t, sorted by one key on both sides:
 
 Batch t only waits for work of ticks below t, so by induction every batch completes: no
 rank pair can wait on each other, whatever NCCL serializes. All-reduces of a group of ranks
-come after the tick of the group's last backward, in one global order.
+come after the tick of the group's last backward (B or W), in one global order. A W (the
+weight part of a split backward) waits for its B on the same rank and moves nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ _COMPUTE = ("F", "B", "W")
 class Op:
     """One thing a rank does in a step; prints as text (see `Op.parse`).
 
-    F/B/W: compute of `stage` on `microbatch` (W: the weight-gradient part of a split backward).
+    F/B/W: compute of `stage` on `microbatch`. A `split` B computes only the gradients of the
+    stage's inputs; the W of the same stage and micro-batch later adds the weights' (see
+    runtime.split_backward). A B that is not split does both.
     SEND/RECV: the values `src` sends `dst` for `microbatch` (activations when src < dst,
     gradients when src > dst), to or from rank `peer`. AR: all-reduce of the gradients of the
     weights held by exactly `group`. STEP: the end of the step. `tick` orders batches.
@@ -59,6 +62,7 @@ class Op:
     peer: int = -1
     tick: int = -1
     group: tuple[int, ...] = ()
+    split: bool = False
 
     @property
     def is_compute(self) -> bool:
@@ -79,7 +83,7 @@ class Op:
 
     def __str__(self) -> str:
         if self.is_compute:
-            return f"{self.kind} s{self.stage} mb{self.microbatch} t{self.tick}"
+            return f"{self.kind} s{self.stage} mb{self.microbatch} t{self.tick}" + (" split" if self.split else "")
         if self.is_p2p:
             return f"{self.kind} s{self.src}->s{self.dst} mb{self.microbatch} r{self.peer} t{self.tick}"
         if self.kind == "AR":
@@ -88,7 +92,7 @@ class Op:
 
     @classmethod
     def parse(cls, text: str) -> Op:
-        """Read `str(op)` back: 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9', 'STEP'."""
+        """Read `str(op)` back: 'F s1 mb3 t4', 'B s1 mb3 t7 split', 'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9', 'STEP'."""
         words = text.split()
         if words == ["STEP"]:
             return cls("STEP")
@@ -96,23 +100,25 @@ class Op:
         found = match.fullmatch(" ".join(words)) if match else None
         if found is None:
             raise ValueError(
-                f"cannot parse op {text!r}; expected e.g. 'F s1 mb3 t4', 'SEND s1->s2 mb3 r2 t4', "
-                "'AR r0,1 t9' or 'STEP'"
+                f"cannot parse op {text!r}; expected e.g. 'F s1 mb3 t4', 'B s1 mb3 t7 split', 'W s1 mb3 t9', "
+                "'SEND s1->s2 mb3 r2 t4', 'AR r0,1 t9' or 'STEP'"
             )
         kind = words[0]
         g = found.groupdict()
         if kind in _COMPUTE:
-            return cls(kind, stage=int(g["stage"]), microbatch=int(g["mb"]), tick=int(g["tick"]))  # type: ignore[arg-type]
+            return cls(kind, stage=int(g["stage"]), microbatch=int(g["mb"]), tick=int(g["tick"]),  # type: ignore[arg-type]
+                       split=bool(g.get("split")))
         if kind == "AR":
             return cls("AR", group=tuple(int(r) for r in g["group"].split(",")), tick=int(g["tick"]))
         return cls(kind, microbatch=int(g["mb"]), src=int(g["src"]), dst=int(g["dst"]),  # type: ignore[arg-type]
                    peer=int(g["peer"]), tick=int(g["tick"]))
 
 
-_COMPUTE_RE = re.compile(r"[FBW] s(?P<stage>\d+) mb(?P<mb>\d+) t(?P<tick>\d+)")
+_COMPUTE_RE = re.compile(r"[FW] s(?P<stage>\d+) mb(?P<mb>\d+) t(?P<tick>\d+)")
+_BACKWARD_RE = re.compile(r"B s(?P<stage>\d+) mb(?P<mb>\d+) t(?P<tick>\d+)( (?P<split>split))?")
 _P2P_RE = re.compile(r"(SEND|RECV) s(?P<src>\d+)->s(?P<dst>\d+) mb(?P<mb>\d+) r(?P<peer>\d+) t(?P<tick>\d+)")
 _AR_RE = re.compile(r"AR r(?P<group>\d+(,\d+)*) t(?P<tick>\d+)")
-_PATTERNS = {"F": (_COMPUTE_RE,), "B": (_COMPUTE_RE,), "W": (_COMPUTE_RE,), "SEND": (_P2P_RE,), "RECV": (_P2P_RE,),
+_PATTERNS = {"F": (_COMPUTE_RE,), "B": (_BACKWARD_RE,), "W": (_COMPUTE_RE,), "SEND": (_P2P_RE,), "RECV": (_P2P_RE,),
              "AR": (_AR_RE,)}
 
 
@@ -132,9 +138,9 @@ class Program:
         return format_program(self.ops)
 
     def compute(self) -> list[Action]:
-        """The schedule's actions of this rank (F and B, W folded into nothing), in order."""
-        return [Action(op.stage, "F" if op.kind == "F" else "B", op.microbatch) for op in self.ops
-                if op.kind in ("F", "B")]
+        """The schedule's actions of this rank (F, B and W), in order."""
+        return [Action(op.stage, op.kind, op.microbatch) for op in self.ops  # type: ignore[arg-type]
+                if op.kind in _COMPUTE]
 
 
 def format_program(ops: Sequence[Op]) -> str:
@@ -148,9 +154,12 @@ def parse_program(text: str) -> list[Op]:
 
 
 def _deps(a: Action, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]]) -> list[Action]:
-    """What `a` waits for: a forward, its producers' forwards; a backward, its forward and consumers' backwards."""
+    """What `a` waits for: a forward, its producers' forwards; a backward, its forward and consumers'
+    backwards; a W, its own B (W moves nothing between stages)."""
     if a.kind == "F":
         return [Action(p, "F", a.microbatch) for p in producers[a.stage]]
+    if a.kind == "W":
+        return [Action(a.stage, "B", a.microbatch)]
     return [Action(a.stage, "F", a.microbatch)] + [Action(c, "B", a.microbatch) for c in consumers[a.stage]]
 
 
@@ -166,35 +175,41 @@ def lower(
     """Each rank's program for one step of `schedule` (see [Note: one agreed order]).
 
     Args:
-        schedule: per rank, its forward and backward actions in order (`schedule[r]`).
+        schedule: per rank, its forward and backward actions in order (`schedule[r]`); a B
+            with a W of the same stage and micro-batch is lowered as a split B.
         producers: for each stage, the stages whose values it reads.
         stage_ranks: for each stage, the ranks of its replicas; micro-batch i runs on
             replica i mod r.
         devices: the device of each rank.
         groups: (ranks, stages) of each set of weights held by several ranks: their
             gradients are all-reduced over `ranks` after the last backward of `stages`.
-        forward_only: drop backwards, gradient messages and all-reduces (inference).
+        forward_only: drop backwards (B and W), gradient messages and all-reduces (inference).
 
     Raises:
-        ValueError: an action on a rank that does not run its stage's micro-batch, or a
-            schedule whose lists wait on each other forever (named, with what each waits on).
+        ValueError: an action on a rank that does not run its stage's micro-batch, an action
+            listed twice, or a schedule whose lists wait on each other forever (named, with
+            what each waits on).
     """
     stages = len(producers)
     consumers: list[list[int]] = [[] for _ in range(stages)]
     for s, ps in enumerate(producers):
         for p in ps:
             consumers[p].append(s)
-    lists = [[a for a in actions if not (forward_only and a.kind == "B")] for actions in schedule]
+    lists = [[a for a in actions if not (forward_only and a.kind != "F")] for actions in schedule]
 
     def rank_of(stage: int, mb: int) -> int:
         ranks = stage_ranks[stage]
         return ranks[mb % len(ranks)]
 
+    seen: dict[Action, int] = {}
     for r, actions in enumerate(lists):
         for a in actions:
             if rank_of(a.stage, a.microbatch) != r:
                 raise ValueError(f"rank {r}'s schedule runs {a}, but stage {a.stage} runs micro-batch {a.microbatch} "
                                  f"on rank {rank_of(a.stage, a.microbatch)}")
+            if a in seen:
+                raise ValueError(f"{a} is listed twice (ranks {seen[a]} and {r}); list each action once")
+            seen[a] = r
     tick_of: dict[Action, int] = {}
     pointer = [0] * len(lists)
     total = sum(len(actions) for actions in lists)
@@ -218,6 +233,8 @@ def lower(
 
     batches: dict[tuple[int, int], list[Op]] = {}  # (rank, tick) -> its sends and receives
     for a, t in tick_of.items():
+        if a.kind == "W":
+            continue
         src_rank = rank_of(a.stage, a.microbatch)
         targets = consumers[a.stage] if a.kind == "F" else producers[a.stage]
         for other in targets:
@@ -234,7 +251,7 @@ def lower(
             members = tuple(sorted(set(ranks)))
             if len(members) < 2:
                 continue
-            last = max((t for a, t in tick_of.items() if a.kind == "B" and a.stage in group_stages), default=tick - 1)
+            last = max((t for a, t in tick_of.items() if a.kind != "F" and a.stage in group_stages), default=tick - 1)
             reduce_after.setdefault(last, []).append(members)
 
     programs: list[Program] = []
@@ -244,7 +261,8 @@ def lower(
         for t in range(tick):
             action = by_tick.get(t)
             if action is not None:
-                ops.append(Op(action.kind, stage=action.stage, microbatch=action.microbatch, tick=t))
+                split = action.kind == "B" and Action(action.stage, "W", action.microbatch) in tick_of
+                ops.append(Op(action.kind, stage=action.stage, microbatch=action.microbatch, tick=t, split=split))
             ops += sorted(batches.get((r, t), []), key=lambda op: (op.key(), op.kind))
             for members in sorted(reduce_after.get(t, [])):
                 if r in members:
@@ -266,7 +284,9 @@ def plan_programs(
     Stage s runs on `plan.stages[s].ranks` (default: rank s) and reads `reads_from`. `groups`
     are (ranks, stages) of weights held by several ranks. Every rank up to the highest in
     `devices` or the stages gets a program; one that runs no stage (an unused device slot)
-    only STEP. A rank's device is `devices[rank]`, else that of its first stage.
+    only STEP. A rank's device is `devices[rank]`, else that of its first stage. A stage
+    that recomputes selectively runs its backward whole (no W): torch's selective checkpoint
+    allows one backward per region, and a split backward needs two.
     """
     stage_ranks = [list(s.ranks) or [s.index] for s in plan.stages]
     producers = [list(s.reads_from) for s in plan.stages]
@@ -276,6 +296,8 @@ def plan_programs(
             names.setdefault(r, s.device)
     world = 1 + max(names)
     lists = rank_schedule(plan.schedule, plan.micro_batches, stage_ranks, producers)
+    whole = {s.index for s in plan.stages if s.recompute == "selective"}
+    lists = [[a for a in actions if not (a.kind == "W" and a.stage in whole)] for actions in lists]
     lists += [[] for _ in range(world - len(lists))]
     return lower(lists, producers, stage_ranks, [names.get(r, "cpu") for r in range(world)], groups,
                  forward_only=forward_only)

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-device ordered lists of forward/backward actions."""
+"""Pipeline schedules as data: per-device ordered lists of forward/backward (and weight-gradient) actions."""
 
 from __future__ import annotations
 
@@ -16,15 +16,24 @@ __all__ = [
     "one_f_one_b",
     "parse_schedule",
     "rank_schedule",
+    "v_stage_ranks",
+    "zero_bubble_h1",
+    "zero_bubble_v",
 ]
+
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: forward ('F') or backward ('B') of `microbatch` on `stage`; prints as '1F0'."""
+    """One unit of work on `microbatch` of `stage`; prints as '1F0'.
+
+    'F' forward; 'B' backward; 'W' the weight gradients of a split backward (zero-bubble
+    schedules): where a schedule lists a W, its B computes only the inputs' gradients.
+    """
 
     stage: int
-    kind: Literal["F", "B"]
+    kind: Kind
     microbatch: int
 
     def __str__(self) -> str:
@@ -32,11 +41,11 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        for kind in ("F", "B"):
+        for kind in ("F", "B", "W"):
             stage, sep, mb = text.partition(kind)
-            if sep:
+            if sep and stage.isdigit() and mb.isdigit():
                 return cls(int(stage), kind, int(mb))
-        raise ValueError(f"cannot parse action {text!r}; expected e.g. '1F0' or '0B3'")
+        raise ValueError(f"cannot parse action {text!r}; expected e.g. '1F0', '0B3' or '2W1'")
 
 
 def clock_cycles(micro_batches: int, stages: int) -> Iterator[list[tuple[int, int]]]:
@@ -180,6 +189,103 @@ def interleaved_one_f_one_b(micro_batches: int, stages: int, virtual_stages: int
     return lists
 
 
+def zero_bubble_h1(micro_batches: int, stages: int) -> list[list[Action]]:
+    """Per-stage action lists for ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024).
+
+    1F1B with each backward split into B (the inputs' gradients, which the stage before
+    waits for) and W (the weights', which nobody waits for). Stage s runs 1F1B's warm-up
+    and F/B order, and puts the W of micro-batch k - s after its k-th B: the first s W's
+    wait, and the drain runs them where 1F1B idles. B alone is on the critical path, so the
+    bubble shrinks from (p-1)(F+B+W) to about (p-1)(F+B-W): a third with equal F, B and W.
+
+        m=4, p=2   warm-up   steady: B [W] F          drain: B [W], then the delayed W's
+        stage 0:   F0 F1     B0 W0 F2 B1 W1 F3        B2 W2 B3 W3
+        stage 1:   F0        B0 F1 B1 W0 F2 B2 W1 F3  B3 W2 W3
+
+    A micro-batch's activations live from its F to its W: p - s + s = p at most on every
+    stage, 1F1B's peak (stage 0's), where 1F1B holds p - s on stage s.
+    """
+    _check_counts(micro_batches, stages)
+    lists = []
+    for s in range(stages):
+        warmup = min(stages - s, micro_batches)
+        actions = [Action(s, "F", i) for i in range(warmup)]
+        for k in range(micro_batches):
+            actions.append(Action(s, "B", k))
+            if k >= s:
+                actions.append(Action(s, "W", k - s))
+            if warmup + k < micro_batches:
+                actions.append(Action(s, "F", warmup + k))
+        actions += [Action(s, "W", k) for k in range(max(0, micro_batches - s), micro_batches)]
+        lists.append(actions)
+    return lists
+
+
+def v_stage_ranks(ranks: int) -> list[list[int]]:
+    """The V layout of 2 x `ranks` stages (ZB-V): stage s on rank s going down, then back up.
+
+        ranks=3:  stage 0 1 2 3 4 5
+                  rank  0 1 2 2 1 0      rank r holds stages r and 2p - 1 - r
+    """
+    return [[s if s < ranks else 2 * ranks - 1 - s] for s in range(2 * ranks)]
+
+
+def zero_bubble_v(micro_batches: int, ranks: int) -> list[list[Action]]:
+    """Per-rank action lists for ZB-V (Qi et al., section 6): two stages per rank in a V.
+
+    Rank r holds stages c0 = r and c1 = 2p - 1 - r (`v_stage_ranks`), so the first and the
+    last stage (the loss) share rank 0 and a micro-batch turns around on rank p - 1 with no
+    transfer. With n = max(m, 2p - 1), rank r runs
+
+        warm-up    2(p - r) - 1 x F c0;   r x (F c1, F c0);   p - r x (F c1, B c1, W c1)
+        steady     until n forwards of both:  [F c0] B c0 W c0  F c1 B c1 W c1
+        drain      r x (B c0, B c1);   p - r x (B c0, W c0);   the remaining W's of c1, then c0
+
+    then drops micro-batches m .. n - 1 (fewer than 2p - 1 micro-batches only leave gaps).
+    The drain's W's fill the bubble: with F = B = W, the simulated bubble is p - 1 forwards
+    of a half-size stage, half ZB-H1's. m=4, p=2 (stages 0 and 3 on rank 0, 1 and 2 on rank 1):
+
+        rank 0:  0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3
+                 0B2 0W2 0B3 0W3
+        rank 1:  1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3
+                 1B3 1W2 2W3 1W3
+    """
+    _check_counts(micro_batches, ranks)
+    return [[a for a in _v_rank(r, ranks, max(micro_batches, 2 * ranks - 1)) if a.microbatch < micro_batches]
+            for r in range(ranks)]
+
+
+def _v_rank(r: int, p: int, n: int) -> list[Action]:
+    """Rank r's ZB-V list for n micro-batches (see `zero_bubble_v`)."""
+    chunks = (r, 2 * p - 1 - r)
+    done = {kind: [0, 0] for kind in ("F", "B", "W")}
+    actions: list[Action] = []
+
+    def run(*steps: tuple[Kind, int]) -> None:
+        for kind, c in steps:
+            actions.append(Action(chunks[c], kind, done[kind][c]))
+            done[kind][c] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run(("F", 0))
+    for _ in range(r):
+        run(("F", 1), ("F", 0))
+    for _ in range(p - r):
+        run(("F", 1), ("B", 1), ("W", 1))
+    while done["F"][1] < done["F"][0] or done["F"][0] < n:
+        if done["F"][0] < n:
+            run(("F", 0))
+        run(("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    for _ in range(r):
+        run(("B", 0), ("B", 1))
+    for _ in range(p - r):
+        run(("B", 0), ("W", 0))
+    for c in (1, 0):
+        while done["W"][c] < done["B"][c]:
+            run(("W", c))
+    return actions
+
+
 def format_schedule(schedule: Sequence[Sequence[Action]]) -> str:
     """One line per device, 'd: 0F0 0F1 0B0 ...'; `parse_schedule` reads it back."""
     return "\n".join(f"{d}: " + " ".join(str(a) for a in actions) for d, actions in enumerate(schedule))
@@ -214,7 +320,7 @@ def rank_schedule(
     stage_ranks: Sequence[Sequence[int]],
     producers: Sequence[Sequence[int]],
 ) -> list[list[Action]]:
-    """Each rank's forward and backward actions, in order, for the named schedule.
+    """Each rank's forward and backward (and W) actions, in order, for the named schedule.
 
     The one place a schedule name becomes action lists: a new schedule is a generator above
     and a branch here. `stage_ranks[s]` are the ranks of stage s's replicas (micro-batch i on
@@ -235,14 +341,23 @@ def rank_schedule(
                 f"replica each; got stage ranks {[list(r) for r in stage_ranks]}"
             )
         return interleaved_one_f_one_b(micro_batches, world, p // world)
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b' or 'interleaved'")
-    # 1F1B's per-stage order is built for a chain; stages numbered in topological order that
-    # depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
+    if schedule == "zbv":
+        if [list(r) for r in stage_ranks] != v_stage_ranks(world):
+            raise ValueError(
+                f"zbv runs 2 x {world} stages in a V over the {world} ranks (stage s on rank s, then 2p - 1 - s: "
+                f"{v_stage_ranks(world)}), one replica each; got stage ranks {[list(r) for r in stage_ranks]}"
+            )
+        return zero_bubble_v(micro_batches, world)
+    if schedule not in ("gpipe", "1f1b", "zb1"):
+        raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b', 'interleaved', 'zb1' or 'zbv'")
+    # 1F1B's (and ZB-H1's) per-stage order is built for a chain; stages numbered in topological order
+    # that depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
     if schedule == "gpipe" and single:
         return dag_gpipe(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
     if schedule == "1f1b":
         per_stage = one_f_one_b(micro_batches, p)
+    elif schedule == "zb1":
+        per_stage = zero_bubble_h1(micro_batches, p)
     else:
         per_stage = dag_gpipe(micro_batches, levels, list(range(p)))
     lists: list[list[Action]] = [[] for _ in range(world)]
@@ -253,7 +368,7 @@ def rank_schedule(
             if owner.setdefault(r, s) != s:
                 raise ValueError(
                     f"rank {r} runs stages {owner[r]} and {s} under {schedule!r}; give each rank one stage "
-                    "(or use 'interleaved' for several stages per rank)"
+                    "(or use 'interleaved' or 'zbv' for several stages per rank)"
                 )
             lists[r].append(a)
     return lists

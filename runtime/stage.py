@@ -5,7 +5,8 @@ skips included, by node name) and returns the values later stages or the model o
 need. Parameters and buffers stay the model's own objects: each is moved in place to the
 device of the stage that owns it; a stage on another device that also reads it (a tied
 weight) gets a `.to(device)` copy inside its graph, so autograd sums both gradients into
-the one parameter.
+the one parameter. A stage the plan recomputes (`StagePlan.recompute`) is that graph called
+through runtime.recompute, which keeps less for backward and reruns what it dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
 from runtime.mutation import after, check_cuts, mutated_inputs
 from runtime.plan import Plan
+from runtime.recompute import wrap
 
 __all__ = ["Stage", "build_stages", "stage_io", "tensor_stages", "weight_groups"]
 
@@ -324,4 +326,7 @@ def _build_one(
         graph.call_function(exit_autocast, (context,))
     graph.output(tuple(env[name] for name in outputs))
     module = torch.fx.GraphModule(attrs, graph, f"stage{s}")
-    return Stage(s, device, module, inputs, outputs, deferred, mutated_inputs(module))
+    writes = mutated_inputs(module)
+    if plan.recomputes:  # every stage, "none" ones too: see [Note: recomputation replays the stage's random numbers]
+        module = wrap(module, plan.stages[s].recompute, device, deferred, writes)
+    return Stage(s, device, module, inputs, outputs, deferred, writes)

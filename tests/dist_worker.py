@@ -1,9 +1,9 @@
 """Worker for tests/test_distributed.py: run under torchrun (or with RANK/WORLD_SIZE set).
 
 Modes:
-  equivalence CASES  each case 'model:schedule:replicas[:placement]' trains steps (the example's shapes,
-                     fewer samples, a shorter sequence) and compares this rank's loss and gradients
-                     with single-process full-batch training
+  equivalence CASES  each case 'model:schedule:replicas[:placement[:eval]][:recompute=MODE]' trains steps
+                     (the example's shapes, fewer samples, a shorter sequence) and compares this rank's loss
+                     and gradients with single-process full-batch training
   checkpoint DIR     train 3, save, train 3, then rebuild with another plan, load, train 3
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
   resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
@@ -58,6 +58,8 @@ def equivalence(cases: list[str]) -> int:
     bad = 0
     for case in cases:
         name, schedule, reps, *rest = case.split(":")
+        recompute = next((r.split("=", 1)[1] for r in rest if r.startswith("recompute=")), "none")
+        rest = [r for r in rest if not r.startswith("recompute=")]
         placement = rest[0] if rest else "pipeline"
         switch_to_eval = rest[1:] == ["eval"]  # partitioned in training, then trained in eval mode
         replicas = "auto" if reps == "auto" else json.loads(reps) if reps != "-" else None
@@ -66,7 +68,7 @@ def equivalence(cases: list[str]) -> int:
         m = 4 if schedule != "interleaved" else 2 * world
         pipe = partition(
             model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule, replicas=replicas,
-            placement=placement,
+            placement=placement, recompute=recompute,
         )
         if switch_to_eval:
             model.eval()
@@ -93,6 +95,8 @@ def equivalence(cases: list[str]) -> int:
         stage_bytes = sum(p.numel() * p.element_size() for p in pipe.stage_modules.parameters())
         # the rank holds exactly its stages' weights (all of them, where every stage reads a tied weight)
         ok = worst < 1e-5 and loss_err < 1e-5 and local_bytes == stage_bytes
+        if recompute != "auto":  # every stage recomputes as asked
+            ok = ok and all(s.recompute == recompute for s in pipe.plan.stages)
         if placement == "branches":  # the branches really sit on both ranks
             ok = ok and {s.ranks[0] for s in pipe.plan.stages} == set(range(world))
         bad += not ok

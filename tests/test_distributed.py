@@ -60,8 +60,8 @@ def check_equivalence(ranks: int, cases: list[str], nccl_rules: bool = True) -> 
 
 def test_two_ranks_every_schedule() -> None:
     check_equivalence(  # mode_dependent: partitioned in training, trained in eval (the eval graph runs)
-        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "inception:1f1b:-",
-            "inception:gpipe:-:branches", "mode_dependent:1f1b:-:pipeline:eval"],
+        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:zb1:-", "tiny_gpt:zbv:-",
+            "inception:1f1b:-", "inception:gpipe:-:branches", "mode_dependent:1f1b:-:pipeline:eval"],
     )
 
 
@@ -73,7 +73,7 @@ def test_two_ranks_plain_torch_distributed() -> None:
 def test_three_ranks_schedules_and_uneven_replicas() -> None:
     # [2,1]: stage 0 on ranks 0 and 1 taking micro-batches in turn, stage 1 on rank 2
     check_equivalence(3, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:gpipe:[2,1]", "tiny_gpt:1f1b:[2,1]",
-                          "in_place:1f1b:-"])  # in-place writes on one rank, read on another
+                          "tiny_gpt:zb1:[2,1]", "in_place:1f1b:-"])  # in-place writes on one rank, read on another
 
 
 def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
@@ -141,3 +141,9 @@ def test_a_planning_error_on_rank_0_reaches_every_rank() -> None:
     assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]
     assert any("InfeasibleError" in line for line in lines) and any("rank 0 could not plan" in line for line in lines)
     assert time.monotonic() - start < 100
+
+
+def test_two_ranks_recompute_activations() -> None:
+    # the torchrun runtime recomputes too: full and selective, GPipe and 1F1B, equal to full-batch training
+    check_equivalence(2, ["tiny_gpt:1f1b:-:recompute=full", "tiny_gpt:gpipe:-:recompute=selective",
+                          "inception:1f1b:-:recompute=selective"])

@@ -59,7 +59,22 @@ def test_old_files_load_and_bad_fields_are_named() -> None:
         Plan.from_json(json.dumps(bad))
     assert str(error.value).splitlines() == [
         "invalid plan:",
-        "- schedule='zigzag'; use one of gpipe, 1f1b, interleaved",
+        "- schedule='zigzag'; use one of gpipe, 1f1b, interleaved, zb1, zbv",
         "- micro_batches=0; use an integer >= 1",
         "- stage 1 reads from stages [1]; a stage reads only earlier stages",
     ]
+
+
+def test_recompute_round_trips_defaults_to_none_and_is_checked() -> None:
+    plan = make()
+    plan.stages[1].recompute = "selective"
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded == plan and [s.recompute for s in loaded.stages] == ["none", "selective"]
+    assert "recompute none, selective" in plan.summary().splitlines()[-1] and "recompute" not in make().summary()
+    old = json.loads(make().to_json())
+    for stage in old["stages"]:
+        del stage["recompute"]  # a plan written before the field existed
+    assert Plan.from_json(json.dumps(old)) == make()
+    old["stages"][0]["recompute"] = "some"
+    with pytest.raises(ValueError, match=r"stages\[0\].recompute='some'; use one of none, selective, full"):
+        Plan.from_json(json.dumps(old))

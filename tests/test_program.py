@@ -1,4 +1,4 @@
-"""Per-rank programs against literal tables: GPipe on two ranks, 1F1B with a replicated stage, text, errors."""
+"""Per-rank programs against literal tables: GPipe on two ranks, 1F1B with a replicated stage, ZB-H1, text, errors."""
 
 from __future__ import annotations
 
@@ -104,3 +104,46 @@ def test_actions_on_the_wrong_rank_are_errors_and_idle_ranks_only_step() -> None
     plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0]), StagePlan(1, "cpu", ["b"], ranks=[2], reads_from=[0])])
     idle = plan_programs(plan, devices={1: "cuda:1"})[1]  # a rank with no stage only ends the step
     assert (idle.device, [str(op) for op in idle.ops]) == ("cuda:1", ["STEP"])
+
+
+def zb1_two_ranks() -> Plan:
+    return Plan([StagePlan(0, "cpu", ["a"], ranks=[0]), StagePlan(1, "cpu", ["b"], ranks=[1], reads_from=[0])],
+                micro_batches=2, schedule="zb1")
+
+
+def test_zero_bubble_literal_split_backwards_and_w_moves_nothing() -> None:
+    # rank 0: 0F0 0F1 0B0 0W0 0B1 0W1; rank 1: 1F0 1B0 1F1 1B1 1W0 1W1 (runtime.schedule.zero_bubble_h1)
+    assert texts(zb1_two_ranks()) == [
+        "F s0 mb0 t0\nSEND s0->s1 mb0 r1 t0\nF s0 mb1 t1\nSEND s0->s1 mb1 r1 t1\nRECV s1->s0 mb0 r1 t2\n"
+        "B s0 mb0 t3 split\nW s0 mb0 t4\nRECV s1->s0 mb1 r1 t4\nB s0 mb1 t5 split\nW s0 mb1 t6\nSTEP",
+        "RECV s0->s1 mb0 r0 t0\nF s1 mb0 t1\nRECV s0->s1 mb1 r0 t1\nB s1 mb0 t2 split\nSEND s1->s0 mb0 r0 t2\n"
+        "F s1 mb1 t3\nB s1 mb1 t4 split\nSEND s1->s0 mb1 r0 t4\nW s1 mb0 t5\nW s1 mb1 t6\nSTEP",
+    ]
+    for program in plan_programs(zb1_two_ranks()):
+        assert parse_program(program.text()) == program.ops  # 'split' survives the text
+    assert Op.parse("B s2 mb0 t1 split") == Op("B", stage=2, microbatch=0, tick=1, split=True)
+    with pytest.raises(ValueError, match="cannot parse op 'W s1 mb0 t3 split'"):
+        Op.parse("W s1 mb0 t3 split")
+
+
+def test_zero_bubble_allreduce_follows_the_last_w_and_forward_only_drops_w() -> None:
+    programs = plan_programs(zb1_two_ranks(), [([0, 1], [0, 1])])  # a weight both stages read
+    for p in programs:
+        assert [str(op) for op in p.ops[-2:]] == ["AR r0,1 t6", "STEP"]  # after W s0 mb1 t6 and W s1 mb1 t6
+    forward = plan_programs(zb1_two_ranks(), forward_only=True)
+    assert {op.kind for p in forward for op in p.ops} == {"F", "SEND", "RECV", "STEP"}
+
+
+def test_a_w_without_its_b_or_an_action_twice_is_named() -> None:
+    with pytest.raises(ValueError, match=r"deadlocks: no rank can run its next action \(rank 0 at 0W1\)"):
+        lower([[Action(0, "F", 0), Action(0, "B", 0), Action(0, "W", 1)]], [[]], [[0]], ["cpu"])
+    with pytest.raises(ValueError, match="0F0 is listed twice"):
+        lower([[Action(0, "F", 0), Action(0, "F", 0)]], [[]], [[0]], ["cpu"])
+
+
+def test_a_stage_that_recomputes_selectively_runs_its_backward_whole() -> None:
+    plan = zb1_two_ranks()
+    plan.stages[1].recompute = "selective"  # torch's selective checkpoint allows one backward per region
+    rank0, rank1 = plan_programs(plan)
+    assert any(op.kind == "W" for op in rank0.ops) and all(op.split for op in rank0.ops if op.kind == "B")
+    assert not any(op.kind == "W" or op.split for op in rank1.ops)

@@ -1,9 +1,12 @@
-"""Schedules against literal tables: clock cycles, GPipe, 1F1B, interleaved 1F1B and the text format."""
+"""Schedules against literal tables: clock cycles, GPipe, 1F1B, interleaved 1F1B, zero-bubble and the text format."""
 
 from __future__ import annotations
 
 import pytest
 
+from partitioner.schedule_sim import ScheduleError, check_schedule, simulate_schedule
+from runtime.plan import Plan, StagePlan
+from runtime.program import lower
 from runtime.schedule import (
     Action,
     clock_cycles,
@@ -12,6 +15,10 @@ from runtime.schedule import (
     interleaved_one_f_one_b,
     one_f_one_b,
     parse_schedule,
+    rank_schedule,
+    v_stage_ranks,
+    zero_bubble_h1,
+    zero_bubble_v,
 )
 
 
@@ -60,7 +67,8 @@ def test_schedule_argument_errors() -> None:
 def test_action_round_trip() -> None:
     assert str(Action(1, "F", 0)) == "1F0"
     assert Action.parse("12B3") == Action(12, "B", 3)
-    for text in ("0F0", "3B11", "10F2"):
+    assert Action.parse("2W1") == Action(2, "W", 1)
+    for text in ("0F0", "3B11", "10F2", "4W0"):
         assert str(Action.parse(text)) == text
     with pytest.raises(ValueError, match="cannot parse action '1X0'"):
         Action.parse("1X0")
@@ -78,3 +86,76 @@ def test_format_parse_round_trip() -> None:
     assert parse_schedule(format_schedule([[], [Action(0, "F", 0)]])) == [[], [Action(0, "F", 0)]]
     with pytest.raises(ValueError, match="labelled device '1' but is device 0"):
         parse_schedule("1: 0F0")
+
+
+def test_zero_bubble_h1_tables() -> None:
+    # Stage s puts the W of micro-batch k - s after its k-th B; the W's it held back end its list.
+    assert rows(zero_bubble_h1(4, 2)) == [
+        "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3",
+        "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3",
+    ]
+    assert rows(zero_bubble_h1(6, 3)) == [
+        "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0F4 0B2 0W2 0F5 0B3 0W3 0B4 0W4 0B5 0W5",
+        "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1F4 1B3 1W2 1F5 1B4 1W3 1B5 1W4 1W5",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2F4 2B4 2W2 2F5 2B5 2W3 2W4 2W5",
+    ]
+    # Without the W's, the order is 1F1B's.
+    for m, p in ((4, 2), (6, 3), (2, 3)):
+        assert [[a for a in actions if a.kind != "W"] for actions in zero_bubble_h1(m, p)] == one_f_one_b(m, p)
+
+
+def test_zero_bubble_v_table() -> None:
+    assert v_stage_ranks(3) == [[0], [1], [2], [2], [1], [0]]
+    assert rows(zero_bubble_v(4, 2)) == [
+        "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3",
+        "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3",
+    ]
+    # Fewer micro-batches than 2p - 1: the same order without the missing ones.
+    assert rows(zero_bubble_v(1, 2)) == ["0F0 3F0 3B0 3W0 0B0 0W0", "1F0 2F0 2B0 2W0 1B0 1W0"]
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zero_bubble_schedules_are_complete_ordered_and_lower_without_deadlock(p: int) -> None:
+    for m in sorted({1, 2, 3, p, 2 * p - 1, 2 * p + 3}):
+        for name, stages in (("zb1", p), ("zbv", 2 * p)):
+            ranks = [[s] for s in range(p)] if name == "zb1" else v_stage_ranks(p)
+            chain = [[s - 1] if s else [] for s in range(stages)]
+            lists = rank_schedule(name, m, ranks, chain)
+            # every F, B and W exactly once; F before B before W (else the replay deadlocks)
+            checked = check_schedule(lists, stages, m)
+            assert sum(map(len, lists)) == 3 * stages * m
+            programs = lower(lists, chain, ranks, ["cpu"] * p)  # lowering finishes: no deadlock
+            assert [program.compute() for program in programs] == lists
+            if name == "zb1":  # activations live F to W: p on every stage, 1F1B's peak (stage 0's)
+                assert checked.peak_in_flight == [min(p, m)] * p
+                assert max(checked.peak_in_flight) <= max(check_schedule(one_f_one_b(m, p), p, m).peak_in_flight)
+
+
+def test_checker_names_a_w_before_its_b_and_a_missing_w() -> None:
+    with pytest.raises(ScheduleError, match=r"0W0 needs 0B0"):
+        check_schedule(parse_schedule("0F0 0W0 0B0"), 1, 1)
+    with pytest.raises(ScheduleError, match="1 actions missing: 0W1"):
+        check_schedule(parse_schedule("0F0 0B0 0W0 0F1 0B1"), 1, 2)
+
+
+def test_zero_bubble_layout_errors() -> None:
+    with pytest.raises(ValueError, match=r"zbv runs 2 x 2 stages in a V .*\[\[0\], \[1\], \[1\], \[0\]\]"):
+        rank_schedule("zbv", 4, [[0], [1], [0], [1]], [[], [0], [1], [2]])
+    with pytest.raises(ValueError, match="rank 0 runs stages 0 and 1 under 'zb1'"):
+        rank_schedule("zb1", 4, [[0], [0]], [[], [0]])
+    with pytest.raises(ValueError, match="use 'gpipe', '1f1b', 'interleaved', 'zb1' or 'zbv'"):
+        rank_schedule("zb2", 4, [[0]], [[]])
+
+
+def test_zero_bubble_h1_shrinks_the_bubble() -> None:
+    # F 1 ms, backward 2 ms (B 1 + W 1; stage 0, reading nothing, has all of it in W), no transfers.
+    # 1F1B: 3 (m + p - 1) = 15 ms. ZB-H1 (hand-checked): stage 1 runs F0 1-2, B0 2-3, F1 3-4,
+    # B1 4-5, W0 5-6, F2 6-7, B2 7-8, W1 8-9, F3 9-10, B3 10-11, W2, W3: 13 ms, bubble (p - 1) ms.
+    plan = Plan([StagePlan(s, f"cuda:{s}", [], forward_ms=1.0, backward_ms=2.0) for s in range(2)], micro_batches=4)
+    assert simulate_schedule(plan, one_f_one_b(4, 2)).makespan_ms == 15.0
+    timeline = simulate_schedule(plan, zero_bubble_h1(4, 2))
+    assert timeline.makespan_ms == 13.0
+    assert [round(d.busy_ms, 6) for d in timeline.devices] == [12.0, 12.0]
+    # ZB-V on the same work cut into 4 half stages: a bubble of p - 1 = 1 half forward, 12.5 ms.
+    halves = Plan([StagePlan(s, "cpu", [], forward_ms=0.5, backward_ms=1.0) for s in range(4)], micro_batches=4)
+    assert simulate_schedule(halves, zero_bubble_v(4, 2)).makespan_ms == 12.5

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from models import GPT, GPTConfig  # noqa: E402
 
 from partitioner import partition  # noqa: E402
-from tests.zoo import ZOO  # noqa: E402
+from tests.zoo import ZOO, rel  # noqa: E402
 
 
 def timed(device: torch.device, fn: Callable[[], Any]) -> float:
@@ -146,10 +146,6 @@ def fidelity(args: argparse.Namespace, device: torch.device) -> tuple[float, flo
     return max(time_errors), memory_error
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
 
 def equivalence(device: torch.device) -> bool:
     """Every zoo model: outputs and gradients of 2 stages on `device` against the plain model."""
@@ -172,8 +168,8 @@ def equivalence(device: torch.device) -> bool:
                 refs = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
                 sum(t.float().square().mean() for t in outs).backward()  # type: ignore[union-attr]
                 sum(t.float().square().mean() for t in refs).backward()  # type: ignore[union-attr]
-            worst = max([_rel(a, b) for a, b in zip(outs, refs)]
-                        + [_rel(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
+            worst = max([rel(a, b) for a, b in zip(outs, refs)]
+                        + [rel(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
                            if p.grad is not None and q.grad is not None], default=0.0)
             good = len(outs) == len(refs) and worst <= tolerance
             ok = ok and good

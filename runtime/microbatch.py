@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 __all__ = [
     "MergeRule", "OutputMergeSpec", "InputSplitSpec", "batch_size", "check_merge_spec", "gather", "graph_output",
-    "SplitDim", "output_paths", "plain_containers", "scatter", "split_sizes", "to_device",
+    "SplitDim", "output_paths", "plain_containers", "scatter", "split_sizes", "tensors_in", "to_device",
 ]
 
 # [Note: merging micro-batches never guesses]
@@ -203,6 +203,11 @@ def graph_output(output_node: torch.fx.Node, values: dict[str, Any], constants: 
     return plain_containers(
         torch.fx.node.map_arg(output_node.args[0], lambda n: values[n.name] if n.name in values else constants[n.name])
     )
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of `value` (a tensor or a structure of them), in pytree order."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def to_device(value: Any, device: torch.device) -> Any:

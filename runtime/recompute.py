@@ -47,6 +47,7 @@ from torch.utils.checkpoint import (
 )
 
 from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
+from runtime.microbatch import tensors_in
 from runtime.mutation import mutated_arg
 from runtime.plan import RecomputeMode
 
@@ -91,7 +92,7 @@ def selective_policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwa
     if op in KEPT_OPS and (torch.Tag.nondeterministic_seeded not in op.tags or _dropout_p(op, args, kwargs) == 0):
         cached = getattr(_ledger, "tensors", None)
         if cached is not None:
-            cached.extend(t for t in _tensors(ctx.op_output))
+            cached.extend(t for t in tensors_in(ctx.op_output))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -102,10 +103,6 @@ def _dropout_p(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
             value = args[k] if k < len(args) else kwargs.get("dropout_p", argument.default_value)
             return float(value or 0.0)
     return 0.0
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class RecomputedStage(nn.Module):

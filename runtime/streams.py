@@ -20,7 +20,8 @@ import threading
 from typing import Any, Iterator
 
 import torch
-import torch.utils._pytree as pytree
+
+from runtime.microbatch import tensors_in
 
 __all__ = ["CopyStreams", "Handoff", "compute_stream", "current", "join_caller", "record_on", "use_stream"]
 
@@ -44,15 +45,11 @@ def use_stream(stream: Any) -> Iterator[None]:
         yield
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def record_on(value: Any, stream: Any) -> None:
     """Tell the allocator `stream` uses every CUDA tensor of `value` (so it is not reused too early)."""
     if stream is None:
         return
-    for t in _tensors(value):
+    for t in tensors_in(value):
         if t.is_cuda and t.device == stream.device:
             t.record_stream(stream)
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from partitioner import partition  # noqa: E402
 from runtime.checkpoint import consolidate  # noqa: E402
 from tests import zoo  # noqa: E402
+from tests.zoo import rel  # noqa: E402
 
 
 def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,9 +49,6 @@ def data(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch
     y = torch.randint(0, out.shape[-1], out.shape[:-1])
     return model, x, y
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def equivalence(cases: list[str]) -> int:

@@ -14,13 +14,10 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from partitioner import partition
-from tests.zoo import ZOO
+from tests.zoo import ZOO, rel
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
 def _gpus(n: int) -> list[str]:
@@ -52,12 +49,12 @@ def _check(name: str, devices: list[str], threads: bool | None = None, micro_bat
     refs = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     assert len(outs) == len(refs) > 0
     for a, b in zip(outs, refs):
-        assert _rel(a, b.to(a.device)) < 1e-5
+        assert rel(a, b.to(a.device)) < 1e-5
     sum(t.float().square().mean() for t in outs).backward()  # type: ignore[union-attr]
     sum(t.float().square().mean() for t in refs).backward()  # type: ignore[union-attr]
     for p, q in zip(model.parameters(), reference.parameters()):
         if q.grad is not None:
-            assert p.grad is not None and _rel(p.grad, q.grad.to(p.device)) < 1e-5
+            assert p.grad is not None and rel(p.grad, q.grad.to(p.device)) < 1e-5
 
 
 @pytest.mark.cuda
@@ -90,7 +87,7 @@ def test_branch_slots_sharing_a_gpu_run_on_their_own_streams() -> None:
     expected.backward()
     assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
     for p, q in zip(model.parameters(), reference.parameters()):
-        assert _rel(p.grad, q.grad) < 1e-5  # type: ignore[arg-type]
+        assert rel(p.grad, q.grad) < 1e-5  # type: ignore[arg-type]
 
 
 @pytest.mark.cuda

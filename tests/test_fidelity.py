@@ -20,12 +20,10 @@ from partitioner.graph import owning_module
 from partitioner.trace import trace
 from tests import zoo
 from tests.test_distributed import check_equivalence
+from tests.zoo import rel
 
 TOL = 1e-5
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-12))
 
 
 def weighted_sum(out: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from cost_model.analytic import AnalyticCostModel
 from partitioner import PartitionError, partition
 from tests import zoo
+from tests.zoo import rel
 
 
 def leaves(out: Any) -> list[torch.Tensor]:
@@ -23,9 +24,6 @@ def loss_fn(out: Any, targets: list[torch.Tensor]) -> torch.Tensor:
     return sum(((a - t) ** 2).flatten(1).sum(1).mean() if a.dim() > 1 else ((a - t) ** 2).mean()
                for a, t in zip(leaves(out), targets))  # type: ignore[return-value]
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 CASES = [

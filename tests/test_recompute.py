@@ -19,13 +19,11 @@ from cost_model.recompute_cost import recompute_costs
 from partitioner import PartitionError, partition, plan
 from runtime.recompute import kept_bytes
 from tests import zoo
+from tests.zoo import rel
 
 MODES = ["selective", "full"]
 SETTINGS = [(schedule, threads) for schedule in ("gpipe", "1f1b") for threads in (False, True)]
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12))
 
 
 def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:

@@ -18,12 +18,10 @@ from torch import nn
 from cost_model.analytic import AnalyticCostModel
 from partitioner import partition
 from tests import zoo
+from tests.zoo import rel
 
 SETTINGS = [(stages, threads) for stages in (2, 3) for threads in (False, True)]
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12))
 
 
 def build(model: nn.Module, x: torch.Tensor, stages: int, threads: bool, schedule: str = "gpipe", m: int = 4) -> Any:

@@ -15,6 +15,12 @@ BATCH = 7  # odd on purpose: 3 and 4 micro-batches are uneven (3,2,2 and 2,2,2,1
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of `a` against the reference `b`, in float64 (bf16 outputs compare fairly)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
 class MLP(nn.Module):
     def __init__(self, width: int = 32, depth: int = 5) -> None:
         super().__init__()

@@ -310,6 +310,9 @@ class ProfiledCostModel:
         self._gm = graph_module
         self._inputs = list(flat_inputs)
         self._profiles.clear()
+        prepare = getattr(self.fallback, "prepare", None)
+        if callable(prepare):  # the fallback prices absent devices from the same graph (module kinds, autocast)
+            prepare(graph_module, flat_inputs)
 
     def profile(self, device: torch.device) -> Profile:
         """The profile on `device`, measured (or read from the cache) on first use.

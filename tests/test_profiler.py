@@ -16,10 +16,13 @@ import torch.fx
 from torch import nn
 
 from cost_model import chunks, profiler
+from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import ENV_VAR
 from cost_model.chunks import node_bytes, plan_chunks
+from cost_model.cluster import DeviceSet
 from cost_model.profiler import ProfiledCostModel, profile_graph
 from cost_model.timing import make_timer, materialize
+from partitioner.graph import build_graph
 
 CPU = torch.device("cpu")
 
@@ -320,3 +323,28 @@ def test_cuda_profile_chunk_by_chunk_leaves_the_model_on_cpu(tmp_path: Path) -> 
     assert_unchanged(gm, before, params)
     assert chunked.key == whole.key and list(chunked.forward) == list(whole.forward)
     assert all(t > 0 for t in chunked.forward.values()) and chunked.unmeasured == []
+
+
+def test_prepare_also_prepares_the_analytic_fallback(tmp_path: Path) -> None:
+    """An absent device is priced by the fallback from the same graph: a Conv2d priced as a convolution."""
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    gm = torch.fx.symbolic_trace(Conv())
+    inputs = [torch.randn(2, 8, 16, 16)]
+    graph = build_graph(gm, inputs)
+    node = dict(graph.nodes["conv"])
+    node["name"] = "conv"
+    absent = torch.device("cuda", 0)
+    described = {"devices": {"cuda:0": {"gpu_type": "H100-SXM"}}}
+    alone, fallback = (AnalyticCostModel(DeviceSet.from_dict(described)) for _ in range(2))
+    alone.prepare(gm, inputs)
+    model = ProfiledCostModel(gm, inputs, fallback=fallback, cache_dir=str(tmp_path), progress=False,
+                              present=lambda d: d.type == "cpu")
+    assert fallback._kinds == {"conv": "Conv2d"}
+    assert model.node_time(node, absent) == pytest.approx(alone.node_time(node, absent))

@@ -138,3 +138,13 @@ def test_resolve_devices_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_link_round_trip() -> None:
     link = Link("loopback", 60e-6, 2.5e9)
     assert Link.from_dict(link.to_dict()) == link
+
+
+def test_measuring_a_device_leaves_the_global_random_state_alone() -> None:
+    """Planning measures the CPU once per process; the user's RNG stream must not move (dropout, init)."""
+    from cost_model import devices
+
+    devices._measure.cache_clear()
+    before = torch.get_rng_state()
+    devices.measure_device(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)

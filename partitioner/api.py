@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model.analytic import CostModel
+from cost_model.analytic import AnalyticCostModel, CostModel
 from cost_model.devices import DeviceLike, resolve_devices
+from partitioner.assemble import price_update
 from partitioner.errors import PartitionError
 from partitioner.fidelity import (
     Cuts,
@@ -24,9 +25,12 @@ from partitioner.fidelity import (
     input_dims,
 )
 from partitioner.graph import build_graph
+from partitioner.meta import is_meta, on_meta, shapes_only
 from partitioner.planning import (
     RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
     RecomputeChoice,
+    ScheduleChoice,
     finish_plan,
     plan_traced,
     same_cuts,
@@ -34,18 +38,23 @@ from partitioner.planning import (
 )
 from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
+from runtime.async_updates import check_async_plan
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed, init_process_group, job_devices, joined_devices
+from runtime.materialize import Init, Materializer
 from runtime.microbatch import batch_size, scatter, to_device
 from runtime.pipeline import Pipeline, StageGraph
-from runtime.plan import Plan, Schedule
+from runtime.plan import UPDATES, Plan, Update
 from runtime.stage import build_stages, stage_io, weight_groups
+from runtime.staleness import check_staleness
+from runtime.weights import Weights, open_weights
 
 __all__ = ["describe_model", "partition", "plan"]
 
 PlacementChoice = Literal["pipeline", "branches", "auto"]
-_SCHEDULES: tuple[str, ...] = get_args(Schedule)
+_SCHEDULES: tuple[str, ...] = SCHEDULE_CHOICES  # the Plan's Schedule, or "auto"
 _PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
+_T = TypeVar("_T")
 
 
 def plan(
@@ -55,7 +64,7 @@ def plan(
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     micro_batches: int = 1,
-    schedule: Schedule = "gpipe",
+    schedule: ScheduleChoice = "gpipe",
     placement: PlacementChoice = "pipeline",
     replicas: Sequence[int] | Literal["auto"] | None = None,
     virtual_stages: int = 2,
@@ -65,6 +74,7 @@ def plan(
     split_points: SplitPoints = "markers",
     split_spec: Mapping[str, SplitPoint] | None = None,
     recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
+    update: Update = "sync",
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -80,9 +90,12 @@ def plan(
     check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
-    return plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
-                        placement, replicas == "auto", multi, cuts_from(split_points, split_spec), recompute)
+    cost_model = _default_cost(model, cost_model)
+    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
+                                        input_split_spec)
+    return _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
+                                        stage_ranks, cost_model, micro_batches, schedule, placement, replicas == "auto",
+                                        multi, cuts_from(split_points, split_spec), recompute), planned=True)
 
 
 def partition(
@@ -92,7 +105,7 @@ def partition(
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     micro_batches: int = 1,
-    schedule: Schedule = "gpipe",
+    schedule: ScheduleChoice = "gpipe",
     placement: PlacementChoice = "pipeline",
     replicas: Sequence[int] | Literal["auto"] | None = None,
     virtual_stages: int = 2,
@@ -105,6 +118,10 @@ def partition(
     split_points: SplitPoints = "markers",
     split_spec: Mapping[str, SplitPoint] | None = None,
     recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
+    weights: Weights | None = None,
+    init: Init | None = None,
+    update: Update = "sync",
+    staleness: int = 0,
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -119,7 +136,9 @@ def partition(
         schedule: "gpipe", "1f1b", "interleaved" (interleaved 1F1B, `virtual_stages` stages
             per device), "zb1" (zero-bubble ZB-H1: 1F1B with weight gradients deferred into the
             bubble) or "zbv" (zero-bubble ZB-V: 2 stages per device in a V). Every schedule runs
-            in one process (`pipe.train_step`) and under torchrun.
+            in one process (`pipe.train_step`) and under torchrun. "auto": each schedule this
+            layout can run is simulated and the fastest that fits memory is kept; the plan holds
+            it (`plan.schedule`) and every candidate's predicted ms (`plan.alternatives`).
         placement: "pipeline" (contiguous stages, one per device), "branches" (parallel
             branches of fork/join regions side by side on the devices, the rest on the first)
             or "auto" (whichever the simulator predicts faster).
@@ -147,6 +166,23 @@ def partition(
             backward) or "auto" (per stage, the cheapest that fits the device's memory). Results
             equal the run without it, dropout included. A given `plan` carries its own
             (`plan.stages[s].recompute`).
+        weights: where the weights come from, read by state-dict key one tensor at a time and
+            only for the stages this process holds: a .safetensors file, a folder of them (with
+            or without model.safetensors.index.json), a DCP checkpoint folder, a torch.save file,
+            or a Mapping[str, Tensor]. Required (or `init`) for a model on `meta`, which is then
+            traced and planned from shapes (the analytic cost model unless `cost_model` is
+            given) and materialized stage by stage on its devices; a model with real weights
+            loads them too (strictly: every key it holds). See runtime.materialize for the rules.
+        init: for a model on `meta`: a callable `init(module)` run on each module whose tensors
+            a stage materializes (under a per-module seed, so the split and the rank do not change
+            the values), or "reset_parameters" (each module's own); with `weights`, init runs
+            first and the checkpoint overwrites what it holds.
+        staleness: torchrun only: bounded-staleness data parallelism for weights held by several
+            ranks (stage replicas, tied weights): each rank all-reduces its step-t gradients in the
+            background and the update of step t uses the sums of step t - staleness (in the first
+            `staleness` steps those weights get no gradient, so the optimizer leaves them). 0 (the
+            default) is the synchronous all-reduce. Call `pipe.wait_gradients()` on every rank
+            before destroy_process_group. See [Note: bounded staleness] in runtime.staleness.
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -168,52 +204,83 @@ def partition(
         schedule, virtual_stages = plan.schedule, max(plan.virtual_stages, 2)
         if micro_batches == 1 and plan.micro_batches != 1:
             micro_batches = plan.micro_batches
+    planned = _check_update(update, plan.schedule if plan is not None else schedule, plan is None)
     resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
+    staleness = _check_staleness(staleness)
+    fill = _materializer(model, weights, init)
+    cost_model = _default_cost(model, cost_model)
     if distributed():
-        return _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
+        pipe = _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
                                       schedule, replicas, virtual_stages, timeout, placement,
-                                      cuts_from(split_points, split_spec), input_split_spec, recompute)
+                                      cuts_from(split_points, split_spec), input_split_spec, recompute, fill)
+        pipe.staleness = staleness
+        return _with_update(update, pipe, planned=planned)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
+    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
+                                        input_split_spec)
     gm = traced.graph_module
     dims = input_dims(model, traced, input_split_spec)
-    batched = batched_outputs(traced, flat, first_chunk, dims, micro_batches)
+    batched = _shaped(model, traced, batched_outputs, traced, flat, first_chunk, dims, micro_batches)
     if plan is None:
-        plan = plan_traced(model, traced, flat, first_chunk, resolved, stage_ranks, cost_model, micro_batches, schedule,
-                            placement, False, False, cuts_from(split_points, split_spec), recompute)
+        plan = _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks, cost_model,
+                       micro_batches, schedule, placement, False, False, cuts_from(split_points, split_spec),
+                       recompute)
     elif plan.micro_batches != micro_batches:
         plan.micro_batches = micro_batches
         plan.programs = []
-    stages, undo = _build(gm, plan)
+    stages, undo = _build(gm, plan, fill=fill)
     undos = [undo]
     try:
         finish_plan(plan, gm, model, processes=False, regenerate=False)
         other = None
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
             other_plan = same_cuts(traced.other_mode, plan)
-            other_stages, other_undo = _build(traced.other_mode, other_plan)
+            other_stages, other_undo = _build(traced.other_mode, other_plan, fill=fill)
             undos.append(other_undo)
             finish_plan(other_plan, traced.other_mode, model, processes=False, regenerate=False)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan)
         output_node, placeholders, constants = _graph_io(gm)
-        return Pipeline(model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs,
-                        traced.unflatten_outputs, placeholders, threads, traced.mutated_inputs, other,
-                        traced.other_mode_error, batched_outputs=batched, output_merge_spec=output_merge_spec,
-                        input_dims=dims)
+        return _with_update(update, Pipeline(
+            model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs, traced.unflatten_outputs,
+            placeholders, threads, traced.mutated_inputs, other, traced.other_mode_error, batched_outputs=batched,
+            output_merge_spec=output_merge_spec, input_dims=dims), planned=planned)
     except BaseException:
         for u in reversed(undos):
             u()
         raise
 
 
+def _check_update(update: str, schedule: str, planned: bool) -> bool:
+    """partition(update=...) before anything moves: a known rule, on the 1F1B schedule it streams."""
+    if update not in UPDATES:
+        raise PartitionError(f"update={update!r}; use one of {', '.join(map(repr, UPDATES))}")
+    if update != "sync" and schedule != "1f1b":
+        raise PartitionError(f"update={update!r} streams 1F1B with no flush between steps; use schedule='1f1b'")
+    return planned
+
+
+def _with_update(update: Update, made: _T, *, planned: bool) -> _T:
+    """Give the plan of `made` (a Plan or a pipeline) its update rule, check it can run, and price it
+    (partitioner.assemble.price_update) where the plan was made here (a given plan was priced already)."""
+    plan = made if isinstance(made, Plan) else made.plan  # type: ignore[attr-defined]
+    if update != "sync":
+        plan.update = update
+    problems = check_async_plan(plan)
+    if problems:
+        raise PartitionError("cannot run asynchronous updates:\n" + "\n".join(f"- {p}" for p in problems))
+    if planned:
+        price_update(plan)
+    return made
+
+
 def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
-           device: torch.device | None = None) -> tuple[list[Any], Any]:
+           device: torch.device | None = None, fill: Materializer | None = None) -> tuple[list[Any], Any]:
     """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
     try:
-        return build_stages(gm, plan, local=local, device=device)
+        return build_stages(gm, plan, local=local, device=device, materialize=fill)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 
@@ -258,12 +325,61 @@ def _check_arguments(
     home = _model_device(model)  # tracing runs the model as it is: the example goes where its weights are
     if home is not None:
         args, kwargs = to_device(args, home), to_device(kwargs, home)
-    if placement != "pipeline" and (replicas is not None or schedule != "gpipe"):
+    elif is_meta(model):  # planned from shapes: see partitioner.meta
+        args, kwargs = on_meta(args), on_meta(kwargs)
+    if placement != "pipeline" and (replicas is not None or schedule not in ("gpipe", "auto")):
         raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-    if replicas == "auto" and schedule not in ("gpipe", "1f1b"):
+    if replicas == "auto" and schedule not in ("gpipe", "1f1b", "auto"):
         raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule 'gpipe' or '1f1b', "
                              f"not {schedule!r}; pick one of those, or give replicas yourself")
     return resolved, args, kwargs
+
+
+def _materializer(model: nn.Module, weights: Weights | None, init: Init | None) -> Materializer | None:
+    """What fills a meta model's stages (and loads `weights` into a real one); None: nothing to fill."""
+    if init is not None and not callable(init) and init != "reset_parameters":
+        raise PartitionError(f"init={init!r}; pass a callable init(module) or 'reset_parameters'")
+    meta = is_meta(model)
+    if meta and weights is None and init is None:
+        raise PartitionError(
+            f"{type(model).__name__} has weights on meta (no storage): pass weights= (a safetensors file or folder, "
+            "a DCP folder, a torch.save file or a state dict) to load each stage's weights on its device, or init= "
+            "(a callable init(module), or 'reset_parameters') to initialize them there"
+        )
+    if weights is None and (init is None or not meta):
+        if init is not None:
+            raise PartitionError("init= initializes a model on meta; this model's weights are real: drop init=, "
+                                 "or build the model on meta (with torch.device('meta'): ...)")
+        return None
+    return Materializer(model, weights=open_weights(weights) if weights is not None else None, init=init,
+                        load_real=not meta)
+
+
+def _default_cost(model: nn.Module, cost_model: CostModel | None) -> CostModel | None:
+    """The user's cost model; for a model on meta by default the analytic one (profiling needs values)."""
+    return cost_model if cost_model is not None or not is_meta(model) else AnalyticCostModel()
+
+
+def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any) -> _T:
+    """`fn(*args)`; for a model on meta, on meta tensors only (partitioner.meta.shapes_only)."""
+    if not is_meta(model):
+        return fn(*args)
+    with shapes_only(model) as swaps:
+        if traced is not None:
+            swaps.add(model, [g for g in (traced.graph_module, traced.other_mode) if g is not None])
+        return fn(*args)
+
+
+def _check_staleness(staleness: Any) -> int:
+    """`partition(staleness=...)` checked: an int >= 0, and above 0 only under torchrun (where replicas exchange)."""
+    try:
+        steps = check_staleness(staleness)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    if steps and not distributed():
+        raise PartitionError(f"staleness={steps} delays the all-reduce between ranks holding one weight, which only "
+                             "torchrun jobs have (one process shares its weights); launch with torchrun, or drop it")
+    return steps
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
@@ -325,12 +441,14 @@ def _partition_distributed(
     cuts: Cuts | None = None,
     input_split_spec: InputSplitSpec | None = None,
     recompute: Any = "none",
+    fill: Materializer | None = None,
 ) -> DistributedPipeline:
     # each rank resolves its own entry ('cuda' is cuda:LOCAL_RANK) and every rank checks all of them
     devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_ranks = stage_ranks_for(world, schedule, replicas, virtual_stages, True) if plan is None else []
-    traced, flat, first_chunk = _trace_example(model, args, kwargs, micro_batches, input_split_spec)
+    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
+                                        input_split_spec)
     gm = traced.graph_module
     dims = input_dims(model, traced, input_split_spec)
     if plan is None:
@@ -338,8 +456,9 @@ def _partition_distributed(
         failure: BaseException | None = None
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
-                made = plan_traced(model, traced, flat, first_chunk, devices, stage_ranks, cost_model, micro_batches,
-                                    schedule, placement, replicas == "auto", True, cuts, recompute)
+                made = _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, devices, stage_ranks,
+                               cost_model, micro_batches, schedule, placement, replicas == "auto", True, cuts,
+                               recompute)
                 text = [("plan", made.to_json())]
             except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
                 failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]
@@ -357,7 +476,7 @@ def _partition_distributed(
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
     io = stage_io(gm, plan)
-    stages, undo = _build(gm, plan, local=mine, device=devices[rank])
+    stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill)
     undos = [undo]
     try:
         _, placeholders, constants = _graph_io(gm)
@@ -366,7 +485,8 @@ def _partition_distributed(
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
             other_plan = same_cuts(traced.other_mode, plan)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
-            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank])
+            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
+                                              fill=fill)
             undos.append(other_undo)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,

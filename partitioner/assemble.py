@@ -31,6 +31,7 @@ simulates an existing plan again (other weight groups, micro-batches or schedule
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
@@ -39,15 +40,16 @@ import torch
 from cost_model.interface import CostModel, forward_time
 from cost_model.memory import optimizer_states
 from cost_model.recompute_cost import ModeCost, recompute_costs
+from cost_model.update_cost import version_bytes
 from partitioner.errors import PartitionError
-from partitioner.simulator import group_price, in_flight, message_price, replica_groups, simulate
+from partitioner.simulator import group_price, in_flight, message_price, replica_groups, simulate, steady_step_ms
 from partitioner.timeline import Timeline
 from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule, StagePlan
 from runtime.program import Program, plan_programs
 
 __all__ = [
     "Groups", "allreduce_seconds", "assemble", "device_key", "finish", "lower_plan", "merge_groups", "recompute_memory",
-    "recount", "stage_edges",
+    "price_update", "recount", "stage_edges",
 ]
 
 Groups = Sequence[tuple[Sequence[int], Sequence[int]]]  # (ranks, stages) of weights held by several ranks
@@ -118,7 +120,7 @@ def assemble(
     states = optimizer_states(optimizer)
     for stage, flight in zip(plan.stages, in_flight(plan.programs, p)):
         costs = _mode_costs(graph, stage.nodes, [torch.device(stage.device)], cost, timed=False)
-        stage.activation_bytes = flight * (costs[stage.recompute].kept_bytes + stage.recv_bytes)
+        stage.activation_bytes = costs[stage.recompute].held_bytes(flight, stage.recv_bytes)
         buffers = 2 * (stage.recv_bytes + stage.send_bytes)
         stage.memory_bytes = (2 + states) * stage.param_bytes + stage.activation_bytes + buffers
     _predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0), group_price(plan, [], reduce_ms, None))
@@ -184,7 +186,7 @@ def _by_mode(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[tuple[dict[
     found = []
     for stage, flight in zip(plan.stages, flights):
         costs = _mode_costs(graph, stage.nodes, _replica_devices(cost, stage, devices), cost)
-        found.append((costs, {m: flight * (c.kept_bytes + stage.recv_bytes) for m, c in costs.items()}))
+        found.append((costs, {m: c.held_bytes(flight, stage.recv_bytes) for m, c in costs.items()}))
     return found
 
 
@@ -214,7 +216,7 @@ def _mode_costs(graph: nx.DiGraph, names: Sequence[str], devices: Sequence[torch
             for n in names
         ]
         found.append(recompute_costs(nodes, device.type))
-    return {m: ModeCost(found[0][m].kept_bytes, max(c[m].extra_forward_s for c in found)) for m in found[0]}
+    return {m: replace(found[0][m], extra_forward_s=max(c[m].extra_forward_s for c in found)) for m in found[0]}
 
 
 def finish(
@@ -419,3 +421,16 @@ def _predict(
         program.predicted = list(times)
     plan.predicted_step_ms = timeline.makespan_ms
     return timeline
+
+
+def price_update(plan: Plan) -> None:
+    """Price `plan.update` once, after planning: an asynchronous plan ("2bw", "stash") predicts the stream's
+    steady-state batch (partitioner.simulator.steady_step_ms, no flush), and each predicted `memory_bytes`
+    adds the stage's weight versions (cost_model/update_cost.py). Sync plans are left as they are."""
+    if plan.update == "sync":
+        return
+    plan.predicted_step_ms = steady_step_ms(plan)
+    for stage in plan.stages:
+        if stage.memory_bytes:
+            stage.memory_bytes += version_bytes(plan.update, param_bytes=stage.param_bytes, stage=stage.index,
+                                                stages=len(plan.stages))

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
-from runtime.plan import Schedule, human_bytes
+from runtime.plan import RECOMPUTE_MODES, SCHEDULES, human_bytes
 
 __all__ = ["main"]
 
@@ -43,6 +43,12 @@ exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arg
 
 
 PLACEMENTS = ("pipeline", "branches", "auto")
+SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # partitioner.planning.SCHEDULE_CHOICES, without importing the planner
+SCHEDULE_HELP = ("gpipe, 1f1b, interleaved (2 stages per device), zb1 (zero-bubble ZB-H1), zbv (zero-bubble, 2 stages "
+                 "per device in a V) or auto (the fastest predicted that fits memory)")
+RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
+RECOMPUTE_HELP = ("activation recomputation of every stage: none, selective (recompute element-wise ops in backward), "
+                  "full (keep only stage inputs) or auto (per stage, the cheapest that fits; default none)")
 PLACEMENT_HELP = ("pipeline: contiguous stages, one per device; branches: parallel branches side by side; "
                   "auto: whichever is predicted faster (default pipeline)")
 
@@ -82,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Split the model into one pipeline stage per device, print the plan as a "
                                "table and write its picture.", **kw)  # fmt: skip
     _common(plan)
-    plan.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
-                      help="pipeline schedule (default gpipe)")
+    plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="gpipe", help=SCHEDULE_HELP + " (default gpipe)")
+    plan.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none", help=RECOMPUTE_HELP)
     plan.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     plan.add_argument("--out", metavar="PATH", help="write the picture: .html (interactive), .png, .svg or .dot")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan as JSON (reload with `simulate --plan`)")
@@ -109,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--devices", metavar="LIST", help="as for `plan`")
     sim.add_argument("--batch", type=int, metavar="N", help="as for `plan`")
     sim.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches (default: the plan's, else 1)")
-    sim.add_argument("--schedule", choices=("gpipe", "1f1b"), help="schedule (default: the plan's, else gpipe)")
+    sim.add_argument("--schedule", choices=SCHEDULE_CHOICES, help=SCHEDULE_HELP + " (default: the plan's, else gpipe)")
+    sim.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help=RECOMPUTE_HELP + "; not with --plan")
     sim.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     sim.add_argument("--width", type=int, default=72, metavar="COLS", help="characters per timeline row (default 72)")
     sim.add_argument("--out", metavar="PATH", help="also write the plan's picture with this timeline")
@@ -151,6 +158,12 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"--out {path}: the suffix picks the picture; use .html, .png, .svg, .pdf or .dot")
     if args.command == "simulate" and bool(args.target) == bool(args.plan):
         raise UsageError("simulate needs either MODULE:FACTORY or --plan PLAN.json (one of them)")
+    if args.command == "simulate" and args.plan and args.recompute:
+        raise UsageError(f"--recompute {args.recompute} with --plan: a saved plan carries each stage's recomputation; "
+                         "simulate MODULE:FACTORY --recompute ... plans again")
+    if args.command == "simulate" and args.plan and args.schedule == "auto":
+        raise UsageError("--schedule auto with --plan: choosing a schedule re-plans the stages; simulate "
+                         "MODULE:FACTORY --schedule auto instead")
 
 
 @contextmanager
@@ -176,7 +189,7 @@ def _devices(text: str | None) -> list[str]:
     return devices
 
 
-def _make_plan(args: argparse.Namespace, err: Console, schedule: Schedule, micro_batches: int) -> tuple[Any, Example]:
+def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batches: int) -> tuple[Any, Example]:
     """The plan `partition` would run, made by its planning step alone (nothing moves), drawable."""
     from cost_model.devices import resolve_devices
     from partitioner.api import plan as make_plan
@@ -192,8 +205,8 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: Schedule, micro
     doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
     with _step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
-                         micro_batches=micro_batches, schedule=schedule, placement=args.placement,
-                         cost_model=_cost_model(args))
+                         micro_batches=micro_batches, schedule=schedule, placement=args.placement,  # type: ignore[arg-type]
+                         cost_model=_cost_model(args), recompute=args.recompute or "none")
     return Plan.from_plan(plan), example
 
 
@@ -249,11 +262,13 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(
         f"batch {example.batch} in {plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}, "
         f"schedule {plan.schedule}, "
+        + (f"recompute {', '.join(s.recompute for s in plan.stages)}, " if plan.recomputes else "") +
         f"{plan.placement}; bottleneck {plan.bottleneck_ms:.3f} ms per micro-batch (red){bubble}. Times are forward + "
         "backward of one micro-batch; sends: bytes to later stages per micro-batch", markup=False,
     )  # fmt: skip
     if plan.alternatives:
-        out.print("predicted step of each placement compared: " + ", ".join(
+        what = "schedule" if args.schedule == "auto" else "placement"
+        out.print(f"predicted step of each {what} compared: " + ", ".join(
             f"{name} {ms:.3f} ms" for name, ms in plan.alternatives.items()), markup=False)  # fmt: skip
     if note:
         out.print(note, markup=False)
@@ -342,15 +357,20 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         plan, example = _make_plan(args, err, args.schedule or "gpipe", args.micro_batches or 1)
         name = example.name
-    micro_batches, schedule = args.micro_batches or plan.micro_batches, args.schedule or plan.schedule
+    chosen = args.schedule if args.schedule != "auto" else plan.schedule  # auto: the planner chose it
+    micro_batches, schedule = args.micro_batches or plan.micro_batches, chosen or plan.schedule
     changed = (micro_batches, schedule) != (plan.micro_batches, plan.schedule)
     plan.micro_batches, plan.schedule = micro_batches, schedule
     try:  # the programs of the new micro-batches or schedule, priced as the plan's were
         timeline = finish(plan) if changed or not plan.programs else simulate(plan)
     except PartitionError as exc:
         raise UsageError(f"--schedule {plan.schedule} --micro-batches {plan.micro_batches}: {exc}") from None
-    out.print(f"{name}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, schedule {plan.schedule}",
+    out.print(f"{name}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, schedule {plan.schedule}"
+              + (f", recompute {', '.join(s.recompute for s in plan.stages)}" if plan.recomputes else ""),
               markup=False)
+    if plan.alternatives:
+        out.print("predicted step of each candidate compared: " + ", ".join(
+            f"{n} {ms:.3f} ms" for n, ms in plan.alternatives.items()), markup=False)  # fmt: skip
     out.print(timeline.chart(width=args.width), markup=False)
     out.print("F forward, B backward, ~ only transfers or all-reduce, . idle", markup=False)
     table = Table(header_style="bold")

@@ -8,7 +8,7 @@ planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence, cast
+from typing import Any, Literal, Sequence, cast, get_args
 
 import torch
 from torch import nn
@@ -34,14 +34,19 @@ from runtime.recompute import kept_output_writes
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
-    "RECOMPUTE_CHOICES", "RecomputeChoice", "choose", "choose_recompute", "device_capacity", "finish_plan",
-    "plan_traced", "prepared", "same_cuts", "stage_ranks_for", "within_memory",
+    "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "RecomputeChoice", "ScheduleChoice", "choose", "choose_recompute",
+    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "same_cuts", "schedule_layouts",
+    "stage_ranks_for", "within_memory",
 ]
 
 # What `partition(recompute=...)` takes: a mode for every stage, or "auto" (see choose_recompute);
 # or a list of these, one per stage.
 RecomputeChoice = Literal["none", "selective", "full", "auto"]
 RECOMPUTE_CHOICES: tuple[str, ...] = (*RECOMPUTE_MODES, "auto")
+# What `partition(schedule=...)` takes: a schedule, or "auto" (the fastest predicted that fits, see
+# plan_traced). A Plan always holds the concrete schedule it runs.
+ScheduleChoice = Schedule | Literal["auto"]
+SCHEDULE_CHOICES: tuple[str, ...] = (*get_args(Schedule), "auto")
 
 
 def stage_ranks_for(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
@@ -73,7 +78,12 @@ def plan_traced(
     cuts: Cuts | None = None,
     recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
 ) -> DrawablePlan:
-    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions."""
+    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions.
+
+    `schedule="auto"` plans every schedule this layout can run (`schedule_layouts`) and keeps
+    the fastest whose ranks hold their stages (`fits_memory`); `plan.alternatives` records each
+    candidate's predicted step ms ("(over memory)" after the name of one that does not fit).
+    """
     gm = traced.graph_module
     if micro_batches < max(len(r) for r in layout):
         raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
@@ -82,7 +92,6 @@ def plan_traced(
     for node in gm.graph.nodes:  # module classes: what each call saves for backward (cost_model.recompute_cost)
         if node.op == "call_module" and node.name in graph:
             graph.nodes[node.name]["kind"] = type(gm.get_submodule(str(node.target))).__name__
-    recomputing = recompute != "none"
     order = [n.name for n in compute_nodes(gm)]
     forced = forced_cuts(graph, order, cuts or Cuts("markers", {}))
     if forced and (auto or placement != "pipeline"):
@@ -92,6 +101,72 @@ def plan_traced(
     cost = prepared(cost_model, gm, first_chunk)
     if processes:  # every stage replica is a process: ranks on one device still pay for transfers
         cost = BetweenProcesses(cost)
+
+    def place(name: str, ranks: list[list[int]]) -> Plan:
+        return _place(model, gm, graph, flat, order, forced, devices, ranks, cost, micro_batches, name, placement,
+                      auto, processes, recompute)
+
+    if schedule != "auto":
+        return with_graph(place(schedule, layout), graph, cost)
+    if placement != "pipeline":
+        return with_graph(place("gpipe", layout), graph, cost)  # branches run GPipe only
+    made: dict[str, Plan] = {}
+    refused: list[str] = []
+    for name, ranks in schedule_layouts(layout, micro_batches, hybrid=auto).items():
+        try:
+            made[name] = place(name, ranks)
+        except PartitionError as exc:  # this layout cannot run it (or cannot fit at all): not a candidate
+            refused.append(f"{name}: {exc}")
+    if not made:
+        raise PartitionError("schedule='auto' found no schedule that can run this model here:\n"
+                             + "\n".join(f"- {r}" for r in refused))
+    fits = {name: fits_memory(p, cost) for name, p in made.items()}
+    pool = [name for name in made if fits[name]] or list(made)
+    best = min(pool, key=lambda name: made[name].predicted_step_ms)
+    chosen = made[best]
+    chosen.alternatives = {(name if fits[name] else f"{name} (over memory)"): p.predicted_step_ms
+                           for name, p in made.items()}
+    return with_graph(chosen, graph, cost)
+
+
+def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
+                     hybrid: bool = False) -> dict[str, list[list[int]]]:
+    """The schedules `schedule="auto"` compares, each with the stage ranks it runs on.
+
+    1F1B comes first, so it wins a tie with GPipe (same step, fewer activations held).
+    gpipe, 1f1b and zb1 run `layout` (one stage per rank, or replicated stages); interleaved
+    (2 stages per rank, round robin; micro-batches in rounds of one per rank) and zbv (2
+    stages per rank in a V) need one replica per stage and 2 ranks or more. The hybrid
+    planner (replicas="auto") chooses among gpipe and 1f1b only.
+    """
+    chain = [list(r) for r in layout]
+    if hybrid:
+        return {"1f1b": chain, "gpipe": chain}
+    out = {"1f1b": chain, "gpipe": chain, "zb1": chain}
+    world = 1 + max(r for ranks in layout for r in ranks)
+    if world > 1 and all(len(r) == 1 for r in layout):
+        if micro_batches % world == 0:
+            out["interleaved"] = stage_layout(world, "interleaved", None, 2)
+        out["zbv"] = stage_layout(world, "zbv", None, 2)
+    return out
+
+
+def fits_memory(plan: Plan, cost: CostModel) -> bool:
+    """Whether every device holds what its ranks' stages need: `memory_bytes` of each stage a
+    program runs, summed over the programs on the device, within `device_capacity`."""
+    need: dict[str, int] = {}
+    for prog in plan.programs:
+        held = {op.stage for op in prog.ops if op.is_compute}
+        need[prog.device] = need.get(prog.device, 0) + sum(plan.stages[s].memory_bytes for s in held)
+    return all(n <= device_capacity(cost, torch.device(d)) for d, n in need.items())
+
+
+def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[Any], order: list[str],
+           forced: Any, devices: list[torch.device], layout: list[list[int]], cost: CostModel, micro_batches: int,
+           schedule: str, placement: str, auto: bool, processes: bool,
+           recompute: RecomputeChoice | Sequence[RecomputeChoice]) -> Plan:
+    """One schedule's plan on `layout`: placed, recomputation chosen, programs and predictions made."""
+    recomputing = recompute != "none"
     if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
         made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
                            schedules=(schedule,))
@@ -117,7 +192,7 @@ def plan_traced(
     if recomputing:
         choose_recompute(made, graph, gm, cost, recompute)
     finish_plan(made, gm, model, processes=processes, regenerate=True)
-    return with_graph(made, graph, cost)
+    return made
 
 
 def virtual_stages_of(plan: Plan) -> int:

@@ -61,6 +61,7 @@ from partitioner.timeline import (
 from runtime.plan import Plan
 from runtime.program import Op, Program
 from runtime.schedule import Action
+from runtime.stream import Stream, StreamError
 
 __all__ = [
     "ALLREDUCE",
@@ -83,6 +84,7 @@ __all__ = [
     "recorded_prices",
     "replica_groups",
     "simulate",
+    "steady_step_ms",
 ]
 
 Group = tuple[int, ...]
@@ -160,6 +162,35 @@ def simulate(
     programs = plan.programs or _lower(plan)
     return _ProgramRun(plan, programs, message_price(plan, programs, transfer_ms),
                        group_price(plan, programs, group_ms, allreduce_ms)).run()
+
+
+def steady_step_ms(plan: Plan, *, transfer_ms: TransferMs | None = None) -> float:
+    """Milliseconds per batch of an asynchronous plan (`plan.update` "2bw"/"stash") once the stream is full.
+
+    With no flush between batches (runtime.stream) a step costs the stream's period, not a
+    fill-and-drain makespan: a stream of a few batches is simulated with the prices of the
+    plan's own programs, and the time between the starts of consecutive steady batches
+    (stage 0's first forward of each) is averaged over two batches.
+
+    Raises:
+        ScheduleError: the plan cannot run as a stream (the message says why).
+    """
+    try:
+        stream = Stream(plan.micro_batches, [s.ranks[0] if s.ranks else s.index for s in plan.stages],
+                        [list(s.reads_from) for s in plan.stages],
+                        [s.device for s in sorted(plan.stages, key=lambda s: s.ranks[0] if s.ranks else s.index)])
+    except StreamError as exc:
+        raise ScheduleError(str(exc)) from None
+    batches = stream.t0 + 4
+    programs = [Program(rank=r, device=plan.stages[0].device, ops=[*ops, Op("STEP")])
+                for r, ops in enumerate(stream.lowered(batches))]
+    run = _ProgramRun(plan, programs, message_price(plan, plan.programs, transfer_ms),
+                      group_price(plan, plan.programs, None, None))
+    timeline = run.run()
+    starts = {op.microbatch: times[0] for program, predicted in zip(programs, timeline.predicted)
+              for op, times in zip(program.ops, predicted) if op.kind == "F" and op.stage == 0}
+    m, t = plan.micro_batches, stream.t0 + 1
+    return (starts[(t + 2) * m] - starts[t * m]) / 2
 
 
 def _lower(plan: Plan) -> list[Program]:

@@ -26,14 +26,17 @@ import torch.fx
 from torch import nn
 
 from runtime import checkpoint
+from runtime.async_updates import AsyncTrainer
 from runtime.comm import Comm, TorchComm
-from runtime.interpreter import Interpreter
+from runtime.errors import PartitionError
+from runtime.interpreter import Interpreter, StepInputs
 from runtime.launch import wire_device
 from runtime.microbatch import SplitDim
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
 from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
+from runtime.staleness import Reduction, StaleReductions, check_staleness
 from runtime.steps import train_step_inputs, transaction, write_back
 from runtime.transport_p2p import P2PTransport
 
@@ -44,15 +47,20 @@ NCCL_RULES_ENV = "PARTITIONER_NCCL_RULES"  # "1": run messages through runtime.n
 
 
 class _GradGroup:
-    """Weights held by the same set of ranks, all-reduced together in buckets."""
+    """Weights held by the same set of ranks, all-reduced together in buckets.
+
+    `reductions` keeps the last `staleness` steps' all-reduces in flight (runtime.staleness):
+    `finish` gives the weights the sums of step t - staleness (0: this step's, waited for now).
+    """
 
     def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], handle: Any,
-                 wire: torch.device | None = None) -> None:
+                 wire: torch.device | None = None, staleness: int = 0) -> None:
         self.ranks = ranks
         self.params = params
         self.group = handle
         self.wire = wire  # where the reduction runs (the CPU where a rank of the group has no GPU)
-        self.pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self.pending: list[Reduction] = []
+        self.reductions = StaleReductions(staleness)
 
     def start(self, comm: Comm) -> None:
         bucket: list[nn.Parameter] = []
@@ -64,7 +72,7 @@ class _GradGroup:
                     flat = torch.cat([g.reshape(-1) for g in grads])
                     if self.wire is not None and flat.device != self.wire:
                         flat = flat.to(self.wire)
-                    self.pending.append((comm.all_reduce(flat, self.group), flat, bucket))
+                    self.pending.append(Reduction(comm.all_reduce(flat, self.group), flat, bucket))
                 bucket, size = [], 0
             if p is not None:
                 bucket.append(p)
@@ -72,16 +80,7 @@ class _GradGroup:
 
     def finish(self, wait: Callable[[Any], None]) -> None:
         pending, self.pending = self.pending, []
-        for work, flat, bucket in pending:
-            wait(work)
-            offset = 0
-            for q in bucket:
-                part = flat[offset : offset + q.numel()].view_as(q).to(q.device)
-                offset += q.numel()
-                if q.grad is None:
-                    q.grad = part.clone()
-                else:
-                    q.grad.copy_(part)
+        self.reductions.step(pending, self.params, wait)
 
 
 class DistributedPipeline(nn.Module):
@@ -154,6 +153,8 @@ class DistributedPipeline(nn.Module):
         }
         self._traced_mode = model.training
         self._other_mode_error = other_mode_error
+        self._async: AsyncTrainer | None = None  # update="2bw"/"stash": the stream of calls
+        self._drains = 0  # drains of asynchronous streams so far (each a fresh header exchange)
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:
@@ -198,10 +199,14 @@ class DistributedPipeline(nn.Module):
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save this rank's weights and optimizer state; call on every rank (see runtime.checkpoint)."""
+        self._guard("save_checkpoint()")
+        self.wait_gradients()  # nothing in flight while files are written
         checkpoint.save(self, path, optimizer)
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load the weights and optimizer state this rank holds from a checkpoint of any plan."""
+        self._guard("load_checkpoint()")
+        self.wait_gradients(drop=True)  # stale gradients of other weights: warm-up starts again
         checkpoint.load(self, path, optimizer)
 
     def rank_of(self, stage: int, microbatch: int) -> int:
@@ -248,6 +253,31 @@ class DistributedPipeline(nn.Module):
                 except Exception as exc:  # noqa: BLE001
                     raise self.transport.group_failure(g.ranks, exc) from None
 
+    # ---- bounded staleness (runtime.staleness) ----
+
+    @property
+    def staleness(self) -> int:
+        """Steps by which updates of weights held by several ranks lag their gradients ([Note: bounded staleness])."""
+        return self._groups[0].reductions.staleness if self._groups else getattr(self, "_staleness", 0)
+
+    @staleness.setter
+    def staleness(self, steps: int) -> None:
+        self._staleness = check_staleness(steps)
+        self.wait_gradients(drop=True)  # a new rule starts from its warm-up
+        for g in self._groups:
+            g.reductions = StaleReductions(steps)
+
+    def wait_gradients(self, *, drop: bool = False) -> None:
+        """Wait for the gradient all-reduces still in flight (staleness > 0); they stay queued for their
+        step unless `drop`. Call on every rank before destroy_process_group; checkpoints call it."""
+        for g in self._groups:
+            what = f"the all-reduce over ranks {list(g.ranks)}"
+            try:
+                wait = functools.partial(self.transport.wait, peer=-1, what=what)
+                g.reductions.reset(wait) if drop else g.reductions.drain(wait)
+            except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
+                raise self.transport.group_failure(g.ranks, exc) from None
+
     # ---- one training step ----
 
     def train_step(
@@ -257,15 +287,24 @@ class DistributedPipeline(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor],
         input_kwargs: Mapping[str, Any] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch over all ranks; every rank calls it with the same batch.
 
         Gradients equal `loss_fn(model(inputs), targets).backward()` on the whole batch (see
         runtime.steps for `loss_reduction`). Returns that loss on the ranks of the last stage,
-        None elsewhere; the optimizer then steps on local weights.
+        None elsewhere; the optimizer then steps on local weights. With `plan.update` "2bw" or
+        "stash" the runtime steps `optimizer` (required) inside the call, and the last stage's
+        ranks get the previous batch's loss (runtime.async_updates; `flush` ends the stream).
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+        if self.plan.update != "sync":
+            return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
+        if optimizer is not None:
+            raise PartitionError("optimizer= is for update='2bw' or 'stash' (the runtime steps it); with "
+                                 "update='sync' step the optimizer yourself after train_step")
         bns = list(dict.fromkeys(bn for stage in self._stages.values() for bn in stage.deferred_bns))
         with transaction(self._params, bns, grads=True):
             interpreter, program = self._mode()
@@ -291,6 +330,53 @@ class DistributedPipeline(nn.Module):
             except Exception as exc:  # noqa: BLE001
                 raise self.transport.group_failure(self.plan.stages[self._last].ranks, exc) from None
         return loss
+
+    # ---- asynchronous updates (runtime.async_updates) ----
+
+    def flush(self) -> torch.Tensor | None:
+        """Finish the micro-batches in flight and apply the pending updates (every rank calls it); the last
+        batch's loss on the last stage's rank, else None."""
+        trainer = self._async
+        return trainer.flush(self._run_segment) if trainer is not None and trainer.in_flight else None
+
+    def _guard(self, what: str) -> None:
+        trainer = self._async
+        if trainer is not None:
+            trainer.guard(what)
+
+    def _trainer(self) -> AsyncTrainer:
+        trainer: AsyncTrainer | None = self._async
+        if trainer is None:
+            if self._groups:
+                raise PartitionError(f"update={self.plan.update!r}: rank {self.rank} shares weights with ranks "
+                                     f"{[list(g.ranks) for g in self._groups]} (replicas or tied weights); "
+                                     "asynchronous updates need every weight on one rank")
+            devices = {r: str(self.rank_devices[r]) for r in range(dist.get_world_size())}
+            trainer = self._async = AsyncTrainer(self.plan, {self.rank: self.interpreter}, self.stages,
+                                                 [devices[r] for r in sorted(devices)])
+        elif trainer.interpreters[self.rank] is not self.interpreter:
+            trainer.guard("train_step after a train()/eval() switch")
+            trainer = self._async = None
+            return self._trainer()
+        return trainer
+
+    def _run_segment(self, segment: list[list[Op]], step: StepInputs | None) -> None:
+        """This rank's ops of one call of the stream (or of the drain after call t).
+
+        Calls past the stream's periodic start t0 are shifted copies of call t0, so with message
+        headers known relative to the call's first micro-batch they reuse call t0's headers.
+        """
+        trainer = self._trainer()
+        t = trainer.calls if step is not None else trainer.calls - 1
+        if step is not None:
+            signature: tuple[Any, ...] = (self.model.training, "stream", min(t, trainer.stream.t0),
+                                          _signature(step.envs))
+        else:  # a drain's shapes are its last batch's: fresh headers (drains are rare)
+            self._drains += 1
+            signature = (self.model.training, "drain", self._drains)
+        self.transport.begin_step(signature, carry=True, base=t * self.plan.micro_batches)
+        self.interpreter.run(segment[self.rank])
+        self.transport.flush()
 
     def gather_trace(self, origin: float | None = None) -> dict[str, Any] | None:
         """Every rank's recorded events on rank 0, as {"devices": [{"device", "events"}]} in ms.

@@ -28,6 +28,7 @@ from runtime.microbatch import graph_output, to_device
 from runtime.program import Op
 from runtime.split_backward import WeightWork, backward_input, backward_weight
 from runtime.stage import Stage
+from runtime.versions import StageVersions
 
 __all__ = ["Interpreter", "Routes", "StepInputs", "Transport", "caller_state", "thread_state"]
 
@@ -123,6 +124,11 @@ class Interpreter:
         self._unresolved: list[tuple[dict[str, Any], Clock]] = []  # entries still holding marks, not seconds
         self.outputs: dict[int, Any] = {}
         self.loss: torch.Tensor | None = None
+        # Asynchronous updates (runtime.versions): each stage's weight versions, and the stream's state.
+        self.versions: dict[int, StageVersions] = {}
+        self.weighted_backward = True  # False (stash): each micro-batch's update uses its own loss, unweighted
+        self.batch_losses: dict[int, tuple[torch.Tensor, int]] = {}  # stream: batch -> (loss so far, forwards)
+        self._micro: dict[int, tuple[StepInputs, int]] = {}  # micro-batch -> (its step, its index there)
 
     @property
     def trace(self) -> list[dict[str, Any]]:
@@ -139,14 +145,37 @@ class Interpreter:
         self.clock = Clock(self._device() if self.tracing else "cpu")
         self.step = step
         self.local = local
-        self.envs = [dict(env) for env in step.envs]
+        self._micro = {i: (step, i) for i in range(len(step.envs))}
+        self.envs = {i: dict(env) for i, env in enumerate(step.envs)}
         self.saved: dict[tuple[int, int], tuple[dict[int, list[Any]], dict[str, Any], Any]] = {}
         self.weight_work: dict[tuple[int, int], WeightWork] = {}  # a split B's part for its W
         self.outgoing: dict[Key, list[Any]] = {}
         self.outputs = {}
-        device = next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
-        self.loss = torch.zeros((), device=device) if step.mode == "train" and self.last in self.stages else None
+        train_last = step.mode == "train" and self.last in self.stages
+        self.loss = torch.zeros((), device=self._device()) if train_last else None
         self._batch: list[Op] = []
+        self._streaming = False
+
+    def begin_stream(self, local: dict[Key, list[Any]]) -> None:
+        """Start a stream of calls (runtime.stream): what forwards save lives on from call to call."""
+        self.begin(StepInputs([], "train"), local)
+        self._streaming = True
+        self.batch_losses = {}
+
+    def add_batch(self, step: StepInputs, batch: int) -> None:
+        """Batch `batch` of a stream: its micro-batches are numbered batch * m .. batch * m + m - 1."""
+        self.clock = Clock(self._device() if self.tracing else "cpu")
+        m = len(step.envs)
+        for j, env in enumerate(step.envs):
+            self._micro[batch * m + j] = (step, j)
+            self.envs[batch * m + j] = dict(env)
+        if self.last in self.stages:
+            self.batch_losses[batch] = (torch.zeros((), device=self._device()), 0)
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded here whose backward has not run yet."""
+        return len(self.saved)
 
     def run(self, ops: Sequence[Op]) -> None:
         """Run a whole program. Receive-only batches are posted as early as the transport allows
@@ -236,7 +265,8 @@ class Interpreter:
     def _forward(self, s: int, i: int) -> None:
         stage = self.stages[s]
         env = self.envs[i]
-        train = self.step.mode == "train"
+        step, j = self._micro[i]
+        train = step.mode == "train"
         received: dict[int, list[Any]] = {}
         for t, names in self.routes.reads[s].items():
             values = self._value((t, s, i), stage.device)
@@ -249,7 +279,11 @@ class Interpreter:
         inputs = [to_device(env[name], stage.device) for name in stage.inputs]
         start = self.clock.mark()
         with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
-            outputs = stage.module(*inputs)
+            if s in self.versions:  # asynchronous updates: the version of the weights this micro-batch reads
+                weights = self.versions[s].weights(stage.module, i)
+                outputs = torch.func.functional_call(stage.module, weights, tuple(inputs))
+            else:
+                outputs = stage.module(*inputs)
         self._record("forward", s, i, start)
         env.update(zip(stage.outputs, outputs))
         for c, names in self.routes.sends[s].items():
@@ -258,10 +292,12 @@ class Interpreter:
         if s == self.last:
             out = graph_output(self._output_node, env, self._constants)
             if train:  # the loss sees what the model returns; pipe(x) gathers raw outputs, then unflattens
-                assert self.step.loss_fn is not None and self.loss is not None
-                loss = self.step.loss_fn(self._unflatten(out), to_device(self.step.targets[i], stage.device))
-                loss = loss * self.step.weights[i]
-                self.loss += loss.detach()
+                assert step.loss_fn is not None and self.loss is not None
+                raw = step.loss_fn(self._unflatten(out), to_device(step.targets[j], stage.device))
+                loss = raw * step.weights[j]
+                self._count_loss(i, loss.detach())
+                if not self.weighted_backward:
+                    loss = raw
             else:
                 self.outputs[i] = out
         if train:
@@ -314,9 +350,25 @@ class Interpreter:
             else:
                 torch.autograd.backward(roots, grads)
             self._record("backward", s, i, start)
+        if s in self.versions:
+            self.versions[s].backward_done(i)
         for t, values in received.items():
             self._give((s, t, i), [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
-        self.envs[i] = dict(self.step.envs[i])  # drop this micro-batch's activations
+        step, j = self._micro[i]
+        self.envs[i] = dict(step.envs[j])  # drop this micro-batch's activations
+        if self._streaming and not any(k[1] == i for k in self.saved):
+            del self.envs[i], self._micro[i]
+
+    def _count_loss(self, i: int, loss: torch.Tensor) -> None:
+        """Add micro-batch i's weighted loss to its step's (stream: to its batch's, with a count of forwards)."""
+        assert self.loss is not None
+        if not self._streaming:
+            self.loss += loss
+            return
+        step, j = self._micro[i]
+        batch = (i - j) // len(step.envs)
+        total, count = self.batch_losses[batch]
+        self.batch_losses[batch] = (total + loss, count + 1)
 
     def _weight(self, s: int, i: int) -> None:
         """W: the weight gradients a split B left (nothing when B ran the whole backward)."""
@@ -388,13 +440,14 @@ def caller_state() -> Iterator[None]:
 
 def thread_state() -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """The caller's thread-local autograd state, as a context to enter in a worker thread: grad mode,
-    inference mode, autocast (per device type, with its dtype and cache) and saved-tensor hooks
-    (`torch.autograd.graph.save_on_cpu()` and the like)."""
+    inference mode, autocast (per device type, with its dtype and cache), saved-tensor hooks
+    (`torch.autograd.graph.save_on_cpu()` and the like) and Python dispatch modes (runtime.memory_meter)."""
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
     autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     cache = torch.is_autocast_cache_enabled()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
 
     @contextlib.contextmanager
     def enter() -> Iterator[None]:
@@ -406,6 +459,8 @@ def thread_state() -> Callable[[], contextlib.AbstractContextManager[Any]]:
                 stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
             if hooks is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+            for mode in modes:
+                stack.enter_context(mode)
             yield
 
     return enter

@@ -16,6 +16,7 @@ plan's schedule, so 1F1B holds at most the pipeline depth's activations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from runtime.async_updates import AsyncTrainer
 from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter, Routes, StepInputs, thread_state
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
@@ -85,6 +87,7 @@ class _Mode:
         plan = graph.plan
         if not plan.programs:
             plan.programs = plan_programs(plan)
+        self.plan = plan
         self.stages = graph.stages
         self.programs = {"train": plan.programs, "forward": plan_programs(plan, forward_only=True)}
         routes = graph.routes()
@@ -153,6 +156,7 @@ class Pipeline(nn.Module):
         self._pools: dict[int, ThreadPoolExecutor] = {}
         self._streams: dict[int, Any] = {}  # each worker's CUDA compute stream (None off CUDA)
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
+        self._async: dict[bool, AsyncTrainer] = {}  # update "2bw"/"stash": the stream of each mode's graph
 
     def _mode(self) -> _Mode:
         """The graph of the model's mode now."""
@@ -187,19 +191,24 @@ class Pipeline(nn.Module):
                 w.tracing = on
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self._guard("state_dict()")
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace parameters the pipeline holds; "
                              "use assign=False")
+        self._guard("load_state_dict()")
         return self.model.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> Pipeline:
+        if mode != self.model.training:
+            self._guard("train()" if mode else "eval()")
         self.model.train(mode)
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._guard("pipe(...)")
         step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated,
                             self._input_dims)
         self._run(step)
@@ -218,18 +227,64 @@ class Pipeline(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor],
         input_kwargs: Mapping[str, Any] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
-    ) -> torch.Tensor:
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch under the plan's schedule; returns the batch's loss.
 
-        Gradients land in the model's parameters as `loss_fn(model(inputs), targets).backward()`
-        would put them (see runtime.steps); then step the optimizer as usual.
+        `plan.update == "sync"`: gradients land in the model's parameters as
+        `loss_fn(model(inputs), targets).backward()` would put them (see runtime.steps); then
+        step the optimizer as usual. "2bw" / "stash": no flush between calls; the runtime steps
+        `optimizer` (required) inside the call and owns the gradients, and the call returns the
+        loss of the batch before (None on the first call): see runtime.async_updates, `flush`.
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+        if self.plan.update != "sync":
+            return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
+        if optimizer is not None:
+            raise PartitionError("optimizer= is for update='2bw' or 'stash' (the runtime steps it); with "
+                                 "update='sync' step the optimizer yourself after train_step")
         self._run(step)
         loss = self._workers[self._rank_of[-1]].loss
         assert loss is not None
         return loss
+
+    def flush(self) -> torch.Tensor | None:
+        """Asynchronous updates: finish every micro-batch in flight, apply the pending updates, and return
+        the last batch's loss (None when nothing is in flight, and always under update='sync')."""
+        loss = None
+        for trainer in self._async.values():
+            loss = trainer.flush(self._run_segment) if trainer.in_flight else loss
+        return loss
+
+    def _guard(self, what: str) -> None:
+        for trainer in self._async.values():
+            trainer.guard(what)
+
+    def _trainer(self) -> AsyncTrainer:
+        training = self.model.training
+        trainer = self._async.get(training)
+        if trainer is None:
+            mode = self._mode()
+            plan = mode.plan if mode.plan is self.plan else dataclasses.replace(mode.plan, update=self.plan.update)
+            trainer = self._async[training] = AsyncTrainer(plan, dict(enumerate(mode.workers)), mode.stages,
+                                                           [p.device for p in mode.programs["train"]])
+        for other, trainer_other in self._async.items():
+            if other != training:
+                trainer_other.guard("train_step in the other train()/eval() mode")
+        return trainer
+
+    def _run_segment(self, segment: list[list[Op]], step: StepInputs | None) -> None:
+        """One call of an asynchronous stream (runtime.stream): each worker's ops of that call."""
+        mode = self._mode()
+        programs = [Program(rank=r, device=str(w._device()), ops=ops) for r, (w, ops) in
+                    enumerate(zip(mode.workers, segment))]
+        self._transport.reset(mail=False)  # a value sent at the end of one call is taken in the next
+        if self._threaded:
+            self._run_threads(programs, mode.workers)
+        else:
+            self._run_inline(programs, mode.workers)
 
     def _run(self, step: StepInputs) -> None:
         mode = self._mode()

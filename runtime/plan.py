@@ -12,7 +12,8 @@ from typing import Any, Literal, get_args
 
 from runtime.program import Op, Program
 
-__all__ = ["RECOMPUTE_MODES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "human_bytes"]
+__all__ = ["RECOMPUTE_MODES", "UPDATES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "Update",
+           "human_bytes"]
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
 Placement = Literal["pipeline", "branches", "hybrid"]
@@ -22,6 +23,11 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 # convolution outputs ("selective"), or only its inputs ("full"); the rest runs again in backward.
 RecomputeMode = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+# How weights update (runtime.versions): after each whole step ("sync", the caller steps the optimizer), or
+# with no pipeline flush: PipeDream-2BW ("2bw", two weight versions, gradients applied one step late) or
+# PipeDream's weight stashing ("stash", an update per micro-batch, each backward on its forward's weights).
+Update = Literal["sync", "2bw", "stash"]
+UPDATES: tuple[str, ...] = get_args(Update)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Plan:
     predicted_step_ms: float = 0.0
     placement: Placement = "pipeline"
     virtual_stages: int = 1  # interleaved: stages per rank (zbv: 2)
+    update: Update = "sync"  # asynchronous updates run the 1F1B stream of runtime.stream, not `programs`
     # What each rank (worker) runs in one training step, with predicted times: see runtime.program.
     programs: list[Program] = field(default_factory=list)
     # Predicted step ms of the candidates an "auto" choice compared, by name ({} when none).
@@ -129,6 +136,11 @@ class Plan:
             problems.append(f"schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if self.placement not in PLACEMENTS:
             problems.append(f"placement={self.placement!r}; use one of {', '.join(PLACEMENTS)}")
+        if self.update not in UPDATES:
+            problems.append(f"update={self.update!r}; use one of {', '.join(UPDATES)}")
+        elif self.update != "sync" and self.schedule != "1f1b":
+            problems.append(f"update={self.update!r} with schedule={self.schedule!r}; asynchronous updates stream "
+                            "1F1B: use schedule='1f1b'")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             problems.append(f"micro_batches={self.micro_batches!r}; use an integer >= 1")
         for k, s in enumerate(self.stages):
@@ -167,6 +179,7 @@ class Plan:
         out.append(
             f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, "
             f"schedule {self.schedule}; "
+            + (f"update {self.update}; " if self.update != "sync" else "")
             + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
             + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
         )

@@ -16,6 +16,7 @@ __all__ = [
     "one_f_one_b",
     "parse_schedule",
     "rank_schedule",
+    "stream_one_f_one_b",
     "v_stage_ranks",
     "zero_bubble_h1",
     "zero_bubble_v",
@@ -140,6 +141,23 @@ def one_f_one_b(micro_batches: int, stages: int) -> list[list[Action]]:
         actions += [Action(s, "B", i) for i in range(micro_batches - warmup, micro_batches)]
         lists.append(actions)
     return lists
+
+
+def stream_one_f_one_b(micro_batches: int, stages: int, steps: int) -> list[list[Action]]:
+    """Per-stage 1F1B over a stream of `steps` batches of `micro_batches` each, with no flush between them.
+
+    Batch t's micro-batches are numbered t*m .. t*m + m - 1; the stream is one 1F1B over all of
+    them, so a stage starts the forwards of batch t + 1 before the backwards of batch t end
+    (PipeDream-2BW and PipeDream's weight stashing; runtime/stream.py cuts it into calls):
+
+        m=2, p=2, steps=2   warm-up   steady: B then F            drain
+        stage 0:            F0 F1     B0 F2 B1 F3                 B2 B3
+        stage 1:            F0        B0 F1 B1 F2 B2 F3           B3
+                                         batch 1 starts before batch 0 ends on stage 0
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps}; a stream needs at least one batch")
+    return one_f_one_b(micro_batches * steps, stages)
 
 
 def interleaved_one_f_one_b(micro_batches: int, stages: int, virtual_stages: int) -> list[list[Action]]:

@@ -28,6 +28,8 @@ from runtime.recompute import wrap
 __all__ = ["Stage", "build_stages", "stage_io", "tensor_stages", "weight_groups"]
 
 _DROP_TARGETS = {"_guards_fn", torch.ops.aten._assert_tensor_metadata.default}
+# (tensor, device) pairs to give storage -> (ids of the tensors it filled, undo); see runtime.materialize
+Materialize = Callable[[list[tuple[torch.Tensor, torch.device]]], tuple[set[int], Callable[[], None]]]
 
 
 @dataclass
@@ -193,6 +195,7 @@ def build_stages(
     plan: Plan,
     local: Collection[int] | None = None,
     device: torch.device | None = None,
+    materialize: Materialize | None = None,
 ) -> tuple[list[Stage], Callable[[], None]]:
     """Build the stage modules of `plan` and move the model's weights to their devices.
 
@@ -203,6 +206,10 @@ def build_stages(
 
     `device` (with `local`) is this process's own device: a replicated stage names the device
     of its first replica, and every other replica runs the same stage on its own device.
+
+    `materialize` (runtime.materialize.Materializer) gives storage to the tensors on `meta`
+    (and any others it loads), called with every (tensor, device) this process holds; it
+    returns the ids it handled and its own undo. Without it, a weight on meta is an error.
 
     Returns the stages and an `undo` function that restores every weight as it was.
     """
@@ -225,15 +232,28 @@ def build_stages(
             mine = [s for s in stages if s in wanted]
             homes[key] = (t, devices[mine[0]] if mine else None)
     original = [(t, t.data, t.grad) for t, _ in homes.values()]
+    filled: set[int] = set()
+    undo_filled: list[Callable[[], None]] = []
 
     def undo() -> None:
         # Restore the very storage each tensor had: lossless whatever device it went to.
         for t, data, grad in original:
-            t.data = data
-            t.grad = grad
+            if id(t) not in filled:
+                t.data = data
+                t.grad = grad
+        for u in undo_filled:
+            u()
 
     try:
+        if materialize is not None:
+            filled, done = materialize([(t, dev) for t, dev in homes.values() if dev is not None])
+            undo_filled.append(done)
         for t, dev in homes.values():
+            if id(t) in filled:
+                continue
+            if dev is not None and t.device.type == "meta":
+                raise ValueError(f"a weight of shape {tuple(t.shape)} is on meta (no storage); pass weights= "
+                                 "(a checkpoint) or init= to partition() to materialize it on its stage's device")
             if dev is None:
                 with torch.no_grad():
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -43,9 +43,15 @@ class LocalTransport:
         """Nothing to gain: a local receive is only a wait on the mailbox."""
         return False
 
-    def reset(self) -> None:
+    def reset(self, *, mail: bool = True) -> None:
+        """Start a step: forget a failure and, unless `mail` is False, every undelivered value.
+
+        A call of an asynchronous stream keeps its mail: a value sent at the last tick of one
+        call may be taken by the first op of the next (runtime.stream).
+        """
         with self._ready:
-            self._box.clear()
+            if mail:
+                self._box.clear()
             self._failed = False
 
     def abort(self) -> None:

@@ -66,6 +66,7 @@ class P2PTransport:
         self.header_group = header_group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.describe_rank = describe_rank
+        self._base = 0
         self._sent: dict[tuple[Hashable, Key], Meta] = {}
         self._known: dict[tuple[Hashable, Key], Meta] = {}
         self._signature: Hashable = None
@@ -75,9 +76,16 @@ class P2PTransport:
         self._headers: list[tuple[Any, torch.Tensor, int]] = []  # (gloo work, buffer kept alive, peer)
         self._incoming: dict[Key, tuple[_Batch, Any, list[torch.Tensor], int]] = {}
 
-    def begin_step(self, signature: Hashable) -> None:
-        """Start a step whose inputs have `signature` (equal on every rank): headers go out if it is new."""
+    def begin_step(self, signature: Hashable, *, carry: bool = False, base: int = 0) -> None:
+        """Start a step whose inputs have `signature` (equal on every rank): headers go out if it is new.
+
+        `carry`: keep received values not yet taken (a call of an asynchronous stream: a value
+        received at the last tick of one call is taken by the first op of the next). `base`: the
+        call's first micro-batch; headers are known by micro-batch relative to it, so the calls
+        of a stream's steady state, shifted copies of one another, share one signature's headers.
+        """
         self._signature = signature
+        self._base = base
         self._fresh = signature not in self._signatures
         self._signatures[signature] = None
         self._signatures.move_to_end(signature)
@@ -86,7 +94,8 @@ class P2PTransport:
             for cache in (self._sent, self._known):
                 for k in [k for k in cache if k[0] == old]:
                     del cache[k]
-        self._incoming.clear()
+        if not carry:
+            self._incoming.clear()
 
     @property
     def can_post_early(self) -> bool:
@@ -107,8 +116,8 @@ class P2PTransport:
         for op in ops:
             if op.kind == "RECV":
                 if self._fresh:
-                    self._known[(self._signature, op.key())] = self._receive_header(op.peer)
-                structure, shapes = self._known[(self._signature, op.key())]
+                    self._known[self._cached(op)] = self._receive_header(op.peer)
+                structure, shapes = self._known[self._cached(op)]
                 receives[op.key()] = (structure, [torch.empty(s, dtype=d, device=self.wire(op.peer))
                                                  for s, d in shapes])
         transfers = [  # in the ops' order, which both ranks of a pair share
@@ -170,7 +179,7 @@ class P2PTransport:
             raise self.failure(peer, f"while exchanging a header: {type(exc).__name__}: {exc}") from None
 
     def _check_same(self, op: Op, meta: Meta) -> None:
-        before = self._sent.setdefault((self._signature, op.key()), meta)
+        before = self._sent.setdefault(self._cached(op), meta)
         if before[1] != meta[1]:
             raise RuntimeError(
                 f"stage {op.src} sends stage {op.dst} tensors of shapes {[s for s, _ in meta[1]]} for micro-batch "
@@ -178,6 +187,10 @@ class P2PTransport:
                 "shapes that depend on the data (not only on input shapes) cannot cross a stage boundary; "
                 "cut elsewhere (plan= with other stages) or pad to a fixed shape"
             )
+
+    def _cached(self, op: Op) -> tuple[Hashable, Key]:
+        src, dst, mb = op.key()
+        return self._signature, (src, dst, mb - self._base)
 
     def _to_comm(self, tensors: list[torch.Tensor], peer: int) -> list[torch.Tensor]:
         device = self.wire(peer)

@@ -90,6 +90,43 @@ def test_simulate_from_a_factory_writes_the_picture(tmp_path: Path, capsys: pyte
     assert code == 0 and "bubble fraction" in out and svg.read_text().startswith("digraph plan")
 
 
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_schedule_auto_prints_the_choice_the_planner_makes(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from partitioner import plan
+
+    code, out, err = run([command, "tests.zoo:tiny_gpt", "--devices", "cpu,cpu", "--micro-batches", "4",
+                          "--schedule", "auto", "--quiet"], capsys)
+    assert code == 0, err
+    model, args, kwargs = zoo.tiny_gpt()
+    expected = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="auto",
+                    cost_model=AnalyticCostModel())  # what the CLI plans with, without --profile
+    assert f"schedule {expected.schedule}" in out
+    assert set(expected.alternatives) == {"gpipe", "1f1b", "interleaved", "zb1", "zbv"}
+    compared = ", ".join(f"{name} {ms:.3f} ms" for name, ms in expected.alternatives.items())
+    assert f"predicted step of each {'schedule' if command == 'plan' else 'candidate'} compared: {compared}" in out
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb1", "zbv"])
+def test_every_schedule_and_recomputation_from_the_command_line(schedule: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from partitioner import plan
+
+    code, out, err = run(["simulate", "tests.zoo:tiny_gpt", "--devices", "cpu,cpu", "--micro-batches", "4",
+                          "--schedule", schedule, "--recompute", "full", "--quiet"], capsys)
+    assert code == 0, err
+    model, args, _ = zoo.tiny_gpt()
+    expected = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule=schedule,  # type: ignore[arg-type]
+                    recompute="full", cost_model=AnalyticCostModel())
+    stages = len(expected.stages)
+    assert f"{stages} stages, 4 micro-batches, schedule {schedule}, recompute {', '.join(['full'] * stages)}" in out
+    assert f"makespan {expected.predicted_step_ms:.3f} ms" in out
+    code, out, err = run(["plan", "tests.zoo:tiny_gpt", "--devices", "cpu,cpu", "--micro-batches", "4",
+                          "--schedule", schedule, "--recompute", "full", "--quiet"], capsys)
+    assert code == 0 and f"schedule {schedule}, recompute {', '.join(['full'] * stages)}, pipeline" in out, err
+
+
 def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["profile", "tests.zoo:mlp", "--analytic", "--top", "0", "--quiet"], capsys)
     assert code == 0, err
@@ -122,6 +159,9 @@ def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "tests.zoo:mlp", "--out", "plan.txt"], "--out plan.txt: the suffix picks the picture"),
         (["simulate"], "simulate needs either MODULE:FACTORY or --plan PLAN.json"),
         (["simulate", "--plan", "missing.json"], "--plan missing.json: cannot read a saved plan"),
+        (["plan", "tests.zoo:mlp", "--recompute", "most"], "invalid choice: 'most'"),
+        (["simulate", "--plan", "p.json", "--recompute", "full"], "--recompute full with --plan: a saved plan carries"),
+        (["simulate", "--plan", "p.json", "--schedule", "auto"], "--schedule auto with --plan: choosing a schedule"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:

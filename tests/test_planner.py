@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -179,3 +180,93 @@ def test_more_segments_than_stages() -> None:
     problem.forced = np.array([2, 4])
     with pytest.raises(PartitionError, match="make 3 segments but there are 2 stages.*split_points='cost'"):
         solve(problem)
+
+
+# ---- schedule="auto": the planner chooses the schedule ----
+
+def _fixed_cost(memory_bytes: int = 1 << 34) -> Any:
+    from cost_model.analytic import AnalyticCostModel
+    from cost_model.devices import DeviceSpec
+
+    spec = DeviceSpec(name="test", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=memory_bytes)
+    return AnalyticCostModel(measure=lambda d: spec)
+
+
+def _device_need(plan: Any) -> int:
+    """Bytes every rank's stages need on the one device "cpu", counted directly from the programs."""
+    return sum(plan.stages[s].memory_bytes for prog in plan.programs
+               for s in {op.stage for op in prog.ops if op.kind in ("F", "B", "W")})
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_auto_schedule_keeps_the_fastest_of_every_schedule_planned_alone(processes: bool) -> None:
+    from partitioner import plan
+
+    model, args, _ = zoo.tiny_gpt()
+    alone = {s: plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule=s,  # type: ignore[arg-type]
+                     cost_model=_fixed_cost(), processes=processes).predicted_step_ms
+             for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv")}
+    auto = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="auto",
+                cost_model=_fixed_cost(), processes=processes)
+    assert auto.alternatives == pytest.approx(alone)
+    assert auto.schedule == min(alone, key=lambda s: alone[s])
+    assert auto.predicted_step_ms == pytest.approx(min(alone.values()))
+    assert auto.virtual_stages == (2 if auto.schedule in ("interleaved", "zbv") else 1)
+
+
+def test_auto_schedule_keeps_only_schedules_that_fit_memory() -> None:
+    from partitioner import plan
+
+    model, args, _ = zoo.tiny_gpt()
+    made = {s: plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule=s,  # type: ignore[arg-type]
+                    cost_model=_fixed_cost(), processes=True)
+            for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv")}
+    need = {s: _device_need(p) for s, p in made.items()}
+    fastest = min(made, key=lambda s: made[s].predicted_step_ms)
+    capacity = min(need.values())  # only the leanest schedules fit
+    assert need[fastest] > capacity, "the test needs a fastest schedule that does not fit"
+    auto = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="auto",
+                cost_model=_fixed_cost(capacity), processes=True)
+    fitting = [s for s in made if need[s] <= capacity]
+    assert auto.schedule == min(fitting, key=lambda s: made[s].predicted_step_ms)
+    assert sorted(auto.alternatives) == sorted(s if s in fitting else f"{s} (over memory)" for s in made)
+
+
+def test_auto_schedule_leaves_out_layouts_the_job_cannot_run() -> None:
+    from partitioner.planning import schedule_layouts
+
+    assert schedule_layouts([[0], [1]], 4) == {
+        "1f1b": [[0], [1]], "gpipe": [[0], [1]], "zb1": [[0], [1]],
+        "interleaved": [[0], [1], [0], [1]], "zbv": [[0], [1], [1], [0]],
+    }
+    assert list(schedule_layouts([[0], [1]], 3)) == ["1f1b", "gpipe", "zb1", "zbv"]  # rounds of 2 micro-batches
+    assert list(schedule_layouts([[0, 1], [2]], 4)) == ["1f1b", "gpipe", "zb1"]  # replicas: one stage per rank
+    assert list(schedule_layouts([[0]], 4)) == ["1f1b", "gpipe", "zb1"]
+    assert list(schedule_layouts([[0], [1]], 4, hybrid=True)) == ["1f1b", "gpipe"]
+
+
+def test_auto_schedule_trains_like_the_plain_model() -> None:
+    import copy
+
+    from partitioner import partition
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.tiny_gpt()
+    reference = copy.deepcopy(model)
+    y = torch.randn_like(reference(x))
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=4, schedule="auto",
+                     cost_model=_fixed_cost())
+    assert pipe.plan.schedule in pipe.plan.alternatives
+    loss = pipe.train_step(x, y, lambda out, t: ((out - t) ** 2).mean())
+    ref = ((reference(x) - y) ** 2).mean()
+    ref.backward()
+    assert zoo.rel(loss, ref.detach()) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and zoo.rel(p.grad, q.grad) < 1e-5, name  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_auto_schedule_under_torchrun_trains_like_the_plain_model() -> None:
+    from tests.test_distributed import check_equivalence
+
+    check_equivalence(2, ["tiny_gpt:auto:-"])  # rank 0 chooses, every rank runs the chosen plan (NCCL's rules)

@@ -29,10 +29,11 @@ from typing import Callable, Sequence
 import torch
 
 from runtime.errors import PartitionError
-from runtime.interpreter import Interpreter, StepInputs
+from runtime.interpreter import Interpreter
 from runtime.plan import Plan
 from runtime.program import Op
 from runtime.stage import Stage
+from runtime.steps import StepInputs
 from runtime.stream import Stream, StreamError
 from runtime.versions import AsyncUpdate, StageVersions, Stepper
 

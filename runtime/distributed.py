@@ -29,7 +29,7 @@ from runtime import checkpoint
 from runtime.async_updates import AsyncTrainer
 from runtime.comm import Comm, TorchComm
 from runtime.errors import PartitionError
-from runtime.interpreter import Interpreter, StepInputs
+from runtime.interpreter import Interpreter
 from runtime.launch import wire_device
 from runtime.microbatch import SplitDim
 from runtime.pipeline import StageGraph, for_mode
@@ -37,7 +37,7 @@ from runtime.plan import Plan
 from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
 from runtime.staleness import Reduction, StaleReductions, check_staleness
-from runtime.steps import train_step_inputs, transaction, write_back
+from runtime.steps import StepInputs, train_step_inputs, transaction, write_back
 from runtime.transport_p2p import P2PTransport
 
 __all__ = ["DistributedPipeline", "NCCL_RULES_ENV"]

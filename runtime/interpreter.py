@@ -15,9 +15,8 @@ the last stage computes the loss, a backward sends its inputs' gradients back (a
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.fx
@@ -28,9 +27,11 @@ from runtime.microbatch import graph_output, to_device
 from runtime.program import Op
 from runtime.split_backward import WeightWork, backward_input, backward_weight
 from runtime.stage import Stage
+from runtime.steps import StepInputs
+from runtime.thread_state import caller_state
 from runtime.versions import StageVersions
 
-__all__ = ["Interpreter", "Routes", "StepInputs", "Transport", "caller_state", "thread_state"]
+__all__ = ["Interpreter", "Routes", "Transport"]
 
 Key = tuple[int, int, int]  # (src stage, dst stage, micro-batch)
 
@@ -79,18 +80,6 @@ class Routes:
 
     def producers(self) -> list[list[int]]:
         return [sorted(r) for r in self.reads]
-
-
-@dataclass
-class StepInputs:
-    """One step's micro-batches: input values by placeholder name, and (training) targets and loss."""
-
-    envs: list[dict[str, Any]]
-    mode: Literal["train", "forward"]
-    targets: list[Any] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    written: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's inputs the graph writes into
 
 
 class Interpreter:
@@ -422,45 +411,3 @@ def _as_leaf(x: Any) -> Any:
 
 def _non_leaf(x: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, x)
-
-
-@contextlib.contextmanager
-def caller_state() -> Iterator[None]:
-    """Run a stage and put back the thread's grad mode and autocast state afterwards, even if it raises."""
-    grad = torch.is_grad_enabled()
-    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled(grad)
-        for device, enabled, dtype in autocast:
-            torch.set_autocast_enabled(device, enabled)
-            torch.set_autocast_dtype(device, dtype)
-
-
-def thread_state() -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """The caller's thread-local autograd state, as a context to enter in a worker thread: grad mode,
-    inference mode, autocast (per device type, with its dtype and cache), saved-tensor hooks
-    (`torch.autograd.graph.save_on_cpu()` and the like) and Python dispatch modes (runtime.memory_meter)."""
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    cache = torch.is_autocast_cache_enabled()
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
-
-    @contextlib.contextmanager
-    def enter() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(grad))
-            if inference:
-                stack.enter_context(torch.inference_mode())
-            for device, dtype in autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
-            if hooks is not None:
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
-            for mode in modes:
-                stack.enter_context(mode)
-            yield
-
-    return enter

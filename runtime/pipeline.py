@@ -28,13 +28,14 @@ from torch import nn
 
 from runtime.async_updates import AsyncTrainer
 from runtime.errors import PartitionError
-from runtime.interpreter import Interpreter, Routes, StepInputs, thread_state
+from runtime.interpreter import Interpreter, Routes
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
 from runtime.plan import Plan
 from runtime.program import Op, Program, plan_programs
 from runtime.stage import Stage
-from runtime.steps import forward_step, step_sizes, train_step_inputs, transaction, write_back
+from runtime.steps import StepInputs, forward_step, step_sizes, train_step_inputs, transaction, write_back
 from runtime.streams import compute_stream, current, join_caller
+from runtime.thread_state import thread_state
 from runtime.transport_local import LocalTransport, WorkerFailed
 
 __all__ = ["Pipeline", "StageGraph", "for_mode"]

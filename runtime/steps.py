@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 
-from runtime.interpreter import StepInputs
 from runtime.microbatch import SplitDim, batch_size, scatter
 
-__all__ = ["forward_step", "step_sizes", "train_step_inputs", "transaction", "write_back"]
+__all__ = ["StepInputs", "forward_step", "step_sizes", "train_step_inputs", "transaction", "write_back"]
+
+
+@dataclass
+class StepInputs:
+    """One step's micro-batches: input values by placeholder name, and (training) targets and loss."""
+
+    envs: list[dict[str, Any]]
+    mode: Literal["train", "forward"]
+    targets: list[Any] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    written: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's inputs the graph writes into
 
 
 def forward_step(

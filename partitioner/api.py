@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, get_args
+from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model.analytic import AnalyticCostModel, CostModel
-from cost_model.devices import DeviceLike, resolve_devices
+from cost_model.analytic import CostModel
+from cost_model.devices import DeviceLike
+from partitioner.arguments import (
+    PlacementChoice,
+    check_arguments,
+    check_staleness_argument,
+    check_update,
+    default_cost,
+    materializer,
+)
 from partitioner.assemble import price_update
 from partitioner.errors import PartitionError
 from partitioner.fidelity import (
@@ -25,10 +33,8 @@ from partitioner.fidelity import (
     input_dims,
 )
 from partitioner.graph import build_graph
-from partitioner.meta import is_meta, on_meta, shapes_only
+from partitioner.meta import is_meta, shapes_only
 from partitioner.planning import (
-    RECOMPUTE_CHOICES,
-    SCHEDULE_CHOICES,
     RecomputeChoice,
     ScheduleChoice,
     finish_plan,
@@ -40,20 +46,16 @@ from partitioner.trace import Traced, trace
 from partitioner.visualizer import Plan as DrawablePlan
 from runtime.async_updates import check_async_plan
 from runtime.distributed import DistributedPipeline
-from runtime.launch import distributed, init_process_group, job_devices, joined_devices
+from runtime.launch import distributed, init_process_group, joined_devices
 from runtime.materialize import Init, Materializer
-from runtime.microbatch import batch_size, scatter, to_device
+from runtime.microbatch import batch_size, scatter
 from runtime.pipeline import Pipeline, StageGraph
-from runtime.plan import UPDATES, Plan, Update
+from runtime.plan import Plan, Update
 from runtime.stage import build_stages, stage_io, weight_groups
-from runtime.staleness import check_staleness
-from runtime.weights import Weights, open_weights
+from runtime.weights import Weights
 
 __all__ = ["describe_model", "partition", "plan"]
 
-PlacementChoice = Literal["pipeline", "branches", "auto"]
-_SCHEDULES: tuple[str, ...] = SCHEDULE_CHOICES  # the Plan's Schedule, or "auto"
-_PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
 _T = TypeVar("_T")
 
 
@@ -85,12 +87,12 @@ def plan(
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
     """
-    resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
+    resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
-    cost_model = _default_cost(model, cost_model)
+    cost_model = default_cost(model, cost_model)
     traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
     return _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
@@ -204,13 +206,13 @@ def partition(
         schedule, virtual_stages = plan.schedule, max(plan.virtual_stages, 2)
         if micro_batches == 1 and plan.micro_batches != 1:
             micro_batches = plan.micro_batches
-    planned = _check_update(update, plan.schedule if plan is not None else schedule, plan is None)
-    resolved, args, kwargs = _check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
+    planned = check_update(update, plan.schedule if plan is not None else schedule, plan is None)
+    resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
-    staleness = _check_staleness(staleness)
-    fill = _materializer(model, weights, init)
-    cost_model = _default_cost(model, cost_model)
+    staleness = check_staleness_argument(staleness)
+    fill = materializer(model, weights, init)
+    cost_model = default_cost(model, cost_model)
     if distributed():
         pipe = _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
                                       schedule, replicas, virtual_stages, timeout, placement,
@@ -253,15 +255,6 @@ def partition(
         raise
 
 
-def _check_update(update: str, schedule: str, planned: bool) -> bool:
-    """partition(update=...) before anything moves: a known rule, on the 1F1B schedule it streams."""
-    if update not in UPDATES:
-        raise PartitionError(f"update={update!r}; use one of {', '.join(map(repr, UPDATES))}")
-    if update != "sync" and schedule != "1f1b":
-        raise PartitionError(f"update={update!r} streams 1F1B with no flush between steps; use schedule='1f1b'")
-    return planned
-
-
 def _with_update(update: Update, made: _T, *, planned: bool) -> _T:
     """Give the plan of `made` (a Plan or a pipeline) its update rule, check it can run, and price it
     (partitioner.assemble.price_update) where the plan was made here (a given plan was priced already)."""
@@ -285,81 +278,6 @@ def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
         raise PartitionError(str(exc)) from None
 
 
-def _check_arguments(
-    model: nn.Module,
-    devices: Sequence[DeviceLike],
-    example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None,
-    micro_batches: int,
-    schedule: str,
-    placement: str,
-    replicas: Any,
-    virtual_stages: int,
-    recompute: Any = "none",
-) -> tuple[list[torch.device], tuple[Any, ...], dict[str, Any]]:
-    """Every argument check of plan() and partition(), before anything is traced or moved."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    try:
-        resolved = job_devices(devices) if distributed() else resolve_devices(devices)
-    except ValueError as exc:
-        raise PartitionError(str(exc)) from None
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise PartitionError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if placement not in _PLACEMENTS:
-        raise PartitionError(f"placement={placement!r}; use one of {', '.join(map(repr, _PLACEMENTS))}")
-    if schedule not in _SCHEDULES:
-        raise PartitionError(f"schedule={schedule!r}; use one of {', '.join(map(repr, _SCHEDULES))}")
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise PartitionError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    if isinstance(replicas, str) and replicas != "auto":
-        raise PartitionError(f"replicas={replicas!r}; use 'auto' or a list of counts such as [2, 1]")
-    choices = [recompute] if isinstance(recompute, str) else recompute if isinstance(recompute, (list, tuple)) else None
-    if not choices or any(not isinstance(c, str) or c not in RECOMPUTE_CHOICES for c in choices):
-        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(map(repr, RECOMPUTE_CHOICES))}, "
-                             "or a list of those with one per stage")
-    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    kwargs = dict(example_kwargs or {})
-    if not args and not kwargs:
-        raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
-    home = _model_device(model)  # tracing runs the model as it is: the example goes where its weights are
-    if home is not None:
-        args, kwargs = to_device(args, home), to_device(kwargs, home)
-    elif is_meta(model):  # planned from shapes: see partitioner.meta
-        args, kwargs = on_meta(args), on_meta(kwargs)
-    if placement != "pipeline" and (replicas is not None or schedule not in ("gpipe", "auto")):
-        raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-    if replicas == "auto" and schedule not in ("gpipe", "1f1b", "auto"):
-        raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule 'gpipe' or '1f1b', "
-                             f"not {schedule!r}; pick one of those, or give replicas yourself")
-    return resolved, args, kwargs
-
-
-def _materializer(model: nn.Module, weights: Weights | None, init: Init | None) -> Materializer | None:
-    """What fills a meta model's stages (and loads `weights` into a real one); None: nothing to fill."""
-    if init is not None and not callable(init) and init != "reset_parameters":
-        raise PartitionError(f"init={init!r}; pass a callable init(module) or 'reset_parameters'")
-    meta = is_meta(model)
-    if meta and weights is None and init is None:
-        raise PartitionError(
-            f"{type(model).__name__} has weights on meta (no storage): pass weights= (a safetensors file or folder, "
-            "a DCP folder, a torch.save file or a state dict) to load each stage's weights on its device, or init= "
-            "(a callable init(module), or 'reset_parameters') to initialize them there"
-        )
-    if weights is None and (init is None or not meta):
-        if init is not None:
-            raise PartitionError("init= initializes a model on meta; this model's weights are real: drop init=, "
-                                 "or build the model on meta (with torch.device('meta'): ...)")
-        return None
-    return Materializer(model, weights=open_weights(weights) if weights is not None else None, init=init,
-                        load_real=not meta)
-
-
-def _default_cost(model: nn.Module, cost_model: CostModel | None) -> CostModel | None:
-    """The user's cost model; for a model on meta by default the analytic one (profiling needs values)."""
-    return cost_model if cost_model is not None or not is_meta(model) else AnalyticCostModel()
-
-
 def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any) -> _T:
     """`fn(*args)`; for a model on meta, on meta tensors only (partitioner.meta.shapes_only)."""
     if not is_meta(model):
@@ -368,25 +286,6 @@ def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *arg
         if traced is not None:
             swaps.add(model, [g for g in (traced.graph_module, traced.other_mode) if g is not None])
         return fn(*args)
-
-
-def _check_staleness(staleness: Any) -> int:
-    """`partition(staleness=...)` checked: an int >= 0, and above 0 only under torchrun (where replicas exchange)."""
-    try:
-        steps = check_staleness(staleness)
-    except ValueError as exc:
-        raise PartitionError(str(exc)) from None
-    if steps and not distributed():
-        raise PartitionError(f"staleness={steps} delays the all-reduce between ranks holding one weight, which only "
-                             "torchrun jobs have (one process shares its weights); launch with torchrun, or drop it")
-    return steps
-
-
-def _model_device(model: nn.Module) -> torch.device | None:
-    """The device of the model's first weight or buffer (None: it has none, or they are on `meta`)."""
-    for t in [*model.parameters(), *model.buffers()]:
-        return None if t.device.type == "meta" else t.device
-    return None
 
 
 def _trace_example(

@@ -210,14 +210,14 @@ def partition(
     resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
-    staleness = check_staleness_argument(staleness)
+    staleness = check_staleness_argument(staleness or (plan.staleness if plan is not None else 0))  # a plan's own
     fill = materializer(model, weights, init)
     cost_model = default_cost(model, cost_model)
     if distributed():
         pipe = _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
                                       schedule, replicas, virtual_stages, timeout, placement,
                                       cuts_from(split_points, split_spec), input_split_spec, recompute, fill)
-        pipe.staleness = staleness
+        pipe.staleness = staleness  # recorded in pipe.plan.staleness
         return _with_update(update, pipe, planned=planned)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
     traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,

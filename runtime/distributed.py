@@ -258,11 +258,11 @@ class DistributedPipeline(nn.Module):
     @property
     def staleness(self) -> int:
         """Steps by which updates of weights held by several ranks lag their gradients ([Note: bounded staleness])."""
-        return self._groups[0].reductions.staleness if self._groups else getattr(self, "_staleness", 0)
+        return self.plan.staleness
 
     @staleness.setter
     def staleness(self, steps: int) -> None:
-        self._staleness = check_staleness(steps)
+        self.plan.staleness = check_staleness(steps)
         self.wait_gradients(drop=True)  # a new rule starts from its warm-up
         for g in self._groups:
             g.reductions = StaleReductions(steps)

@@ -75,6 +75,9 @@ class Plan:
     placement: Placement = "pipeline"
     virtual_stages: int = 1  # interleaved: stages per rank (zbv: 2)
     update: Update = "sync"  # asynchronous updates run the 1F1B stream of runtime.stream, not `programs`
+    # Bounded staleness (torchrun, runtime.staleness): the update of step t uses the all-reduced
+    # gradients of step t - staleness for weights held by several ranks; 0 is synchronous.
+    staleness: int = 0
     # What each rank (worker) runs in one training step, with predicted times: see runtime.program.
     programs: list[Program] = field(default_factory=list)
     # Predicted step ms of the candidates an "auto" choice compared, by name ({} when none).
@@ -141,6 +144,8 @@ class Plan:
         elif self.update != "sync" and self.schedule != "1f1b":
             problems.append(f"update={self.update!r} with schedule={self.schedule!r}; asynchronous updates stream "
                             "1F1B: use schedule='1f1b'")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            problems.append(f"staleness={self.staleness!r}; use an integer >= 0 (0: the synchronous all-reduce)")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             problems.append(f"micro_batches={self.micro_batches!r}; use an integer >= 1")
         for k, s in enumerate(self.stages):
@@ -180,6 +185,7 @@ class Plan:
             f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, "
             f"schedule {self.schedule}; "
             + (f"update {self.update}; " if self.update != "sync" else "")
+            + (f"staleness {self.staleness}; " if self.staleness else "")
             + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
             + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
         )

@@ -78,3 +78,32 @@ def test_recompute_round_trips_defaults_to_none_and_is_checked() -> None:
     old["stages"][0]["recompute"] = "some"
     with pytest.raises(ValueError, match=r"stages\[0\].recompute='some'; use one of none, selective, full"):
         Plan.from_json(json.dumps(old))
+
+
+def test_staleness_round_trips_defaults_to_zero_and_is_checked() -> None:
+    plan = make()
+    plan.staleness = 2
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.staleness == 2
+    assert "staleness 2" in plan.summary().splitlines()[-1] and "staleness" not in make().summary()
+    old = json.loads(make().to_json())
+    del old["staleness"]  # a plan written before the field existed
+    assert Plan.from_json(json.dumps(old)).staleness == 0
+    old["staleness"] = -1
+    with pytest.raises(ValueError, match=r"staleness=-1; use an integer >= 0"):
+        Plan.from_json(json.dumps(old))
+
+
+def test_a_plan_with_staleness_needs_torchrun() -> None:
+    import torch
+
+    from partitioner import PartitionError, partition, plan as make_plan
+    from tests import zoo
+
+    model, (x,), _ = zoo.mlp()
+    made = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
+    made.staleness = 1
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PartitionError, match="staleness=1 .* torchrun"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), plan=made)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -45,7 +45,7 @@ def measured_stage_ms(trace: Mapping[str, Any]) -> dict[int, float]:
     per: dict[tuple[int, int], float] = {}
     for row in trace.get("devices", []):
         for e in row.get("events", []):
-            if e.get("kind") in ("forward", "backward", "F", "B") and int(e.get("stage", -1)) >= 0:
+            if e.get("kind") in ("forward", "backward", "weight", "F", "B", "W") and int(e.get("stage", -1)) >= 0:
                 key = (int(e["stage"]), int(e.get("microbatch", -1)))
                 per[key] = per.get(key, 0.0) + float(e["end"]) - float(e["start"])
     stages: dict[int, list[float]] = {}

@@ -34,7 +34,18 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
 from partitioner.errors import PartitionError
-from partitioner.timeline import ALLREDUCE, BACKWARD, FORWARD, RECV, SEND, DeviceTimeline, Event, Timeline, fill_idle
+from partitioner.timeline import (
+    ALLREDUCE,
+    BACKWARD,
+    FORWARD,
+    RECV,
+    SEND,
+    WEIGHT,
+    DeviceTimeline,
+    Event,
+    Timeline,
+    fill_idle,
+)
 from runtime.plan import Plan, StagePlan
 from runtime.schedule import Action
 
@@ -328,7 +339,7 @@ class _Run:
         start = max([self.free[d], *inputs])
         stage = self.plan.stages[a.stage]
         end = start + compute_ms(stage, a.kind, a.stage in self.split, bool(self.producers[a.stage]))
-        kind = FORWARD if a.kind == "F" else BACKWARD
+        kind = {"F": FORWARD, "W": WEIGHT}.get(a.kind, BACKWARD)
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
         self.free[d] = self.finished[a] = end
         for consumer in _consumers(a, self.stages, self.producers):

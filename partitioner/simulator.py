@@ -53,6 +53,7 @@ from partitioner.timeline import (
     IDLE,
     RECV,
     SEND,
+    WEIGHT,
     DeviceTimeline,
     Event,
     Timeline,
@@ -70,6 +71,7 @@ __all__ = [
     "IDLE",
     "RECV",
     "SEND",
+    "WEIGHT",
     "DeviceTimeline",
     "Event",
     "GroupMs",
@@ -325,7 +327,7 @@ class _ProgramRun:
         stage = self.plan.stages[s]
         start = max([self.clock[k], *(t for t in needs if t is not None)])
         end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
-        self.rows[k].events.append(Event(FORWARD if op.kind == "F" else BACKWARD, s, mb, start, end))
+        self.rows[k].events.append(Event({"F": FORWARD, "W": WEIGHT}.get(op.kind, BACKWARD), s, mb, start, end))
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
         self.times[k][i] = (start, end)
         return True

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "ALLREDUCE", "BACKWARD", "FORWARD", "IDLE", "RECV", "SEND", "DeviceTimeline", "Event", "Timeline", "fill_idle",
+    "ALLREDUCE", "BACKWARD", "FORWARD", "IDLE", "RECV", "SEND", "WEIGHT", "DeviceTimeline", "Event", "Timeline",
+    "fill_idle",
 ]
 
-FORWARD, BACKWARD = "compute-forward", "compute-backward"
+FORWARD, BACKWARD, WEIGHT = "compute-forward", "compute-backward", "compute-weight"  # WEIGHT: a split B's W
 SEND, RECV, ALLREDUCE, IDLE = "send", "recv", "allreduce", "idle"
 
 
@@ -75,7 +76,7 @@ class Timeline:
         for d, timeline in enumerate(self.devices):
             cells = ["."] * columns
             for e in timeline.events:
-                mark = {FORWARD: "F", BACKWARD: "B", IDLE: None}.get(e.kind, "~")
+                mark = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", IDLE: None}.get(e.kind, "~")
                 for c in range(int(e.start / scale + 0.5), int(e.end / scale + 0.5)):
                     if mark and c < columns and (cells[c] == "." or mark != "~"):
                         cells[c] = mark
@@ -105,7 +106,7 @@ def fill_idle(timeline: DeviceTimeline, makespan: float) -> None:
         covered = max(covered, e.end)
     if makespan > covered:
         idle.append(Event(IDLE, -1, -1, covered, makespan))
-    timeline.busy_ms = sum(e.duration for e in timeline.events if e.kind in (FORWARD, BACKWARD))
+    timeline.busy_ms = sum(e.duration for e in timeline.events if e.kind in (FORWARD, BACKWARD, WEIGHT))
     timeline.comm_ms = sum(e.duration for e in timeline.events if e.kind in (SEND, RECV, ALLREDUCE))
     timeline.idle_ms = sum(e.duration for e in idle)
     timeline.events = sorted(timeline.events + idle, key=lambda e: (e.start, e.end))

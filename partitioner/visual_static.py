@@ -291,8 +291,8 @@ def _gantt(
     for i, row in enumerate(t["rows"]):
         for e in row["events"]:
             base = stages[e["stage"]]["color"] if 0 <= e["stage"] < len(stages) else "#9e9e9e"
-            if e["kind"] in ("F", "B"):
-                fill = base if e["kind"] == "F" else _mix(base, 0.35, "#000000")
+            if e["kind"] in ("F", "B", "W"):  # W (a split backward's weight part): lighter than B
+                fill = {"F": base, "B": _mix(base, 0.35, "#000000"), "W": _mix(base, 0.6, "#000000")}[e["kind"]]
                 ax.add_patch(
                     Rectangle((e["start"], i - 0.34), e["end"] - e["start"], 0.62, fc=fill, ec="white", lw=0.5)
                 )

@@ -27,6 +27,7 @@ PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b
 _KINDS = {
     "F": "F", "forward": "F", "fwd": "F", "compute-forward": "F",
     "B": "B", "backward": "B", "bwd": "B", "compute-backward": "B",
+    "W": "W", "weight": "W", "compute-weight": "W",
     "send": "send", "recv": "recv", "allreduce": "allreduce", "all-reduce": "allreduce",
 }  # fmt: skip
 _SUFFIXES = {
@@ -192,7 +193,7 @@ def timeline_data(timeline: Any, title: str) -> dict[str, Any]:
             events.append({"kind": kind, "stage": int(_field(e, "stage", -1)), "mb": int(_field(e, "microbatch", -1)),
                            "start": start, "end": end})  # fmt: skip
             makespan = max(makespan, end)
-            busy += end - start if kind in ("F", "B") else 0.0
+            busy += end - start if kind in ("F", "B", "W") else 0.0
         stages = sorted({e["stage"] for e in events if e["stage"] >= 0})
         rows.append({"device": str(_field(d, "device", "")), "stages": stages, "events": events})
     makespan = float(_field(timeline, "makespan_ms", None) or makespan)

@@ -365,7 +365,7 @@ class Interpreter:
         if work is not None:
             start = self.clock.mark()
             backward_weight(work)
-            self._record("backward", s, i, start)
+            self._record("weight", s, i, start)
 
     def _record(
         self, kind: str, stage: int, microbatch: int, start: Mark, peer: int = -1, clock: Clock | None = None

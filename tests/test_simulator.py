@@ -224,3 +224,28 @@ def test_programs_that_cannot_finish_are_an_error() -> None:
     plan.programs[1].ops = [op for op in plan.programs[1].ops if op.kind != "SEND"]  # a gradient never sent
     with pytest.raises(ScheduleError, match=r"programs deadlock: no rank can run its next op \(rank 0 at 'B s0 mb0 t3"):
         simulate(plan)
+
+
+def test_weight_gradients_are_their_own_kind_predicted_measured_and_drawn() -> None:
+    """A zero-bubble plan's W ops are WEIGHT events in the simulated timeline and "weight" events in what a
+    traced step records, and the plan page draws them as W (what is drawn is what runs)."""
+    import torch.nn.functional as F
+
+    from partitioner import partition, plan as make_plan
+    from partitioner.simulator import WEIGHT, simulate
+    from partitioner.visualizer import timeline_data
+    from tests import zoo
+
+    model, (x,), _ = zoo.tiny_gpt()
+    made = make_plan(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, schedule="zb1")
+    timeline = simulate(made)
+    weights = [e for row in timeline.events(WEIGHT) for e in row]
+    assert len(weights) == 2 * 2 and "W" in timeline.chart(timeline.makespan_ms / 60)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, plan=made)
+    pipe.tracing = True
+    pipe.train_step(x, x, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    measured = pipe.measured_timeline()
+    kinds = [e["kind"] for d in measured["devices"] for e in d["events"]]
+    assert kinds.count("weight") == 4 and kinds.count("backward") == 4
+    drawn = timeline_data(measured, "measured")
+    assert sum(e["kind"] == "W" for row in drawn["rows"] for e in row["events"]) == 4

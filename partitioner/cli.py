@@ -20,7 +20,7 @@ from rich.table import Table
 
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
-from runtime.plan import RECOMPUTE_MODES, SCHEDULES, human_bytes
+from runtime.plan import RECOMPUTE_MODES, SCHEDULES, UPDATES, human_bytes
 
 __all__ = ["main"]
 
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(plan)
     plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="gpipe", help=SCHEDULE_HELP + " (default gpipe)")
     plan.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none", help=RECOMPUTE_HELP)
+    plan.add_argument("--update", choices=UPDATES, default="sync",
+                      help="how weights update: sync (after each step), 2bw or stash (no flush; --schedule 1f1b)")
     plan.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     plan.add_argument("--out", metavar="PATH", help="write the picture: .html (interactive), .png, .svg or .dot")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan as JSON (reload with `simulate --plan`)")
@@ -206,7 +208,8 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
     with _step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
                          micro_batches=micro_batches, schedule=schedule, placement=args.placement,  # type: ignore[arg-type]
-                         cost_model=_cost_model(args), recompute=args.recompute or "none")
+                         cost_model=_cost_model(args), recompute=args.recompute or "none",
+                         update=getattr(args, "update", "sync"))
     return Plan.from_plan(plan), example
 
 
@@ -259,6 +262,8 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     bubble = ""
     if timeline:
         bubble = f", simulated step {timeline.makespan_ms:.3f} ms, bubble {timeline.bubble_fraction:.1%}"
+    if plan.update != "sync":  # no flush: the steady step of the stream, not one step's fill and drain
+        bubble = f", update {plan.update}: steady step {plan.predicted_step_ms:.3f} ms (no flush between steps)"
     out.print(
         f"batch {example.batch} in {plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}, "
         f"schedule {plan.schedule}, "

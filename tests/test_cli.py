@@ -127,6 +127,22 @@ def test_every_schedule_and_recomputation_from_the_command_line(schedule: str,
     assert code == 0 and f"schedule {schedule}, recompute {', '.join(['full'] * stages)}, pipeline" in out, err
 
 
+@pytest.mark.parametrize("update", ["2bw", "stash"])
+def test_asynchronous_updates_from_the_command_line(update: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from partitioner import plan
+
+    argv = ["plan", "tests.zoo:mlp", "--devices", "cpu,cpu", "--micro-batches", "4", "--quiet"]
+    code, out, err = run([*argv, "--schedule", "1f1b", "--update", update], capsys)
+    assert code == 0, err
+    model, args, _ = zoo.mlp()
+    expected = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="1f1b",
+                    update=update, cost_model=AnalyticCostModel())  # type: ignore[arg-type]
+    assert f"update {update}: steady step {expected.predicted_step_ms:.3f} ms (no flush between steps)" in out
+    code, _, err = run([*argv, "--schedule", "gpipe", "--update", update], capsys)
+    assert code == 2 and "use schedule='1f1b'" in err
+
+
 def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["profile", "tests.zoo:mlp", "--analytic", "--top", "0", "--quiet"], capsys)
     assert code == 0, err

@@ -210,7 +210,11 @@ def partition(
     resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
                                               placement, replicas, virtual_stages, recompute)
     check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
-    staleness = check_staleness_argument(staleness or (plan.staleness if plan is not None else 0))  # a plan's own
+    staleness = staleness or (plan.staleness if plan is not None else 0)  # a plan's own
+    if update != "sync" and isinstance(staleness, int) and staleness > 0:
+        raise PartitionError(f"staleness={staleness} delays the all-reduce of weights held by several ranks, and "
+                             f"update={update!r} runs every weight on one rank; drop one of them")
+    staleness = check_staleness_argument(staleness)
     fill = materializer(model, weights, init)
     cost_model = default_cost(model, cost_model)
     if distributed():

@@ -97,6 +97,13 @@ def test_staleness_in_one_process_names_torchrun() -> None:
     assert partition(model, ["cpu", "cpu"], example_inputs=args, staleness=0).plan.schedule == "gpipe"
 
 
+def test_staleness_with_asynchronous_pipeline_updates_is_refused() -> None:
+    model, args, _ = zoo.mlp()
+    with pytest.raises(PartitionError, match="staleness=2 .* update='2bw' runs every weight on one rank"):
+        partition(model, ["cpu", "cpu"], example_inputs=args, micro_batches=2, schedule="1f1b", update="2bw",
+                  staleness=2)
+
+
 @pytest.mark.timeout(600)
 def test_three_ranks_two_replicas_equal_the_rule_on_the_plain_model() -> None:
     # under NCCL's rules (tests.test_distributed.torchrun): the background all-reduces keep one order per group

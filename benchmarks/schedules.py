@@ -12,7 +12,8 @@ Trainers, all in this run, measured in alternating rounds (so a load change on t
 hits all of them alike); each one's figure is its fastest round (other load on a shared
 machine only adds time), its median round printed beside it:
   ours:  gpipe, 1f1b, interleaved (2 stages per rank), zb1, zbv, each on the planned split,
-         and 1f1b with update="2bw" and update="stash" (when `partition` accepts `update`);
+         and 1f1b with update="2bw" and update="stash" (no flush between steps; their
+         predicted ms is the stream's steady step);
   PiPPy: ScheduleGPipe, Schedule1F1B (1 stage per rank), ScheduleInterleaved1F1B,
          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble (2 stages per rank; V placement
          for ZBV), each on PiPPy's equal-layer split (split_spec at block boundaries).
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import statistics
 import sys
 import time
@@ -170,15 +170,9 @@ def main() -> None:
     pipes: dict[str, Any] = {}
     for schedule in ("gpipe", "1f1b", "interleaved", "zb1", "zbv"):
         trainers[f"ours {schedule}"], predicted[f"ours {schedule}"], pipes[schedule] = ours(base, x, y, m, schedule)
-    if "update" in inspect.signature(partition).parameters:
-        for update in ("2bw", "stash"):
-            name = f"ours 1f1b update={update}"
-            try:
-                streams[name], predicted[name], pipes[update] = ours(base, x, y, m, "1f1b", update)
-            except Exception as exc:  # noqa: BLE001 - a rule still being built: say so, measure the rest
-                say(f"{name}: not available ({type(exc).__name__}: {exc})")
-    else:
-        say("update='2bw' / 'stash': not available yet (partition takes no `update`)")
+    for update in ("2bw", "stash"):
+        name = f"ours 1f1b update={update}"
+        streams[name], predicted[name], pipes[update] = ours(base, x, y, m, "1f1b", update)
 
     from torch.distributed.pipelining import (
         Schedule1F1B,

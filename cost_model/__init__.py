@@ -12,6 +12,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import cache_dir
 from cost_model.calibration import CalibratedCostModel, Calibration, measured_stage_ms, stage_records
 from cost_model.cluster import DeviceDescriptionError, DeviceSet, parse_bytes
+from cost_model.cluster_shape import Cluster, ClusterError, Fabric, as_cluster
 from cost_model.comm import LINK_KINDS, Link, default_link, p2p_time, ring_allreduce_time, slowest
 from cost_model.devices import DeviceError, DeviceSpec, measure_device, resolve_devices
 from cost_model.discovery import discover_devices
@@ -27,17 +28,21 @@ __all__ = [
     "BACKWARD_FACTOR",
     "CalibratedCostModel",
     "Calibration",
+    "Cluster",
+    "ClusterError",
     "CostModel",
     "DeviceDescriptionError",
     "DeviceError",
     "DeviceSet",
     "DeviceSpec",
+    "Fabric",
     "LINK_KINDS",
     "Link",
     "OPTIMIZER_STATES",
     "Profile",
     "ProfiledCostModel",
     "StageMemory",
+    "as_cluster",
     "backward_time",
     "cache_dir",
     "default_cost_model",

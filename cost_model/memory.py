@@ -1,14 +1,21 @@
-"""Memory of one pipeline stage under a schedule: weights, gradients, optimizer state, activations.
+"""Memory of one pipeline stage at its peak under a schedule: weights, gradients, optimizer state, activations.
 
     params       P                      the stage's parameters and buffers
     grads        P                      one gradient per parameter
     optimizer    k * P                  k = 0 (SGD), 1 (SGD with momentum), 2 (Adam, AdamW)
-    activations  f * (A + R)            A: saved outputs of the stage's nodes, R: inputs it
-                                        received, per micro-batch; f micro-batches in flight:
+    activations  (f - 1) * A + B        A: what the stage keeps per micro-batch, B: the most one
+                 + f * R                micro-batch holds during its backward (A, recomputation and
+                                        gradients: cost_model.recompute_cost, `peak_bytes`); R: inputs
+                                        it received, held per micro-batch; f micro-batches in flight:
                                         GPipe f = m, 1F1B f = min(p - s, m) for stage s of p
-    buffers      2 * (R + S)            one receive and one send buffer for activations
-                                        (R in, S out) and one each for their gradients
+    buffers      (f + 1) * S            S: the outputs it sends, held per micro-batch until its
+                                        backward, and their gradient (received) during it; the last
+                 f * S (last stage)     stage's S is the model output it returns, and its loss holds
+                                        3 x S at the start of backward, beside A (B >= A + 3 S:
+                                        cross-entropy's log-softmax, its gradient, the output's)
 
+Without B (`peak_bytes`), the coarse form the hybrid solver prices: activations f * (A + R),
+buffers 2 * (R + S) (a receive and a send buffer each way).
 That total is what the stage's tensors need: compare it with `torch.cuda.max_memory_allocated`.
 A CUDA device holds less than its capacity for them (`usable_bytes`):
 
@@ -112,6 +119,9 @@ def stage_memory(
     optimizer: str = "adam",
     recv_bytes: int = 0,
     send_bytes: int = 0,
+    peak_bytes: int | None = None,
+    flight: int | None = None,
+    last: bool = False,
 ) -> StageMemory:
     """Peak bytes of one stage (see the module docstring for each term).
 
@@ -122,21 +132,32 @@ def stage_memory(
         micro_batches: m, micro-batches per step.
         schedule: "gpipe" or "1f1b".
         optimizer: "sgd", "sgd_momentum" (or "momentum"), "adam" or "adamw".
-        recv_bytes, send_bytes: per micro-batch, crossing into and out of the stage.
+        recv_bytes, send_bytes: per micro-batch, crossing into and out of the stage (the last
+            stage's send_bytes: the model output it returns).
+        peak_bytes: the most one micro-batch holds during its backward (`ModeCost.peak_bytes`);
+            None for the coarse form.
+        flight: micro-batches in flight where the programs say (default: by `schedule`).
+        last: the stage computes the loss (its output's loss holds 3 x send_bytes).
 
     Raises:
         ValueError: negative sizes, an unknown schedule or optimizer.
     """
-    if min(param_bytes, activation_bytes, recv_bytes, send_bytes) < 0:
+    if min(param_bytes, activation_bytes, recv_bytes, send_bytes, peak_bytes or 0) < 0:
         raise ValueError("byte counts must be >= 0")
-    flight = in_flight(schedule, stage, stages, micro_batches)
+    f = in_flight(schedule, stage, stages, micro_batches) if flight is None else flight
     states = optimizer_states(optimizer)
+    if peak_bytes is None:
+        activations, buffers = f * (activation_bytes + recv_bytes), 2 * (recv_bytes + send_bytes)
+    else:
+        loss = 3 * send_bytes if last else 0
+        activations = max(0, f - 1) * activation_bytes + max(peak_bytes, activation_bytes + loss) + f * recv_bytes
+        buffers = (f if last else f + 1) * send_bytes
     return StageMemory(
         params=int(param_bytes),
         grads=int(param_bytes),
         optimizer=int(states * param_bytes),
-        activations=int(flight * (activation_bytes + recv_bytes)),
-        buffers=int(2 * (recv_bytes + send_bytes)),
+        activations=int(activations),
+        buffers=int(buffers),
     )
 
 

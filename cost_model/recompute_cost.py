@@ -5,6 +5,17 @@
     selective   outputs of matrix products (linear, matmul, conv)   every other node's forward
     full        0 (only the stage's inputs)                         the whole stage's forward
 
+One micro-batch's backward holds more than what it kept (`ModeCost.peak_bytes`, the worst moment
+of a walk through the nodes in reverse): walking back through node n, it holds
+- kept values whose first reader's backward has not run yet (autograd frees a saved tensor
+  once every node saving it ran its backward);
+- for "selective" and "full", what the checkpoint of n's segment recomputed (torch.utils.checkpoint
+  recomputes a segment's forward at its first saved tensor the backward needs) and n's backward
+  has not yet consumed: the values saved by nodes of that segment at or before n, less the kept;
+- the gradient of n's output and the gradients of its inputs (n's backward makes them).
+The largest such moment is usually the backward of the widest node (attention scores: their
+softmax output saved, the gradient of the probabilities and of the scores).
+
 The stage's inputs (values it receives, the batch) are held in every mode and not counted here.
 What autograd saves under "none" follows each operator's backward: a product keeps its inputs,
 softmax, tanh, sigmoid and ReLU their output, GELU, norms and pooling their input, dropout its
@@ -15,11 +26,11 @@ an operator of unknown kind keeps its output (the old upper bound).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from cost_model.ops import classify
 
-__all__ = ["ModeCost", "op_name", "recompute_costs"]
+__all__ = ["ModeCost", "op_name", "recompute_costs", "segment_key"]
 
 # Names (module classes or functions, lower case) by what their backward keeps.
 _PRODUCTS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "bilinear", "conv1d", "conv2d",
@@ -37,10 +48,17 @@ _SELF = "\0self"  # the node's own output
 
 @dataclass(frozen=True)
 class ModeCost:
-    """One recomputation mode of a stage: bytes kept per micro-batch, and forward seconds rerun in backward."""
+    """One recomputation mode of a stage: bytes kept per micro-batch, forward seconds rerun in backward,
+    and the most one micro-batch holds during its backward (kept, recomputed and gradients; >= kept)."""
 
     kept_bytes: int
     extra_forward_s: float
+    peak_bytes: int = 0
+
+    @property
+    def rerun_bytes(self) -> int:
+        """What one micro-batch's backward holds at its worst beyond what it kept."""
+        return max(0, self.peak_bytes - self.kept_bytes)
 
 
 def op_name(node: Mapping[str, Any]) -> str:
@@ -66,23 +84,107 @@ def recompute_costs(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu"
     for n in nodes:  # a view is the tensor it views
         name, first = str(n["name"]), _first_input(n)
         base[name] = base.get(first, first) if classify(n) == "view" and first in own else name
-    kept: dict[str, int] = {}
-    extra = 0
-    for n in nodes:
+    segment = _segments(nodes)
+    names = [str(n["name"]) for n in nodes]
+    saved: list[set[str]] = []  # per node: the values (roots) its backward keeps
+    extra: list[int] = []  # per node: bytes it keeps besides (masks, statistics)
+    crossing: set[str] = set()  # values a later segment reads: each segment's checkpoint keeps its inputs
+    for n, name in zip(nodes, names):
         values, more = _saved(n, device_type)
-        extra += more
-        for value in values:
-            root = base.get(str(n["name"]) if value == _SELF else value)
-            if root is not None:
-                kept[root] = int(own[root].get("out_bytes", 0) or 0)
+        saved.append({r for v in values if (r := base.get(name if v == _SELF else v)) is not None})
+        extra.append(more)
+        crossing.update(base[u] for u, _ in n.get("inputs") or [] if u in own and segment[str(u)] < segment[name])
+
+    def size(roots: set[str]) -> int:
+        return sum(int(own[r].get("out_bytes", 0) or 0) for r in roots)
+
+    grads = [_gradient_bytes(n, own) for n in nodes]
     forward = [float(n.get("forward_s", 0.0) or 0.0) for n in nodes]
     products = [classify(n) in ("gemm", "conv") for n in nodes]
+    everything = set().union(*saved)
+    selective = crossing | {name for name, p in zip(names, products) if p}
+    walk = _Walk(names, segment, saved, extra, grads, size)
     return {
-        "none": ModeCost(sum(kept.values()) + extra, 0.0),
-        "selective": ModeCost(sum(int(n.get("out_bytes", 0) or 0) for n, p in zip(nodes, products) if p),
-                              sum(t for t, p in zip(forward, products) if not p)),
-        "full": ModeCost(0, sum(forward)),
+        "none": ModeCost(size(everything) + sum(extra), 0.0, walk.peak(everything, recompute=False)),
+        "selective": ModeCost(size(selective), sum(t for t, p in zip(forward, products) if not p),
+                              walk.peak(selective, recompute=True)),
+        "full": ModeCost(size(crossing), sum(forward), walk.peak(crossing, recompute=True)),
     }
+
+
+class _Walk:
+    """One micro-batch's backward walked node by node in reverse (see the module docstring)."""
+
+    def __init__(self, names: list[str], segment: Mapping[str, int], saved: list[set[str]], extra: list[int],
+                 grads: list[int], size: Callable[[set[str]], int]) -> None:
+        self.names, self.segment, self.saved, self.extra, self.grads, self.size = \
+            names, segment, saved, extra, grads, size
+        index = {name: i for i, name in enumerate(names)}
+        self.release: dict[str, int] = {}  # a kept value is alive while the walk is at or after this node
+        for i, roots in enumerate(saved):
+            for r in roots:
+                self.release.setdefault(r, i)
+        for r, i in index.items():
+            self.release.setdefault(r, i)  # kept but saved by none (a checkpoint's input): its producer
+
+    def peak(self, kept: set[str], *, recompute: bool) -> int:
+        """The most bytes alive at any node's backward (at least the kept ones, before the walk starts)."""
+        kept_size = self.size(kept) + (0 if recompute else sum(self.extra))
+        best = kept_size
+        for i in reversed(range(len(self.names))):
+            if recompute:  # kept values of earlier segments, and what i's segment's recomputation saved up to i
+                seg = self.segment[self.names[i]]
+                own = [j for j in range(i + 1) if self.segment[self.names[j]] == seg]
+                roots = {r for r in kept if self.segment[r] < seg}.union(*(self.saved[j] for j in own))
+                alive = self.size(roots) + sum(self.extra[j] for j in own)
+            else:  # kept values some node at or before i still needs
+                alive = self.size({r for r in kept if self.release.get(r, 0) <= i}) + sum(self.extra[: i + 1])
+            best = max(best, alive + self.grads[i])
+        return best
+
+
+def segment_key(path: str) -> str | None:
+    """'blocks.2.mlp.0' -> 'blocks.2'; a path without an index component -> None.
+
+    The rule of [Note: recomputation segments] in runtime/recompute_segments.py (the runtime
+    cuts stages by it; this module prices the cut): change both together.
+    """
+    parts = path.split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: k + 1])
+    return None
+
+
+def _segments(nodes: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Each node's recomputation segment: consecutive nodes of one segment key (none: the one before); one
+    segment for a stage that writes in place (`h.mul_(2)`), which the runtime checkpoints whole."""
+    if any(_in_place(n) for n in nodes):
+        return {str(n["name"]): 0 for n in nodes}
+    found: dict[str, int] = {}
+    key: str | None = None
+    index = -1
+    for n in nodes:
+        own = segment_key(str(n.get("module") or ""))
+        if index < 0 or (own is not None and own != key):
+            index += 1
+            key = own if own is not None else key
+        found[str(n["name"])] = index
+    return found
+
+
+def _in_place(node: Mapping[str, Any]) -> bool:
+    """A method or function named as an in-place write ('mul_', 'add_'; not '__add__')."""
+    name = str(node.get("target") or "").rsplit(".", 1)[-1]
+    return node.get("op") in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+
+
+def _gradient_bytes(node: Mapping[str, Any], own: Mapping[str, Any]) -> int:
+    """Bytes a node's backward makes: the gradient of its output and of each floating input made in the stage."""
+    if classify(node) in _NO_SAVES or not _floating(str((node.get("dtypes") or ["float32"])[0])):
+        return 0
+    inputs = {str(u): int(nbytes or 0) for u, nbytes in node.get("inputs") or [] if str(u) in own}
+    return int(node.get("out_bytes", 0) or 0) + sum(inputs.values())
 
 
 def _first_input(node: Mapping[str, Any]) -> str:

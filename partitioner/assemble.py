@@ -18,13 +18,14 @@ simulates an existing plan again (other weight groups, micro-batches or schedule
 - param_bytes: each weight once, in the first stage (lowest index) reading it, so the
   stages add up to the model; a weight read by several stages is all-reduced between them
   (a weight group).
-- activation_bytes: (bytes the stage's nodes keep for backward under its `recompute` mode +
-  bytes received) per micro-batch, times the most micro-batches one rank holds under the
-  plan's programs (cost_model/recompute_cost.py says what each operator keeps).
+- activation_bytes: what the stage holds at its peak, one micro-batch's backward: the bytes its
+  nodes keep under its `recompute` mode for each other micro-batch in flight (the most one rank
+  holds under the plan's programs), the most that backward holds (kept, recomputed, gradients),
+  and the received inputs of each (cost_model/recompute_cost.py, cost_model/memory.py).
 - recompute: "selective" and "full" add the forward they run again to `backward_ms` (and
   `compute_ms`); `recount` sets the modes of a placed plan.
-- memory_bytes: (2 + optimizer states) x param_bytes + activation_bytes + 2 x (recv + send)
-  buffers (cost_model/memory.py).
+- memory_bytes: (2 + optimizer states) x param_bytes + activation_bytes + the outputs held per
+  micro-batch in flight and their gradient (cost_model/memory.py, `stage_memory`).
 - allreduce_ms: ring all-reduce of param_bytes over the replicas' devices (0 for one).
 - predicted_ms: (compute_ms + comm_ms) / replicas; predicted_step_ms: the simulated step.
 """
@@ -38,7 +39,7 @@ import networkx as nx
 import torch
 
 from cost_model.interface import CostModel, forward_time
-from cost_model.memory import optimizer_states
+from cost_model.memory import StageMemory, stage_memory
 from cost_model.recompute_cost import ModeCost, recompute_costs
 from cost_model.update_cost import version_bytes
 from partitioner.errors import PartitionError
@@ -117,12 +118,10 @@ def assemble(
         reduce_ms[key] = reduce_ms.get(key, 0.0) + 1e3 * allreduce_seconds(cost, nbytes, [device_of[r] for r in key])
     chosen = [*replica_groups(plan), *((r, st) for r, st, _ in weights)] if groups is None else groups
     plan.programs = lower_plan(plan, merge_groups(chosen), {r: str(d) for r, d in device_of.items()})
-    states = optimizer_states(optimizer)
     for stage, flight in zip(plan.stages, in_flight(plan.programs, p)):
         costs = _mode_costs(graph, stage.nodes, [torch.device(stage.device)], cost, timed=False)
-        stage.activation_bytes = costs[stage.recompute].held_bytes(flight, stage.recv_bytes)
-        buffers = 2 * (stage.recv_bytes + stage.send_bytes)
-        stage.memory_bytes = (2 + states) * stage.param_bytes + stage.activation_bytes + buffers
+        memory = _stage_memory(graph, plan, stage, costs[stage.recompute], flight, optimizer)
+        stage.activation_bytes, stage.memory_bytes = memory.activations, memory.total
     _predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0), group_price(plan, [], reduce_ms, None))
     return plan
 
@@ -180,14 +179,27 @@ def recompute_memory(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[dic
 
 
 def _by_mode(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[tuple[dict[str, ModeCost], dict[str, int]]]:
-    """Per stage: each mode's ModeCost, and the activation bytes it holds in flight (received values included)."""
+    """Per stage: each mode's ModeCost, and the activation bytes it holds at its peak (received values included)."""
     devices = {prog.rank: torch.device(prog.device) for prog in plan.programs}
     flights = in_flight(plan.programs, len(plan.stages)) if plan.programs else [plan.micro_batches] * len(plan.stages)
     found = []
     for stage, flight in zip(plan.stages, flights):
         costs = _mode_costs(graph, stage.nodes, _replica_devices(cost, stage, devices), cost)
-        found.append((costs, {m: c.held_bytes(flight, stage.recv_bytes) for m, c in costs.items()}))
+        found.append((costs, {m: _stage_memory(graph, plan, stage, c, flight).activations for m, c in costs.items()}))
     return found
+
+
+def _stage_memory(graph: nx.DiGraph, plan: Plan, stage: StagePlan, costs: ModeCost, flight: int,
+                  optimizer: str = "adam") -> StageMemory:
+    """cost_model.memory.stage_memory of a placed stage: `flight` micro-batches in flight, `costs` its mode's
+    bytes; the last stage holds the model output it returns (and its loss) where other stages hold their sends."""
+    last = stage.index == len(plan.stages) - 1
+    names = set(stage.nodes)
+    out = sum(int(graph.nodes[u].get("out_bytes", 0) or 0) for n, a in graph.nodes(data=True) if a.get("op") == "output"
+              for u in graph.predecessors(n) if u in names) if last else stage.send_bytes
+    return stage_memory(stage.param_bytes, costs.kept_bytes, stage=stage.index, stages=len(plan.stages),
+                        micro_batches=plan.micro_batches, optimizer=optimizer, recv_bytes=stage.recv_bytes,
+                        send_bytes=out, peak_bytes=costs.peak_bytes, flight=flight, last=last)
 
 
 def _set_mode(stage: StagePlan, mode: RecomputeMode, costs: Mapping[str, ModeCost]) -> None:
@@ -205,14 +217,15 @@ def _replica_devices(cost: CostModel, stage: StagePlan, device_of: Mapping[int, 
     return list({device_key(cost, d): d for d in found}.values())
 
 
-def _mode_costs(graph: nx.DiGraph, names: Sequence[str], devices: Sequence[torch.device], cost: CostModel,
+def _mode_costs(graph: nx.DiGraph, names: Sequence[str], devices: Sequence[torch.device], cost: CostModel | None,
                 timed: bool = True) -> dict[str, ModeCost]:
-    """cost_model.recompute_cost for a stage: bytes kept, and its slowest replica's forward run again."""
+    """cost_model.recompute_cost for a stage: bytes kept, and its slowest replica's forward run again
+    (untimed, or without devices: bytes only, as on the CPU)."""
     found: list[dict[str, ModeCost]] = []
-    for device in devices:
+    for device in devices or [torch.device("cpu")]:
         nodes = [
             {**graph.nodes[n], "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)],
-             "forward_s": forward_time(cost, graph.nodes[n], device) if timed else 0.0}
+             "forward_s": forward_time(cost, graph.nodes[n], device) if timed and cost is not None else 0.0}
             for n in names
         ]
         found.append(recompute_costs(nodes, device.type))
@@ -225,6 +238,7 @@ def finish(
     *,
     transfer_ms: Callable[[int, int, int], float] | None = None,
     group_ms: Mapping[tuple[int, ...], float] | None = None,
+    graph: nx.DiGraph | None = None,
 ) -> Timeline:
     """Lower `plan`'s schedule into programs again and simulate them; returns the timeline.
 
@@ -238,6 +252,9 @@ def finish(
         groups: (ranks, stages) of weights held by several ranks. Default: the groups the
             old programs all-reduce (after the last backward of the stages on their ranks),
             else the replicated stages; pass [] where replicas share their weights (one process).
+        graph: the plan's graph, to count `activation_bytes` and `memory_bytes` again for the new
+            micro-batches in flight; without it they are scaled in proportion (which also scales
+            the one backward's peak: an approximation).
 
     Raises:
         PartitionError: the schedule cannot run this layout.
@@ -256,7 +273,13 @@ def finish(
     plan.programs = lower_plan(plan, merge_groups(groups), devices)
     if before is not None:
         for stage, was, now in zip(plan.stages, before, in_flight(plan.programs, len(plan.stages))):
-            if was > 0:
+            if graph is not None:  # the static terms cancel: only what the flight changes moves
+                costs = _mode_costs(graph, stage.nodes, [], None, timed=False)[stage.recompute]
+                old_mem, new_mem = (_stage_memory(graph, plan, stage, costs, f) for f in (was, now))
+                stage.activation_bytes += new_mem.activations - old_mem.activations
+                moved = new_mem.activations + new_mem.buffers - old_mem.activations - old_mem.buffers
+                stage.memory_bytes += moved if stage.memory_bytes else 0
+            elif was > 0:
                 grown = stage.activation_bytes // was * now - stage.activation_bytes
                 stage.activation_bytes += grown
                 stage.memory_bytes += grown if stage.memory_bytes else 0

@@ -50,6 +50,7 @@ from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
 from runtime.microbatch import tensors_in
 from runtime.mutation import mutated_arg
 from runtime.plan import RecomputeMode
+from runtime.recompute_segments import split_segments
 
 __all__ = [
     "KEPT_OPS", "RNG_LOCK", "RecomputedStage", "kept_bytes", "kept_output_writes", "selective_policy", "wrap",
@@ -195,7 +196,8 @@ def _quiet(bns: Sequence[Deferred]) -> Iterator[None]:
 
 def wrap(module: torch.fx.GraphModule, mode: RecomputeMode, device: torch.device, bns: Sequence[Deferred] = (),
          writes: Sequence[str] = ()) -> torch.fx.GraphModule:
-    """`module` as a GraphModule that calls it through a RecomputedStage (same inputs, same outputs).
+    """`module` as a GraphModule that calls it through a RecomputedStage (same inputs, same outputs),
+    one per segment where "selective" or "full" can cut it (runtime.recompute_segments).
 
     Raises:
         ValueError: selective recomputation of a stage that writes in place into a kept output.
@@ -206,6 +208,12 @@ def wrap(module: torch.fx.GraphModule, mode: RecomputeMode, device: torch.device
             raise ValueError(f"{module.__class__.__name__} writes in place into the output of a matmul or convolution "
                              f"({', '.join(bad[:3])}), which selective recomputation keeps; use recompute='full' "
                              "for this stage, or write out of place (h = h * 2 rather than h.mul_(2))")
+    segmented = split_segments(module) if mode != "none" and not writes else None
+    if segmented is not None:  # one checkpoint per segment: see runtime.recompute_segments
+        for name, part in list(segmented.named_children()):
+            if name.startswith("submod_"):
+                setattr(segmented, name, RecomputedStage(part, mode, device, bns))  # type: ignore[arg-type]
+        return segmented
     names = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     written = [k for k, name in enumerate(names) if name in writes]
     graph = torch.fx.Graph()

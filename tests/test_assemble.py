@@ -74,8 +74,10 @@ def test_replicated_plan_step_includes_its_allreduce() -> None:
     assert [p.text().splitlines()[-2:] for p in plan.programs[:2]] == [["AR r0,1 t5", "STEP"]] * 2
     assert plan.programs[0].predicted[-2:] == [(9.0, 10.5), (10.5, 10.5)]
     assert (a.predicted_ms, b.predicted_ms) == (1.5, 3.0)  # 3 ms per micro-batch shared by two replicas
-    assert (a.activation_bytes, b.activation_bytes) == (80, 2 * (8 + 80))  # a replica of a holds one micro-batch
-    assert a.memory_bytes == 4 * 1000 + 80 + 2 * 80  # adam: weights, grads, 2 states; activations; send buffers
+    # a replica of a holds one micro-batch: a's output (an unknown op keeps it) and, in backward, its gradient;
+    # b holds two: 8 kept for one, 8 + its loss (3 x 8) for the one in backward, and the 80 received of each
+    assert (a.activation_bytes, b.activation_bytes) == (80 + 80, 8 + (8 + 3 * 8) + 2 * 80)
+    assert a.memory_bytes == 4 * 1000 + 160 + 2 * 80  # adam: weights, grads, 2 states; activations; output + gradient
     loaded = Plan.from_json(plan.to_json())
     assert loaded == plan and simulate(loaded).makespan_ms == 10.5
     assert finish(loaded, groups=[]).makespan_ms == 9.0  # one process: replicas share weights, nothing to reduce
@@ -143,9 +145,10 @@ def test_side_by_side_stages_of_a_contiguous_split_run_1f1b() -> None:
 def test_finish_relowers_for_new_micro_batches() -> None:
     plan = assemble(two_nodes(), [["a"], ["b"]], ["cpu", "cpu"], Cost(), micro_batches=2, stage_ranks=[[0, 1], [2]])
     plan.micro_batches = 4
-    timeline = finish(plan)
-    assert plan.stages[1].activation_bytes == 4 * (8 + 80) and plan.stages[0].activation_bytes == 2 * 80
-    assert plan.stages[1].memory_bytes == 4 * 24 + 4 * 88 + 2 * 80
+    timeline = finish(plan, graph=two_nodes())
+    # in flight: b 2 -> 4 (3 x 8 kept, 8 + 3 x 8 in backward, 4 x 80 received), each replica of a 1 -> 2
+    assert plan.stages[1].activation_bytes == 3 * 8 + 32 + 4 * 80 and plan.stages[0].activation_bytes == 80 + 160
+    assert plan.stages[1].memory_bytes == 4 * 24 + 376 + 4 * 8  # b's outputs: the loss reads one of each micro-batch
     assert sum(op.kind == "AR" for p in plan.programs for op in p.ops) == 2  # the group the old programs reduced
     assert plan.predicted_step_ms == timeline.makespan_ms == simulate(plan).makespan_ms
     assert [len(p.predicted) for p in plan.programs] == [len(p.ops) for p in plan.programs]

@@ -7,8 +7,11 @@ device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has,
 
     T   = max over its devices of compute(a, b; m) + 2 * (recv + send)      one micro-batch
     W   = ceil(m / r) * T + allreduce(param bytes of [a, b) over its r devices)
-    mem = (2 + k) * P + f * (A + R) + 2 * (R + S)      per replica (cost_model/memory.py);
-          f = ceil(m / r) (GPipe) or ceil(min(p - s, m) / r) (1F1B) micro-batches in flight
+    mem = (2 + k) * P + f * (A + R + S) + 2 * (R + S) + 3 * O      per replica;
+          f = ceil(m / r) (GPipe) or ceil(min(p - s, m) / r) (1F1B) micro-batches in flight,
+          O = the largest node output of the stage for one micro-batch: an upper bound on what
+          one backward holds beyond the kept activations (its gradients, the loss of the last
+          stage), so a plan that fits here fits cost_model/memory.py's finer count (assemble)
 
     step = (m + p - 1) / m * max over stages of W
 
@@ -67,6 +70,7 @@ class HybridProblem:
     optimizer_states: int = 2
     batch: int | None = None  # samples per step: micro-batch counts above it are skipped
     names: list[str] | None = None  # device names for messages
+    out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
 
     @property
     def n(self) -> int:
@@ -104,6 +108,16 @@ class _Grid:
 
         self.fixed, self.batch = prefix(problem.fixed_times), prefix(problem.batch_times)
         self.params, self.saved = prefix(problem.param_bytes), prefix(problem.saved_bytes)
+        self.largest = _range_max(problem.out_bytes, cuts) if problem.out_bytes is not None else None
+
+
+def _range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """[i, j]: the largest of values[cuts[i] : cuts[j]] (0 where empty)."""
+    pieces = np.array([values[a:b].max() if b > a else 0.0 for a, b in zip(cuts[:-1], cuts[1:])])
+    out = np.zeros((len(cuts), len(cuts)))
+    for i in range(len(cuts) - 1):
+        out[i, i + 1 :] = np.maximum.accumulate(pieces[i:])
+    return out
 
 
 def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
@@ -146,7 +160,9 @@ def _stage_parts(
     idx = np.arange(len(g.cuts))
     work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
     static = (2 + p.optimizer_states) * params + 2 * (recv + send)
-    flight = _diff(g.saved, rows, cols) / m + recv
+    if g.largest is not None:
+        static = static + 3 * g.largest[rows, cols] / m
+    flight = _diff(g.saved, rows, cols) / m + recv + send
     return work, static, flight
 
 

@@ -102,6 +102,7 @@ def hybrid_problem(
     return HybridProblem(
         fixed, batch, kind, np.array(producers, dtype=np.int64), consumers, np.array(sizes), params, saved,
         link, allreduce, capacity, states, int(size) if size else None, [str(d) for d in devs],
+        np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]),
     )
 
 

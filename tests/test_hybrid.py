@@ -77,7 +77,9 @@ def stage_numbers(
     if r > 1 and params > 0:
         work += pr.allreduce[w, r, 0] + pr.allreduce[w, r, 1] * params
     static = (2 + pr.optimizer_states) * params + 2 * (recv + send)
-    flight = pr.saved_bytes[a:b].sum() / m + recv
+    if pr.out_bytes is not None:  # one backward's working set: 3 x the stage's largest output
+        static += 3 * pr.out_bytes[a:b].max() / m
+    flight = pr.saved_bytes[a:b].sum() / m + recv + send
     return work, static, flight, min(pr.capacity[d] for d in devs), recv + send
 
 
@@ -177,21 +179,30 @@ def test_slow_stage_gets_more_replicas() -> None:
     assert (sol.bounds, sol.replicas, sol.step_s) == ([0, 1, 2], [2, 1], pytest.approx(1.25))
 
 
-def test_memory_matches_cost_model_formula() -> None:
-    """One replica per stage: the planner's bytes are cost_model.memory.stage_memory's."""
+def test_memory_bounds_the_cost_model_formula() -> None:
+    """One replica per stage: the planner's bytes are cost_model.memory.stage_memory's coarse count plus the
+    sent outputs held in flight; with node outputs known, they bound its fine count (what assemble predicts)
+    for any backward working set up to 3 x the stage's largest output, so a plan that fits here fits there."""
     rng = np.random.default_rng(7)
     pr = random_problem(rng, 6, 3, tight=False)
+    optimizer = ["sgd", "momentum", "adam"][pr.optimizer_states]
+    bounds, reps, m = [0, 2, 4, 6], [1, 1, 1], 4
     for schedule in ("gpipe", "1f1b"):
-        bounds, reps, m = [0, 2, 4, 6], [1, 1, 1], 4
-        memory = evaluate(pr, bounds, reps, m, schedule)[2]
-        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            recv, send = (x / m for x in moved(pr, a, b))
-            expected = stage_memory(
-                int(pr.param_bytes[a:b].sum()), int(pr.saved_bytes[a:b].sum() / m), stage=s, stages=3, micro_batches=m,
-                schedule=schedule, optimizer=["sgd", "momentum", "adam"][pr.optimizer_states], recv_bytes=int(recv),
-                send_bytes=int(send),
-            ).total
-            assert memory[s] == pytest.approx(expected, abs=32)
+        for out in (None, rng.uniform(1e2, 1e4, pr.n)):
+            pr.out_bytes = out
+            memory = evaluate(pr, bounds, reps, m, schedule)[2]
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                recv, send = (x / m for x in moved(pr, a, b))
+                args = (int(pr.param_bytes[a:b].sum()), int(pr.saved_bytes[a:b].sum() / m))
+                kw = {"stage": s, "stages": 3, "micro_batches": m, "schedule": schedule, "optimizer": optimizer,
+                          "recv_bytes": int(recv), "send_bytes": int(send)}
+                f = in_flight(schedule, s, 3, m)
+                if out is None:
+                    assert memory[s] == pytest.approx(stage_memory(*args, **kw).total + f * send, abs=32)
+                    continue
+                largest = out[a:b].max() / m
+                fine = stage_memory(*args, **kw, peak_bytes=args[1] + int(3 * largest), last=s == 2).total
+                assert fine <= memory[s] + 32
 
 
 def test_infeasible_error_names_the_memory_each_device_needs() -> None:

@@ -109,6 +109,14 @@ def tail(losses: list[float], k: int = 10) -> float:
     return sum(losses[-k:]) / len(losses[-k:])
 
 
+def reached(run: dict[str, Any], target: float, k: int = 5) -> tuple[int, float] | None:
+    """The first (step, seconds) at which the mean of the last k losses is at or below `target`."""
+    for i in range(k - 1, len(run["loss"])):
+        if sum(run["loss"][i - k + 1 : i + 1]) / k <= target:
+            return i + 1, run["seconds"][i]
+    return None
+
+
 def plot(runs: list[dict[str, Any]], floor: float, out: Path) -> None:
     import matplotlib
 
@@ -138,7 +146,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="comma-separated run names")
@@ -163,16 +171,28 @@ def main() -> int:
     if dist.get_rank() == 2:  # the last stage's rank in every run: it holds the losses
         floor = language.entropy_rate
         base = {r["name"]: r for r in runs}
-        print(f"{args.steps} steps of {args.batch} sequences; loss floor (entropy rate) {floor:.3f}")
-        print(f"{'run':<12} {'loss (last 10)':>14} {'vs sync':>8} {'samples/s':>10} {'vs sync':>8}")
+        with torch.no_grad():  # batch 0 runs on the initial weights in every run but stash (an update per micro-batch)
+            plain = float(loss_fn(model(batches[0][0]), batches[0][1]))
+        for r in runs:
+            if r["name"] != "stash":
+                assert abs(r["loss"][0] - plain) <= 1e-5 * plain, (r["name"], r["loss"][0], plain)
+        print(f"first batch's loss {plain:.6f} in one process, the same in every run but stash")
+        target = 1.25 * floor
+        print(f"{args.steps} steps of {args.batch} sequences, Adam lr {args.lr}; loss floor (entropy rate) {floor:.3f}")
+        print(f"{'run':<12} {'loss (last 10)':>14} {'vs sync':>8} {'samples/s':>10} {'vs sync':>8}   "
+              f"reaches {target:.3f} (1.25 x floor): step, seconds, seconds vs sync")
         worst = 0.0
         for r in runs:
             sync = base.get("staleness 0" if r["name"].startswith("staleness") else "sync", r)
             worst = max(worst, abs(tail(r["loss"]) / tail(sync["loss"]) - 1))
             loss_ratio = tail(r["loss"]) / tail(sync["loss"])
             speed_ratio = r["samples_per_s"] / sync["samples_per_s"]
+            hit, hit_sync = reached(r, target), reached(sync, target)
+            when = f"{hit[0]:>4} {hit[1]:>7.1f} s" if hit else f"{'never':>4} {'-':>9}"
+            if hit and hit_sync:
+                when += f" {hit[1] / hit_sync[1]:>6.2f}x"
             print(f"{r['name']:<12} {tail(r['loss']):>14.4f} {loss_ratio:>7.3f}x {r['samples_per_s']:>10.1f} "
-                  f"{speed_ratio:>7.2f}x")
+                  f"{speed_ratio:>7.2f}x   {when}")
         out = Path(args.out)
         plot(runs, floor, out)
         out.with_suffix(".json").write_text(json.dumps({"floor": floor, "steps": args.steps, "runs": runs}))

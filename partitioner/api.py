@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
 
 import torch
@@ -12,12 +13,15 @@ from torch import nn
 from cost_model.analytic import CostModel
 from cost_model.devices import DeviceLike
 from partitioner.arguments import (
+    ClusterLike,
     PlacementChoice,
     check_arguments,
     check_staleness_argument,
     check_update,
     default_cost,
+    load_plan,
     materializer,
+    plan_target,
 )
 from partitioner.assemble import price_update
 from partitioner.errors import PartitionError
@@ -61,8 +65,9 @@ _T = TypeVar("_T")
 
 def plan(
     model: nn.Module,
-    devices: Sequence[DeviceLike],
+    devices: Sequence[DeviceLike] | None = None,
     *,
+    cluster: ClusterLike | None = None,
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     micro_batches: int = 1,
@@ -83,21 +88,29 @@ def plan(
     The arguments mean what they mean for `partition`. `processes` says whether the plan is
     for one process per rank (torchrun; the default when running under it) or for one
     process holding every device; the plan then prices transfers between processes.
+    `cluster` (instead of `devices`): a cluster described, not here: a shape such as "2x8xH100",
+    a JSON/YAML file or a cost_model.Cluster (at most 128 GPUs); every GPU is a torchrun rank
+    (cuda:r is rank r, host r // GPUs per host: `plan.gpus_per_host`), priced by the analytic
+    model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
     """
+    devices, processes, cost_model, per_host = plan_target(devices, cluster, processes, cost_model)
     resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
-                                              placement, replicas, virtual_stages, recompute)
+                                              placement, replicas, virtual_stages, recompute,
+                                              described=cluster is not None)
     check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
     cost_model = default_cost(model, cost_model)
     traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
-    return _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
+    made = _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
                                         stage_ranks, cost_model, micro_batches, schedule, placement, replicas == "auto",
                                         multi, cuts_from(split_points, split_spec), recompute), planned=True)
+    made.gpus_per_host = per_host
+    return made
 
 
 def partition(
@@ -112,7 +125,7 @@ def partition(
     replicas: Sequence[int] | Literal["auto"] | None = None,
     virtual_stages: int = 2,
     cost_model: CostModel | None = None,
-    plan: Plan | None = None,
+    plan: Plan | str | os.PathLike[str] | None = None,
     threads: bool | None = None,
     timeout: float = 300.0,
     output_merge_spec: OutputMergeSpec | None = None,
@@ -149,7 +162,8 @@ def partition(
             the hybrid planner chooses the stages and each stage's replicas.
         cost_model: what predicts node and transfer times; by default profiled on the devices
             present (cached on disk, see cost_model.profiler), analytic for absent ones.
-        plan: a Plan to run as it is (from `partitioner.plan`, or `Plan.from_json`), skipping planning.
+        plan: a Plan to run as it is (from `partitioner.plan`, or `Plan.from_json`), or the path of one
+            saved with `plan.to_json()` (`python -m partitioner plan --save`), skipping planning.
         threads: one process only: run each worker on a thread; default when there are several devices.
         timeout: torchrun only: seconds to wait for another rank before failing with an error naming it.
         output_merge_spec: how outputs without a batch dimension merge across micro-batches: one
@@ -196,6 +210,7 @@ def partition(
             the model is then left exactly as it was.
     """
     if plan is not None:
+        plan = load_plan(plan)
         try:
             plan.check()
         except ValueError as exc:

@@ -5,31 +5,104 @@ A bad argument is a PartitionError naming it and the fix; the model is never tou
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Mapping, Sequence, get_args
 
 import torch
 from torch import nn
 
 from cost_model.analytic import AnalyticCostModel, CostModel
+from cost_model.cluster import DeviceSet
+from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.meta import is_meta, on_meta
 from partitioner.planning import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
+from partitioner.visualizer import Plan as DrawablePlan
 from runtime.launch import distributed, job_devices
 from runtime.materialize import Init, Materializer
 from runtime.microbatch import to_device
-from runtime.plan import UPDATES
+from runtime.plan import UPDATES, Plan
 from runtime.staleness import check_staleness
 from runtime.weights import Weights, open_weights
 
 __all__ = [
-    "PLACEMENTS", "PlacementChoice", "check_arguments", "check_staleness_argument", "check_update", "default_cost",
-    "materializer", "model_device",
+    "MAX_CLUSTER_GPUS", "PLACEMENTS", "ClusterLike", "PlacementChoice", "check_arguments", "check_staleness_argument",
+    "check_update", "cluster_devices", "default_cost", "load_plan", "materializer", "model_device", "plan_target",
 ]
 
 PlacementChoice = Literal["pipeline", "branches", "auto"]
 PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
 _SCHEDULES: tuple[str, ...] = SCHEDULE_CHOICES  # the Plan's Schedule, or "auto"
+ClusterLike = Cluster | str | os.PathLike[str] | Mapping[str, Any]  # cost_model.cluster_shape.as_cluster takes these
+MAX_CLUSTER_GPUS = 128  # torch device names hold an index below 128 (cost_model.cluster_shape.TORCH_INDEX_LIMIT)
+
+
+def cluster_devices(cluster: ClusterLike) -> tuple[Cluster, list[torch.device], DeviceSet]:
+    """`plan(cluster=...)`: the cluster, its ranks as devices cuda:0 .. cuda:N-1 (none need be here), its prices.
+
+    Raises:
+        PartitionError: a bad shape or file (cost_model.cluster_shape names the fix), or more than 128 GPUs.
+    """
+    try:
+        found = as_cluster(cluster)
+    except ClusterError as exc:
+        raise PartitionError(f"cluster={cluster!r}: {exc}") from None
+    if found.size > MAX_CLUSTER_GPUS:
+        raise PartitionError(
+            f"planning for more than {MAX_CLUSTER_GPUS} GPUs is not supported yet; {found.shape} has {found.size}: "
+            f"plan one pipeline of at most {MAX_CLUSTER_GPUS} GPUs (e.g. {MAX_CLUSTER_GPUS // found.gpus_per_host}x"
+            f"{found.gpus_per_host}x{found.gpu.name}) and replicate it with data parallelism"
+        )
+    device_set = found.device_set()
+    return found, [torch.device(name) for name in device_set.devices], device_set
+
+
+def plan_target(
+    devices: Sequence[DeviceLike] | None, cluster: ClusterLike | None, processes: bool | None,
+    cost_model: CostModel | None,
+) -> tuple[Sequence[DeviceLike], bool | None, CostModel | None, int]:
+    """What `plan()` plans for: (devices, processes, cost model, GPUs per host; 0 without a cluster).
+
+    With `cluster`, every GPU of it is a torchrun rank (cuda:r is rank r), priced by the
+    analytic model on the cluster's prices unless `cost_model` is given.
+    """
+    if cluster is None:
+        if devices is None:
+            raise PartitionError("plan() needs devices (e.g. ['cuda:0', 'cuda:1'], here) or cluster= (e.g. "
+                                 "'2x8xH100', described: its GPUs need not be here)")
+        return devices, processes, cost_model, 0
+    if devices is not None:
+        raise PartitionError("plan() got both devices and cluster=; the cluster's GPUs are the devices: drop one")
+    if processes is False:
+        raise PartitionError("cluster= plans one torchrun process per GPU; drop processes=False")
+    found, ranks, prices = cluster_devices(cluster)
+    return ranks, True, cost_model if cost_model is not None else AnalyticCostModel(prices), found.gpus_per_host
+
+
+def load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
+    """`partition(plan=...)`: a Plan as it is, or one read from a file written by `Plan.to_json()` (`plan --save`).
+
+    Raises:
+        PartitionError: a missing or unreadable file, or one that is not a valid saved plan.
+    """
+    if isinstance(plan, Plan):
+        return plan
+    if not isinstance(plan, (str, os.PathLike)):
+        raise PartitionError(f"plan={type(plan).__name__}; pass a Plan or the path of one saved with plan.to_json()")
+    try:
+        with open(plan, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise PartitionError(f"plan={os.fspath(plan)!r}: cannot read it ({exc.strerror or exc}); give the path of "
+                             "a plan saved with plan.to_json() or `python -m partitioner plan --save PLAN.json`"
+                             ) from None
+    try:
+        return DrawablePlan.from_json(text)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        what = str(exc).replace("\n", " ")
+        raise PartitionError(f"plan={os.fspath(plan)!r} is not a saved plan ({type(exc).__name__}: {what}); write it "
+                             "with plan.to_json() or `python -m partitioner plan --save PLAN.json`") from None
 
 
 def check_update(update: str, schedule: str, planned: bool) -> bool:
@@ -52,12 +125,21 @@ def check_arguments(
     replicas: Any,
     virtual_stages: int,
     recompute: Any = "none",
+    *,
+    described: bool = False,
 ) -> tuple[list[torch.device], tuple[Any, ...], dict[str, Any]]:
-    """Every argument check of plan() and partition(), before anything is traced or moved."""
+    """Every argument check of plan() and partition(), before anything is traced or moved.
+
+    `described`: `devices` are a described cluster's ranks (cluster_devices), taken as they are:
+    they need not be here.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     try:
-        resolved = job_devices(devices) if distributed() else resolve_devices(devices)
+        if described:
+            resolved = [torch.device(d) for d in devices]
+        else:
+            resolved = job_devices(devices) if distributed() else resolve_devices(devices)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:

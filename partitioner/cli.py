@@ -18,6 +18,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from partitioner.cli_cluster import add_cluster_arguments, cast_example, cluster_report, parse_replicas, plan_cluster
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
 from runtime.plan import RECOMPUTE_MODES, SCHEDULES, UPDATES, human_bytes
@@ -35,8 +36,12 @@ batch=N; otherwise its inputs may be a full batch (dim 0 is N) or one micro-batc
 N / --micro-batches; it is repeated to make the full batch). Without --batch the inputs are
 the full batch.
 
-example:
+examples:
   python -m partitioner plan mymodels:make_gpt --devices cuda:0,cuda:1 --batch 32 --micro-batches 8 --out plan.html
+  python -m partitioner plan mymodels:make_gpt --cluster 16x8xH100 --global-batch 1536 --dtype bf16 \
+      --replicas auto --schedule auto --out plan.html --save plan.json
+  (a cluster that is not here: stages, replicas, hosts, memory per GPU, step time, samples/s and MFU;
+   run the saved plan under torchrun with partition(model, devices, plan="plan.json"))
 
 exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arguments.
 """
@@ -68,7 +73,8 @@ def _common(p: argparse.ArgumentParser, devices: bool = True) -> None:
                        help="comma-separated devices, one per stage, e.g. cuda:0,cuda:1 or "
                        "cpu,cpu (a device may repeat); default: every visible GPU, else cpu,cpu")  # fmt: skip
     p.add_argument("--batch", type=int, metavar="N", help="full batch size (default: dim 0 of the example inputs)")
-    p.add_argument("--micro-batches", type=int, default=1, metavar="M", help="micro-batches per step (default 1)")
+    p.add_argument("--micro-batches", type=int, metavar="M",
+                   help="micro-batches per step (default 1; with --cluster and --global-batch: chosen)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -93,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--update", choices=UPDATES, default="sync",
                       help="how weights update: sync (after each step), 2bw or stash (no flush; --schedule 1f1b)")
     plan.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
+    add_cluster_arguments(plan)
     plan.add_argument("--out", metavar="PATH", help="write the picture: .html (interactive), .png, .svg or .dot")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan as JSON (reload with `simulate --plan`)")
     plan.add_argument("--profile", action="store_true", help="measure every node on the devices instead of estimating")
@@ -135,19 +142,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(args)
         return {"plan": _plan, "profile": _profile, "simulate": _simulate}[args.command](args, out, err)
     except UsageError as exc:
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 2
     except TraceError as exc:
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 1
     except PartitionError as exc:  # bad devices, micro-batches or inputs
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 2
 
 
 def _check(args: argparse.Namespace) -> None:
+    if getattr(args, "global_batch", None) is not None:
+        if args.batch is not None and args.batch != args.global_batch:
+            raise UsageError(f"--batch {args.batch} and --global-batch {args.global_batch} differ; give one of them")
+        args.batch = args.global_batch
     if getattr(args, "batch", None) is not None and args.batch < 1:
-        raise UsageError(f"--batch {args.batch}: use a batch size of 1 or more")
+        raise UsageError(f"--batch {args.batch} (--global-batch): use a batch size of 1 or more")
     if getattr(args, "micro_batches", None) is not None and args.micro_batches < 1:
         raise UsageError(f"--micro-batches {args.micro_batches}: use 1 or more")
     if getattr(args, "top", 0) < 0:
@@ -204,12 +215,15 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
         raise UsageError(f"--devices: {exc}") from None
     with _step(err, args.quiet, f"loading {args.target}"):
         example = load_example(args.target, args.batch, micro_batches)
+    example = cast_example(example, getattr(args, "dtype", None))
+    replicas = parse_replicas(getattr(args, "replicas", None))
     doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
     with _step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
                          micro_batches=micro_batches, schedule=schedule, placement=args.placement,  # type: ignore[arg-type]
                          cost_model=_cost_model(args), recompute=args.recompute or "none",
-                         update=getattr(args, "update", "sync"))
+                         update=getattr(args, "update", "sync"), replicas=replicas,
+                         processes=True if replicas is not None else None)
     return Plan.from_plan(plan), example
 
 
@@ -221,7 +235,7 @@ def _cost_model(args: argparse.Namespace) -> Any:
         from cost_model.profiler import ProfiledCostModel
 
         return ProfiledCostModel(progress=not args.quiet)
-    return AnalyticCostModel()
+    return AnalyticCostModel(tf32={"fp32": False, "tf32": True}.get(getattr(args, "dtype", ""), None))
 
 
 def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
@@ -254,9 +268,13 @@ def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
 
 
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from partitioner.visualizer import simulated_timeline, visualize
+    from partitioner.visualizer import Plan, simulated_timeline
 
-    plan, example = _make_plan(args, err, args.schedule, args.micro_batches)
+    if args.cluster:
+        made = plan_cluster(args, err, lambda text: _step(err, args.quiet, text))
+        cluster_report(out, made)
+        return _write(args, out, err, Plan.from_plan(made.plan), None)
+    plan, example = _make_plan(args, err, args.schedule, args.micro_batches or 1)
     timeline, note = simulated_timeline(plan)
     out.print(plan_table(plan, f"{example.name}: {len(plan.stages)} stages", out.width))
     bubble = ""
@@ -277,12 +295,19 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
             f"{name} {ms:.3f} ms" for name, ms in plan.alternatives.items()), markup=False)  # fmt: skip
     if note:
         out.print(note, markup=False)
+    return _write(args, out, err, plan, timeline)
+
+
+def _write(args: argparse.Namespace, out: Console, err: Console, plan: Any, timeline: Any) -> int:
+    """--save PLAN.json and --out PICTURE (a timeline of None: simulated for the picture)."""
+    from partitioner.visualizer import simulated_timeline, visualize
+
     if args.save:
         Path(args.save).write_text(plan.to_json(), encoding="utf-8")
         out.print(f"saved the plan to {args.save}", markup=False)
     if args.out:
         with _step(err, args.quiet, f"writing {args.out}"):
-            visualize(plan, args.out, timeline=timeline, depth=args.depth)
+            visualize(plan, args.out, timeline=timeline or simulated_timeline(plan)[0], depth=args.depth)
         out.print(f"wrote {args.out}", markup=False)
     return 0
 
@@ -293,7 +318,7 @@ def _profile(args: argparse.Namespace, out: Console, err: Console) -> int:
     from partitioner.graph import build_graph, compute_nodes
 
     with _step(err, args.quiet, f"loading {args.target}"):
-        example = load_example(args.target, args.batch, args.micro_batches)
+        example = load_example(args.target, args.batch, args.micro_batches or 1)
     with _step(err, args.quiet, "tracing and measuring the graph"):
         gm, first = example.trace()
         graph = build_graph(gm, first)

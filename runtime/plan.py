@@ -78,6 +78,9 @@ class Plan:
     # Bounded staleness (torchrun, runtime.staleness): the update of step t uses the all-reduced
     # gradients of step t - staleness for weights held by several ranks; 0 is synchronous.
     staleness: int = 0
+    # GPUs per host of the cluster the plan is for (ranks are host-major: rank r is on host r // it);
+    # 0: not planned for a cluster (one machine, or unknown).
+    gpus_per_host: int = 0
     # What each rank (worker) runs in one training step, with predicted times: see runtime.program.
     programs: list[Program] = field(default_factory=list)
     # Predicted step ms of the candidates an "auto" choice compared, by name ({} when none).
@@ -109,6 +112,10 @@ class Plan:
     def ranks(self) -> int:
         """How many programs (processes under torchrun, workers in one process) the plan runs on."""
         return len(self.programs) or 1 + max((r for s in self.stages for r in s.ranks), default=len(self.stages) - 1)
+
+    def host_of(self, rank: int) -> int:
+        """The host of `rank` on the cluster the plan is for (0 when `gpus_per_host` is not known)."""
+        return rank // self.gpus_per_host if self.gpus_per_host > 0 else 0
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -146,6 +153,8 @@ class Plan:
                             "1F1B: use schedule='1f1b'")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
             problems.append(f"staleness={self.staleness!r}; use an integer >= 0 (0: the synchronous all-reduce)")
+        if isinstance(self.gpus_per_host, bool) or not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 0:
+            problems.append(f"gpus_per_host={self.gpus_per_host!r}; use an integer >= 0 (0: not planned for a cluster)")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             problems.append(f"micro_batches={self.micro_batches!r}; use an integer >= 1")
         for k, s in enumerate(self.stages):

@@ -346,3 +346,41 @@ def test_plan_fits_in_memory_when_it_can() -> None:
     pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2,
                      cost_model=AnalyticCostModel(measure=lambda d: roomy))
     assert len(pipe.plan.stages) == 2
+
+
+def test_plan_for_a_cluster_that_is_not_here() -> None:
+    import partitioner
+    from cost_model.gpu_table import GpuTable
+
+    model, x = zoo.TinyGPT(), torch.randint(0, 50, (32, 12))
+    made = partitioner.plan(model, cluster="2x8xH100", example_inputs=(x,), micro_batches=16, replicas="auto")
+    assert made.gpus_per_host == 8 and made.ranks == 16  # every GPU is a torchrun rank, none of them here
+    assert sorted(r for s in made.stages for r in s.ranks) == list(range(16))
+    assert [made.host_of(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 1]
+    h100 = GpuTable.load().get("H100")
+    assert all(s.memory_bytes <= (s.capacity_bytes or 0) <= h100.memory_bytes for s in made.stages)
+    assert made.predicted_step_ms > 0
+    with pytest.raises(PartitionError, match="planning for more than 128 GPUs is not supported yet"):
+        partitioner.plan(model, cluster="17x8xH100", example_inputs=(x,))
+    with pytest.raises(PartitionError, match="both devices and cluster"):
+        partitioner.plan(model, ["cpu"], cluster="2x8xH100", example_inputs=(x,))
+    with pytest.raises(PartitionError, match="not a cluster shape|neither a cluster shape"):
+        partitioner.plan(model, cluster="2x8", example_inputs=(x,))
+
+
+def test_partition_runs_a_plan_saved_to_a_file(tmp_path: Any) -> None:
+    import partitioner
+
+    model, (x,) = zoo.tiny_gpt()[:2]
+    ref = model(x)
+    path = tmp_path / "plan.json"
+    path.write_text(partitioner.plan(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2).to_json())
+    for given in (str(path), path):
+        pipe = partition(copy.deepcopy(model), ["cpu", "cpu"], example_inputs=(x,), plan=given)
+        assert len(pipe.plan.stages) == 2 and pipe.plan.micro_batches == 2
+        assert rel_err(pipe(x), ref) < 1e-5  # the un-partitioned model's output
+    with pytest.raises(PartitionError, match="cannot read it"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), plan=str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text('{"stages": [], "colour": 1}')
+    with pytest.raises(PartitionError, match="is not a saved plan"):
+        partition(model, ["cpu", "cpu"], example_inputs=(x,), plan=str(tmp_path / "bad.json"))

@@ -213,3 +213,108 @@ def test_factory_forms(tmp_path: Path) -> None:
         load_example(path + ":wrong", None, 1)
     # the work failed, not the arguments
     assert main(["plan", path + ":untraceable", "--devices", "cpu", "--quiet"]) == 1
+
+
+GPT = f"{ROOT / 'examples' / 'models.py'}:make_gpt"
+CLUSTER = ["--cluster", "2x8xH100", "--dtype", "bf16", "--quiet"]
+
+
+def _make_gpt(batch: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """examples/models.py's make_gpt, imported here on its own (not through the command line's loader)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("examples_models_for_test", ROOT / "examples" / "models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    model, (x,) = module.make_gpt(batch=batch)
+    return model, x
+
+
+def test_plan_for_a_cluster_that_is_not_here(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import partitioner
+    from cost_model.gpu_table import GpuTable
+
+    html, saved = tmp_path / "plan.html", tmp_path / "plan.json"
+    code, out, err = run(["plan", GPT, *CLUSTER, "--global-batch", "32", "--micro-batches", "16", "--replicas", "auto",
+                          "--schedule", "auto", "--out", str(html), "--save", str(saved)], capsys)  # fmt: skip
+    assert code == 0, err
+    for words in ("on 2x8xH100-SXM", "16 GPUs on 2 hosts", "replicas", "hosts", "memory per GPU", "capacity"):
+        assert words in out, out
+    found = re.search(r"predicted step ([\d.]+) ms, samples/s ([\d.]+), tokens/s ([\d.]+), MFU ([\d.]+)%", out)
+    assert found, out
+    step_ms, samples, tokens, mfu = (float(v) for v in found.groups())
+
+    model, x = _make_gpt(32)  # the same model and batch through the API, in bf16 as --dtype bf16 casts it
+    model = model.to(torch.bfloat16)
+    ref = partitioner.plan(model, cluster="2x8xH100", example_inputs=(x,), micro_batches=16, replicas="auto",
+                           schedule="auto")  # fmt: skip
+    assert step_ms == pytest.approx(ref.predicted_step_ms, abs=1e-4)
+    step_s = ref.predicted_step_ms / 1e3
+    assert samples == pytest.approx(32 / step_s, abs=0.1)
+    assert tokens == pytest.approx(32 * x.shape[1] / step_s, abs=0.1)  # token ids: batch x sequence
+    with FlopCounterMode(display=False) as counter:  # model FLOPs counted on the plain model
+        model(x)
+    peak = GpuTable.load().get("H100").bf16_flops
+    assert mfu / 100 == pytest.approx(3 * counter.get_total_flops() / (step_s * 16 * peak), rel=1e-3)
+    rows = [line.split() for line in out.splitlines()]
+    for s in ref.stages:  # each stage's row: its ranks, replicas and the hosts of its ranks (rank // 8)
+        hosts = sorted({r // 8 for r in s.ranks})
+        assert s.ranks == list(range(s.ranks[0], s.ranks[-1] + 1))  # the hybrid planner gives runs of ranks
+        span = [f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0]) for v in (s.ranks, hosts)]
+        assert [str(s.index), span[0], str(len(s.ranks)), span[1]] in [r[:4] for r in rows], out
+
+    loaded = Plan.from_json(saved.read_text())
+    assert loaded.gpus_per_host == 8 and [s.ranks for s in loaded.stages] == [s.ranks for s in ref.stages]
+    assert [s.nodes for s in loaded.stages] == [s.nodes for s in ref.stages]
+    assert loaded.predicted_step_ms == pytest.approx(ref.predicted_step_ms)
+    assert html.stat().st_size > 0
+
+
+def test_cluster_plan_chooses_the_micro_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    code, out, err = run(["plan", GPT, *CLUSTER, "--global-batch", "32", "--replicas", "auto"], capsys)
+    assert code == 0, err
+    tried = dict(re.findall(r"(\d+) ([\d.]+) ms", out.split("micro-batch count tried:")[1].splitlines()[0]))
+    assert set(tried) == {"16", "32"}  # the largest divisors of 32 up to 1, 2 and 4 per GPU
+    chosen = re.search(r"global batch 32 in (\d+) micro-batches", out)
+    assert chosen and float(tried[chosen.group(1)]) == min(float(v) for v in tried.values())
+
+
+HUGE = ("import torch\nfrom torch import nn\n"
+        "def make(batch=16):\n    with torch.device('meta'):\n"
+        "        model = nn.Sequential(*[nn.Linear(32768, 32768) for _ in range(160)])\n"
+        "    return model, (torch.randn(batch, 32768),)\n")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--global-batch", "32", "--micro-batches", "16", "--replicas", "8,8,8"], "too few GPUs for the stages"),
+        (["--global-batch", "30", "--micro-batches", "16"], "--global-batch 30 does not divide into 16 micro-batches"),
+        (["--global-batch", "12", "--micro-batches", "6", "--replicas", "2,2,2,2,2,2,4"],
+         "--micro-batches 6 do not divide over the 4 replicas of stage 6"),
+        (["--cluster", "17x8xH100"], "planning for more than 128 GPUs is not supported yet"),
+        (["--devices", "cpu,cpu"], "--devices with --cluster"),
+        (["--cluster", "2x8xH1000"], "unknown GPU type 'H1000'"),
+        (["--replicas", "2,x"], "--replicas '2,x': write auto"),
+        (["HUGE", "--global-batch", "16", "--micro-batches", "16"], "stage 0 does not fit in memory per GPU"),
+        (["HUGE", "--global-batch", "16", "--micro-batches", "16", "--replicas", "auto"],
+         "the model does not fit in memory per GPU"),
+    ],
+)
+def test_cluster_errors_name_what_does_not_fit(argv: list[str], reason: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    target = GPT
+    if argv[0] == "HUGE":  # 160 layers of 32768 x 32768 on meta: 320 GiB of bf16 weights over 16 GPUs
+        (tmp_path / "huge.py").write_text(HUGE)
+        target, argv = f"{tmp_path / 'huge.py'}:make", argv[1:]
+    code, _, err = run(["plan", target, *CLUSTER, *argv], capsys)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and reason in err, err

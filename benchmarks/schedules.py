@@ -11,7 +11,8 @@ per rank). With many more micro-batches the bubble, and so their gain, shrinks.
 Trainers, all in this run, measured in alternating rounds (so a load change on the machine
 hits all of them alike); each one's figure is its fastest round (other load on a shared
 machine only adds time), its median round printed beside it:
-  ours:  gpipe, 1f1b, interleaved (2 stages per rank), zb1, zbv, each on the planned split,
+  ours:  gpipe, 1f1b, interleaved (2 stages per rank), zb1, zbv, dualpipev (zbv's V, DualPipeV's
+         order), each on the planned split,
          and 1f1b with update="2bw" and update="stash" (no flush between steps; their
          predicted ms is the stream's steady step);
   PiPPy: ScheduleGPipe, Schedule1F1B (1 stage per rank), ScheduleInterleaved1F1B,
@@ -168,7 +169,7 @@ def main() -> None:
     streams: dict[str, Step] = {}
     predicted: dict[str, float] = {}
     pipes: dict[str, Any] = {}
-    for schedule in ("gpipe", "1f1b", "interleaved", "zb1", "zbv"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev"):
         trainers[f"ours {schedule}"], predicted[f"ours {schedule}"], pipes[schedule] = ours(base, x, y, m, schedule)
     for update in ("2bw", "stash"):
         name = f"ours 1f1b update={update}"

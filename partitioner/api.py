@@ -150,7 +150,8 @@ def partition(
         micro_batches: how many micro-batches each call is split into.
         schedule: "gpipe", "1f1b", "interleaved" (interleaved 1F1B, `virtual_stages` stages
             per device), "zb1" (zero-bubble ZB-H1: 1F1B with weight gradients deferred into the
-            bubble) or "zbv" (zero-bubble ZB-V: 2 stages per device in a V). Every schedule runs
+            bubble), "zbv" (zero-bubble ZB-V: 2 stages per device in a V) or "dualpipev"
+            (DeepSeek's DualPipeV on zbv's V; micro_batches >= 2 x devices). Every schedule runs
             in one process (`pipe.train_step`) and under torchrun. "auto": each schedule this
             layout can run is simulated and the fastest that fits memory is kept; the plan holds
             it (`plan.schedule`) and every candidate's predicted ms (`plan.alternatives`).

@@ -110,7 +110,7 @@ def assemble(
         stage.capacity_bytes = capacity
     per_rank = max(sum(r in rs for rs in ranks) for r in device_of)
     plan = Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, placement=placement,
-                virtual_stages=per_rank if schedule in ("interleaved", "zbv") else 1)
+                virtual_stages=per_rank if schedule in ("interleaved", "zbv", "dualpipev") else 1)
     weights = _weight_groups(graph, plan) if groups is None else []
     reduce_ms = {tuple(sorted(set(s.ranks))): s.allreduce_ms for s in plan.stages if len(set(s.ranks)) > 1}
     for group_ranks, _, nbytes in weights:

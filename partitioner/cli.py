@@ -50,7 +50,8 @@ exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arg
 PLACEMENTS = ("pipeline", "branches", "auto")
 SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # partitioner.planning.SCHEDULE_CHOICES, without importing the planner
 SCHEDULE_HELP = ("gpipe, 1f1b, interleaved (2 stages per device), zb1 (zero-bubble ZB-H1), zbv (zero-bubble, 2 stages "
-                 "per device in a V) or auto (the fastest predicted that fits memory)")
+                 "per device in a V), dualpipev (DualPipeV on zbv's V; micro-batches >= 2 x devices) "
+                 "or auto (the fastest predicted that fits memory)")
 RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
 RECOMPUTE_HELP = ("activation recomputation of every stage: none, selective (recompute element-wise ops in backward), "
                   "full (keep only stage inputs) or auto (per stage, the cheapest that fits; default none)")

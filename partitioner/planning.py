@@ -31,6 +31,7 @@ from runtime.interpreter import Routes
 from runtime.launch import stage_layout
 from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode, Schedule
 from runtime.recompute import kept_output_writes
+from runtime.schedule import V_SCHEDULES
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
@@ -135,8 +136,9 @@ def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
 
     1F1B comes first, so it wins a tie with GPipe (same step, fewer activations held).
     gpipe, 1f1b and zb1 run `layout` (one stage per rank, or replicated stages); interleaved
-    (2 stages per rank, round robin; micro-batches in rounds of one per rank) and zbv (2
-    stages per rank in a V) need one replica per stage and 2 ranks or more. The hybrid
+    (2 stages per rank, round robin; micro-batches in rounds of one per rank), zbv (2
+    stages per rank in a V) and dualpipev (zbv's V; a micro-batch per stage or more) need one
+    replica per stage and 2 ranks or more. The hybrid
     planner (replicas="auto") chooses among gpipe and 1f1b only.
     """
     chain = [list(r) for r in layout]
@@ -148,6 +150,8 @@ def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
         if micro_batches % world == 0:
             out["interleaved"] = stage_layout(world, "interleaved", None, 2)
         out["zbv"] = stage_layout(world, "zbv", None, 2)
+        if micro_batches >= 2 * world:
+            out["dualpipev"] = stage_layout(world, "dualpipev", None, 2)
     return out
 
 
@@ -197,7 +201,7 @@ def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[An
 
 def virtual_stages_of(plan: Plan) -> int:
     ranks = {r for s in plan.stages for r in s.ranks}
-    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule in ("interleaved", "zbv") else 1
+    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule in ("interleaved", *V_SCHEDULES) else 1
 
 
 def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:

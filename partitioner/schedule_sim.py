@@ -21,7 +21,8 @@ here; `simulate(plan)` runs the plan's own programs instead (what the runtime ru
 
 [Note: pricing a split backward]
 Where a schedule lists W(s, i), B(s, i) computes only the gradients of the stage's inputs
-and W(s, i) its weights' (runtime/split_backward.py). The plan gives one `backward_ms` per
+and W(s, i) its weights' (runtime/split_backward.py); a B without a W of its own runs whole
+(DualPipeV splits only some of a stage's backwards). The plan gives one `backward_ms` per
 stage; `compute_ms` splits it: half each, as for a matmul (dX = dY W^T and dW = X^T dY
 cost the same FLOPs) and so for stages of linear layers; the whole of it in W for a stage
 that reads no other stage (the first stage: no input needs a gradient, B is empty). A
@@ -107,8 +108,9 @@ def check_schedule(
 ) -> ScheduleCheck:
     """Prove that `schedule` runs every F and B once per stage and micro-batch and cannot deadlock.
 
-    A stage with any W needs one W per micro-batch, after its B (the deadlock check proves
-    the order: F before B, B before W).
+    A W is optional, per stage and micro-batch: a B with a W of its own is split, one without
+    runs whole (as `runtime.program.lower` runs them). The deadlock check proves the order:
+    F before B, B before W.
 
     Args:
         schedule: per device, the ordered actions it runs.
@@ -140,10 +142,10 @@ def check_schedule(
                 continue
             where[a] = (d, k)
             devices_of.setdefault(a.stage, set()).add(d)
-    split = _split_stages(schedule)
+    split = _split(schedule)
     kinds: tuple[Literal["F", "B", "W"], ...] = ("F", "B", "W")
     expected = [Action(s, kind, i) for s in range(stages) for kind in kinds for i in range(micro_batches)
-                if kind != "W" or s in split]
+                if kind != "W" or (s, i) in split]
     missing = [str(a) for a in expected if a not in where]
     if missing:
         more = " ..." if len(missing) > 20 else ""
@@ -198,18 +200,18 @@ def _deadlock_message(
     return "\n".join(lines)
 
 
-def _split_stages(schedule: Sequence[Sequence[Action]]) -> set[int]:
-    """Stages whose backward is split into B and W (the schedule lists a W of them)."""
-    return {a.stage for actions in schedule for a in actions if isinstance(a, Action) and a.kind == "W"}
+def _split(schedule: Sequence[Sequence[Action]]) -> set[tuple[int, int]]:
+    """(stage, micro-batch) of each backward split into B and W (the schedule lists its W)."""
+    return {(a.stage, a.microbatch) for actions in schedule for a in actions if isinstance(a, Action) and a.kind == "W"}
 
 
 def _peak_in_flight(schedule: Sequence[Sequence[Action]], stages: int) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds: from F to B, or to W where split."""
-    split = _split_stages(schedule)
+    split = _split(schedule)
     live, peak = [0] * stages, [0] * stages
     for actions in schedule:
         for a in actions:
-            if a.kind == "F" or a.kind == ("W" if a.stage in split else "B"):
+            if a.kind == "F" or a.kind == ("W" if (a.stage, a.microbatch) in split else "B"):
                 live[a.stage] += 1 if a.kind == "F" else -1
                 peak[a.stage] = max(peak[a.stage], live[a.stage])
     return peak
@@ -326,7 +328,7 @@ class _Run:
         self.reduce_free = [0.0] * len(schedule)
         self.link_free: dict[tuple[int, int], float] = {}
         self.backwards_left = [micro_batches] * self.stages  # the last B (W where split) all-reduces
-        self.split = _split_stages(schedule)
+        self.split = _split(schedule)
 
     def ready(self, a: Action) -> bool:
         return all(dep in self.finished for dep in _deps(a, self.stages, self.producers))
@@ -338,7 +340,8 @@ class _Run:
         ]
         start = max([self.free[d], *inputs])
         stage = self.plan.stages[a.stage]
-        end = start + compute_ms(stage, a.kind, a.stage in self.split, bool(self.producers[a.stage]))
+        split = (a.stage, a.microbatch) in self.split
+        end = start + compute_ms(stage, a.kind, split, bool(self.producers[a.stage]))
         kind = {"F": FORWARD, "W": WEIGHT}.get(a.kind, BACKWARD)
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
         self.free[d] = self.finished[a] = end
@@ -346,7 +349,7 @@ class _Run:
             peer = self.device_of[consumer.stage]
             if peer != d and (a, peer) not in self.arrival:
                 self._send(d, peer, a, consumer, end)
-        if a.kind == ("W" if a.stage in self.split else "B"):
+        if a.kind == ("W" if split else "B"):
             self.backwards_left[a.stage] -= 1
             duration = float(self.reduce_ms(a.stage))
             if self.backwards_left[a.stage] == 0 and duration > 0:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.errors import PartitionError
-from runtime.schedule import v_stage_ranks
+from runtime.schedule import V_SCHEDULES, v_stage_ranks
 
 __all__ = ["backend_for", "check_ranks", "distributed", "init_process_group", "job_devices", "joined_devices",
            "own_device", "rank_device", "stage_layout", "wire_device"]  # fmt: skip
@@ -189,16 +189,16 @@ def joined_devices(given: Sequence[str | torch.device]) -> list[torch.device]:
 
 
 def stage_layout(ranks: int, schedule: str, replicas: Sequence[int] | None, virtual_stages: int) -> list[list[int]]:
-    """The ranks of each stage: stage by stage with replicas; round robin for interleaved; a V for zbv.
+    """The ranks of each stage: stage by stage with replicas; round robin for interleaved; a V for zbv and dualpipev.
 
     Raises:
-        ValueError: replicas that do not add up to `ranks`, or interleaving (or zbv) with replicas.
+        ValueError: replicas that do not add up to `ranks`, or interleaving (or a V) with replicas.
     """
-    if schedule == "zbv":
+    if schedule in V_SCHEDULES:
         if replicas is not None and any(r != 1 for r in replicas):
-            raise ValueError("schedule='zbv' runs one replica per stage; drop replicas or use 'zb1'")
+            raise ValueError(f"schedule={schedule!r} runs one replica per stage; drop replicas or use 'zb1'")
         if virtual_stages != 2:
-            raise ValueError(f"virtual_stages={virtual_stages}; zbv holds exactly 2 stages per rank: pass 2")
+            raise ValueError(f"virtual_stages={virtual_stages}; {schedule} holds exactly 2 stages per rank: pass 2")
         return v_stage_ranks(ranks)
     if schedule == "interleaved":
         if replicas is not None and any(r != 1 for r in replicas):

@@ -15,7 +15,7 @@ from runtime.program import Op, Program
 __all__ = ["RECOMPUTE_MODES", "UPDATES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "Update",
            "human_bytes"]
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev"]
 Placement = Literal["pipeline", "branches", "hybrid"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 PLACEMENTS: tuple[str, ...] = get_args(Placement)

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence
 
 __all__ = [
+    "V_SCHEDULES",
     "Action",
     "clock_cycles",
     "dag_gpipe",
+    "dualpipe_v",
     "dag_levels",
     "format_schedule",
     "gpipe",
@@ -23,6 +25,9 @@ __all__ = [
 ]
 
 Kind = Literal["F", "B", "W"]
+
+# The schedules that run 2 stages per rank in a V (`v_stage_ranks`): the layout follows the name.
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True, order=True)
@@ -304,6 +309,81 @@ def _v_rank(r: int, p: int, n: int) -> list[Action]:
     return actions
 
 
+def dualpipe_v(micro_batches: int, ranks: int) -> list[list[Action]]:
+    """Per-rank action lists for DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV).
+
+    ZB-V's layout (`v_stage_ranks`: rank r holds c0 = r and c1 = 2p - 1 - r) and torch's order:
+
+        1 warm-up   2(p - r - 1) x F c0;   r + 1 x (F c0, F c1);   p - r - 1 x (B c1, W c1, F c1)
+        2 steady    m - 2p + r + 1 x (F c0, B c1, F c1, B c0)       two F&B chunks
+        3 cool-down p - r - 1 x (B c1, F c1, B c0);   r + 1 x (B c1, B c0)
+        4 drain     p - r - 1 x (W, B c0);   r + 1 x W              the W's owed, oldest first
+
+    A B with a W is split (input gradients only): step 1's, and in step 3 those from the
+    ((r + 1) // 2)-th pair on (from its B c0 when r is even) and step 4's; the others run whole.
+    DualPipe overlaps each F&B chunk's forward with the other micro-batch's backward; our
+    runtime has no compute overlap within a rank, so a chunk runs as its F, then its B.
+    m=4, p=2 (stages 0 and 3 on rank 0, 1 and 2 on rank 1):
+
+        rank 0:  0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0B2 0W2 0B3 0W3
+        rank 1:  1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3
+
+    Raises:
+        ValueError: fewer than 2 x `ranks` micro-batches (torch's requirement: one per stage).
+    """
+    _check_counts(micro_batches, ranks)
+    if micro_batches < 2 * ranks:
+        raise ValueError(
+            f"dualpipev needs at least one micro-batch per stage, 2 x {ranks} = {2 * ranks}, but got "
+            f"{micro_batches}; pass micro_batches >= {2 * ranks}, or use 'zbv' (same layout, any count)"
+        )
+    return [_dualpipe_v_rank(r, ranks, micro_batches) for r in range(ranks)]
+
+
+def _dualpipe_v_rank(r: int, p: int, m: int) -> list[Action]:
+    """Rank r's DualPipeV list (see `dualpipe_v`), step by step as torch's generator.
+
+    Steps are 'F0' (forward of c0), 'B1' (whole backward of c1), 'I1' (its input-gradient part,
+    which owes a W) and 'W' (the oldest W owed, if any), as torch's I and W.
+    """
+    chunks = (r, 2 * p - 1 - r)
+    done = {"F": [0, 0], "B": [0, 0]}
+    owed: list[Action] = []
+    actions: list[Action] = []
+
+    def run(*steps: str) -> None:
+        for step in steps:
+            if step == "W":
+                actions.extend(owed[:1])
+                del owed[:1]
+                continue
+            kind: Literal["F", "B"] = "F" if step[0] == "F" else "B"
+            c = int(step[1])
+            actions.append(Action(chunks[c], kind, done[kind][c]))
+            done[kind][c] += 1
+            if step[0] == "I":
+                owed.append(Action(chunks[c], "W", actions[-1].microbatch))
+
+    for _ in range(2 * (p - r - 1)):
+        run("F0")
+    for _ in range(r + 1):
+        run("F0", "F1")
+    for _ in range(p - r - 1):
+        run("I1", "W", "F1")
+    for _ in range(m - 2 * p + r + 1):
+        run("F0", "B1", "F1", "B0")
+    for _ in range(p - r - 1):
+        run("B1", "F1", "B0")
+    half = (r + 1) // 2
+    for i in range(r + 1):  # the second half splits, from B c1 on odd ranks, from B c0 on even ones
+        run("I1" if i > half or (i == half and r % 2) else "B1", "I0" if i >= half else "B0")
+    for _ in range(p - r - 1):
+        run("W", "I0")
+    for _ in range(r + 1):
+        run("W")
+    return actions
+
+
 def format_schedule(schedule: Sequence[Sequence[Action]]) -> str:
     """One line per device, 'd: 0F0 0F1 0B0 ...'; `parse_schedule` reads it back."""
     return "\n".join(f"{d}: " + " ".join(str(a) for a in actions) for d, actions in enumerate(schedule))
@@ -359,15 +439,18 @@ def rank_schedule(
                 f"replica each; got stage ranks {[list(r) for r in stage_ranks]}"
             )
         return interleaved_one_f_one_b(micro_batches, world, p // world)
-    if schedule == "zbv":
+    if schedule in V_SCHEDULES:
         if [list(r) for r in stage_ranks] != v_stage_ranks(world):
             raise ValueError(
-                f"zbv runs 2 x {world} stages in a V over the {world} ranks (stage s on rank s, then 2p - 1 - s: "
-                f"{v_stage_ranks(world)}), one replica each; got stage ranks {[list(r) for r in stage_ranks]}"
+                f"{schedule} runs 2 x {world} stages in a V over the {world} ranks (stage s on rank s, then "
+                f"2p - 1 - s: {v_stage_ranks(world)}), one replica each; "
+                f"got stage ranks {[list(r) for r in stage_ranks]}"
             )
-        return zero_bubble_v(micro_batches, world)
+        return zero_bubble_v(micro_batches, world) if schedule == "zbv" else dualpipe_v(micro_batches, world)
     if schedule not in ("gpipe", "1f1b", "zb1"):
-        raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe', '1f1b', 'interleaved', 'zb1' or 'zbv'")
+        raise ValueError(
+            f"unknown schedule {schedule!r}; use 'gpipe', '1f1b', 'interleaved', 'zb1', 'zbv' or 'dualpipev'"
+        )
     # 1F1B's (and ZB-H1's) per-stage order is built for a chain; stages numbered in topological order
     # that depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
     if schedule == "gpipe" and single:
@@ -386,7 +469,7 @@ def rank_schedule(
             if owner.setdefault(r, s) != s:
                 raise ValueError(
                     f"rank {r} runs stages {owner[r]} and {s} under {schedule!r}; give each rank one stage "
-                    "(or use 'interleaved' or 'zbv' for several stages per rank)"
+                    "(or use 'interleaved', 'zbv' or 'dualpipev' for several stages per rank)"
                 )
             lists[r].append(a)
     return lists

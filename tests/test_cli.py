@@ -102,7 +102,7 @@ def test_schedule_auto_prints_the_choice_the_planner_makes(command: str, capsys:
     expected = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="auto",
                     cost_model=AnalyticCostModel())  # what the CLI plans with, without --profile
     assert f"schedule {expected.schedule}" in out
-    assert set(expected.alternatives) == {"gpipe", "1f1b", "interleaved", "zb1", "zbv"}
+    assert set(expected.alternatives) == {"gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev"}
     compared = ", ".join(f"{name} {ms:.3f} ms" for name, ms in expected.alternatives.items())
     assert f"predicted step of each {'schedule' if command == 'plan' else 'candidate'} compared: {compared}" in out
 

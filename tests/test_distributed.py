@@ -61,7 +61,8 @@ def check_equivalence(ranks: int, cases: list[str], nccl_rules: bool = True) -> 
 def test_two_ranks_every_schedule() -> None:
     check_equivalence(  # mode_dependent: partitioned in training, trained in eval (the eval graph runs)
         2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:zb1:-", "tiny_gpt:zbv:-",
-            "inception:1f1b:-", "inception:gpipe:-:branches", "mode_dependent:1f1b:-:pipeline:eval"],
+            "tiny_gpt:dualpipev:-", "inception:1f1b:-", "inception:gpipe:-:branches",
+            "mode_dependent:1f1b:-:pipeline:eval"],
     )
 
 

@@ -59,7 +59,7 @@ def test_old_files_load_and_bad_fields_are_named() -> None:
         Plan.from_json(json.dumps(bad))
     assert str(error.value).splitlines() == [
         "invalid plan:",
-        "- schedule='zigzag'; use one of gpipe, 1f1b, interleaved, zb1, zbv",
+        "- schedule='zigzag'; use one of gpipe, 1f1b, interleaved, zb1, zbv, dualpipev",
         "- micro_batches=0; use an integer >= 1",
         "- stage 1 reads from stages [1]; a stage reads only earlier stages",
     ]

@@ -205,13 +205,13 @@ def test_auto_schedule_keeps_the_fastest_of_every_schedule_planned_alone(process
     model, args, _ = zoo.tiny_gpt()
     alone = {s: plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule=s,  # type: ignore[arg-type]
                      cost_model=_fixed_cost(), processes=processes).predicted_step_ms
-             for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv")}
+             for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")}
     auto = plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule="auto",
                 cost_model=_fixed_cost(), processes=processes)
     assert auto.alternatives == pytest.approx(alone)
     assert auto.schedule == min(alone, key=lambda s: alone[s])
     assert auto.predicted_step_ms == pytest.approx(min(alone.values()))
-    assert auto.virtual_stages == (2 if auto.schedule in ("interleaved", "zbv") else 1)
+    assert auto.virtual_stages == (2 if auto.schedule in ("interleaved", "zbv", "dualpipev") else 1)
 
 
 def test_auto_schedule_keeps_only_schedules_that_fit_memory() -> None:
@@ -220,7 +220,7 @@ def test_auto_schedule_keeps_only_schedules_that_fit_memory() -> None:
     model, args, _ = zoo.tiny_gpt()
     made = {s: plan(model, ["cpu", "cpu"], example_inputs=args, micro_batches=4, schedule=s,  # type: ignore[arg-type]
                     cost_model=_fixed_cost(), processes=True)
-            for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv")}
+            for s in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev")}
     need = {s: _device_need(p) for s, p in made.items()}
     fastest = min(made, key=lambda s: made[s].predicted_step_ms)
     capacity = min(need.values())  # only the leanest schedules fit
@@ -237,9 +237,10 @@ def test_auto_schedule_leaves_out_layouts_the_job_cannot_run() -> None:
 
     assert schedule_layouts([[0], [1]], 4) == {
         "1f1b": [[0], [1]], "gpipe": [[0], [1]], "zb1": [[0], [1]],
-        "interleaved": [[0], [1], [0], [1]], "zbv": [[0], [1], [1], [0]],
+        "interleaved": [[0], [1], [0], [1]], "zbv": [[0], [1], [1], [0]], "dualpipev": [[0], [1], [1], [0]],
     }
-    assert list(schedule_layouts([[0], [1]], 3)) == ["1f1b", "gpipe", "zb1", "zbv"]  # rounds of 2 micro-batches
+    # interleaved: rounds of 2 micro-batches; dualpipev: a micro-batch per stage or more
+    assert list(schedule_layouts([[0], [1]], 3)) == ["1f1b", "gpipe", "zb1", "zbv"]
     assert list(schedule_layouts([[0, 1], [2]], 4)) == ["1f1b", "gpipe", "zb1"]  # replicas: one stage per rank
     assert list(schedule_layouts([[0]], 4)) == ["1f1b", "gpipe", "zb1"]
     assert list(schedule_layouts([[0], [1]], 4, hybrid=True)) == ["1f1b", "gpipe"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from partitioner.schedule_sim import ScheduleError, check_schedule, simulate_schedule
@@ -10,6 +12,7 @@ from runtime.program import lower
 from runtime.schedule import (
     Action,
     clock_cycles,
+    dualpipe_v,
     format_schedule,
     gpipe,
     interleaved_one_f_one_b,
@@ -131,11 +134,15 @@ def test_zero_bubble_schedules_are_complete_ordered_and_lower_without_deadlock(p
                 assert max(checked.peak_in_flight) <= max(check_schedule(one_f_one_b(m, p), p, m).peak_in_flight)
 
 
-def test_checker_names_a_w_before_its_b_and_a_missing_w() -> None:
+def test_checker_names_a_w_before_its_b_and_a_missing_b() -> None:
     with pytest.raises(ScheduleError, match=r"0W0 needs 0B0"):
         check_schedule(parse_schedule("0F0 0W0 0B0"), 1, 1)
-    with pytest.raises(ScheduleError, match="1 actions missing: 0W1"):
-        check_schedule(parse_schedule("0F0 0B0 0W0 0F1 0B1"), 1, 2)
+    with pytest.raises(ScheduleError, match="1 actions missing: 0B1"):
+        check_schedule(parse_schedule("0F0 0B0 0W0 0F1 0W1"), 1, 2)
+    # A W is per micro-batch (DualPipeV splits some backwards of a stage): 0B1 runs whole, as lower runs it.
+    mixed = check_schedule(parse_schedule("0F0 0F1 0B0 0B1 0W0"), 1, 2)
+    assert mixed.peak_in_flight == [2]
+    assert check_schedule(parse_schedule("0F0 0B0 0F1 0B1 0W0"), 1, 2).peak_in_flight == [2]  # 0 lives to its W
 
 
 def test_zero_bubble_layout_errors() -> None:
@@ -143,7 +150,7 @@ def test_zero_bubble_layout_errors() -> None:
         rank_schedule("zbv", 4, [[0], [1], [0], [1]], [[], [0], [1], [2]])
     with pytest.raises(ValueError, match="rank 0 runs stages 0 and 1 under 'zb1'"):
         rank_schedule("zb1", 4, [[0], [0]], [[], [0]])
-    with pytest.raises(ValueError, match="use 'gpipe', '1f1b', 'interleaved', 'zb1' or 'zbv'"):
+    with pytest.raises(ValueError, match="use 'gpipe', '1f1b', 'interleaved', 'zb1', 'zbv' or 'dualpipev'"):
         rank_schedule("zb2", 4, [[0]], [[]])
 
 
@@ -159,3 +166,80 @@ def test_zero_bubble_h1_shrinks_the_bubble() -> None:
     # ZB-V on the same work cut into 4 half stages: a bubble of p - 1 = 1 half forward, 12.5 ms.
     halves = Plan([StagePlan(s, "cpu", [], forward_ms=0.5, backward_ms=1.0) for s in range(4)], micro_batches=4)
     assert simulate_schedule(halves, zero_bubble_v(4, 2)).makespan_ms == 12.5
+
+
+# DualPipeV, m=4, p=2 in torch's order (ScheduleDualPipeV: its I is our split B, with a W later);
+# the overlapped F&B chunks of its steady state run as their F, then their B.
+DUALPIPE_V_4_2 = [
+    "0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0B2 0W2 0B3 0W3",
+    "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3",
+]
+
+
+def test_dualpipe_v_table() -> None:
+    assert rows(dualpipe_v(4, 2)) == DUALPIPE_V_4_2
+    assert rows(dualpipe_v(6, 3)) == [
+        "0F0 0F1 0F2 0F3 0F4 5F0 5B0 5W0 5F1 5B1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 0B2 5B5 0B3 0W3 0B4"
+        " 0W4 0B5 0W5",
+        "1F0 1F1 1F2 4F0 1F3 4F1 4B0 4W0 4F2 1F4 4B1 4F3 1B0 1F5 4B2 4F4 1B1 4B3 4F5 1B2 4B4 1B3 4B5 1B4 4W5 1B5"
+        " 1W4 1W5",
+        "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3F3 2B0 2F4 3B1 3F4 2B1 2F5 3B2 3F5 2B2 3B3 2B3 3B4 2B4 3B5 2B5 2W4 3W5"
+        " 2W5",
+    ]
+
+
+def torch_dualpipe_v(micro_batches: int, ranks: int) -> list[str]:
+    """torch's ScheduleDualPipeV order (its per-rank generator, run without a process group) in our text."""
+    from types import SimpleNamespace
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    fake = SimpleNamespace(pp_group_size=ranks, _n_microbatches=micro_batches)
+
+    def flat(action: Any) -> list[str]:
+        if action.computation_type == schedules._ComputationType.OVERLAP_F_B:
+            return [text for sub in action.sub_actions for text in flat(sub)]
+        return [str(action).replace("I", "B")]  # torch's I (input gradients only) is our split B
+
+    return [" ".join(text for action in schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r)
+                     for text in flat(action)) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_dualpipe_v_is_torchs_order_complete_and_lowers_without_deadlock(p: int) -> None:
+    if p == 2:
+        assert torch_dualpipe_v(4, 2) == DUALPIPE_V_4_2
+    for m in (2 * p, 2 * p + 1, 4 * p + 3):
+        lists = rank_schedule("dualpipev", m, v_stage_ranks(p), [[s - 1] if s else [] for s in range(2 * p)])
+        assert rows(lists) == torch_dualpipe_v(m, p)
+        checked = check_schedule(lists, 2 * p, m)  # every F and B once, each W once after its B; no deadlock
+        splits = sum(a.kind == "W" for actions in lists for a in actions)
+        assert sum(map(len, lists)) == 2 * (2 * p) * m + splits and splits == sum(2 * p - 1 - r for r in range(p))
+        programs = lower(lists, [[s - 1] if s else [] for s in range(2 * p)], v_stage_ranks(p), ["cpu"] * p)
+        assert [program.compute() for program in programs] == lists
+        # a split B is lowered as one (input gradients only), a whole B as a whole one
+        assert {(op.stage, op.microbatch) for prog in programs for op in prog.ops if op.kind == "B" and op.split} == {
+            (a.stage, a.microbatch) for actions in lists for a in actions if a.kind == "W"}
+        assert max(checked.peak_in_flight) <= max(check_schedule(zero_bubble_v(m, p), 2 * p, m).peak_in_flight)
+
+
+def test_dualpipe_v_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"micro-batch per stage, 2 x 3 = 6, but got 5; pass micro_batches >= 6"):
+        dualpipe_v(5, 3)
+    with pytest.raises(ValueError, match=r"dualpipev runs 2 x 2 stages in a V .*\[\[0\], \[1\], \[1\], \[0\]\]"):
+        rank_schedule("dualpipev", 4, [[0], [1], [0], [1]], [[], [0], [1], [2]])
+
+
+def test_dualpipe_v_without_compute_overlap_prices_as_zbv_or_better_without_transfers() -> None:
+    # With no transfer time, DualPipeV's order is never slower than ZB-V's on uniform stages: equal with
+    # F = B = W (p - 1 half forwards of bubble), faster as backwards grow (whole B's fill the drain).
+    # With transfers it can be slower: DualPipe hides them behind its F&B overlap, which we do not run.
+    for p in (2, 3, 4, 8):
+        for m in (2 * p, 4 * p + 1):
+            for forward_ms, backward_ms in ((0.5, 1.0), (0.5, 2.0), (1.0, 1.0)):
+                plan = Plan([StagePlan(s, "cpu", [], forward_ms=forward_ms, backward_ms=backward_ms)
+                             for s in range(2 * p)], micro_batches=m)
+                zbv = simulate_schedule(plan, zero_bubble_v(m, p)).makespan_ms
+                ours = simulate_schedule(plan, dualpipe_v(m, p)).makespan_ms
+                assert ours <= zbv, (p, m, forward_ms, backward_ms)
+                if backward_ms == 2 * forward_ms:
+                    assert ours == zbv == 2 * m * (forward_ms + backward_ms) + (p - 1) * forward_ms

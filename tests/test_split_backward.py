@@ -156,3 +156,41 @@ def test_an_expanded_input_gradient_is_stored_dense_as_autograd_would() -> None:
     assert x.grad is not None and x.grad.stride() == (4, 1)
     assert torch.allclose(x.grad, w.detach().sum().expand(3, 4))
     assert w.grad is not None and torch.allclose(w.grad, x.detach().sum().expand(4))
+
+
+def squared_error(out: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over samples (so micro-batch weighting applies) of a squared error."""
+    return ((out - targets[0]) ** 2).flatten(1).sum(1).mean()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("threads", [False, True])
+def test_dualpipe_v_mixes_whole_and_split_backwards_and_equals_the_plain_model_and_1f1b(threads: bool) -> None:
+    from cost_model.analytic import AnalyticCostModel
+    from partitioner import partition
+    from tests import zoo
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.tiny_gpt()  # tied embedding and LM head: stages 0 and 3, both on rank 0
+    reference, plain = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        y = [torch.randn_like(reference(x))]
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=4, schedule="dualpipev",
+                     threads=threads, cost_model=AnalyticCostModel())
+    assert [s.ranks for s in pipe.plan.stages] == [[0], [1], [1], [0]] and pipe.plan.virtual_stages == 2
+    backwards = [op for prog in pipe.plan.programs for op in prog.ops if op.kind == "B"]
+    assert len(backwards) == 16 and sum(op.split for op in backwards) == 5  # DualPipeV splits 5 of 16 at m=4, p=2
+    pipe.tracing = True
+    loss = pipe.train_step(x, y, squared_error)
+    assert loss is not None
+    kinds = [e["kind"] for e in pipe.trace]
+    assert (kinds.count("backward"), kinds.count("weight")) == (16, 5)  # every B, and a W per split B
+    expected = squared_error(reference(x), y)
+    expected.backward()
+    assert rel(loss, expected.detach()) < 1e-5
+    one_f_one_b = partition(plain, ["cpu", "cpu"], example_inputs=(x,), micro_batches=4, schedule="1f1b",
+                            threads=threads, cost_model=AnalyticCostModel())
+    one_f_one_b.train_step(x, y, squared_error)
+    for (name, p), q, o in zip(model.named_parameters(), reference.parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None and o.grad is not None, name
+        assert rel(p.grad, q.grad) < 1e-5 and rel(p.grad, o.grad) < 1e-5, name

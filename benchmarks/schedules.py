@@ -1,12 +1,15 @@
 """Every schedule and update rule of ours beside torch.distributed.pipelining's (PiPPy), in one torchrun run.
 
 Configuration (chosen where the pipeline bubble matters, and said so): 2 gloo ranks, one CPU
-thread each; a GPT-like language model (8 pre-norm blocks, width 256, 4 heads, sequence 64,
-vocabulary 8000, untied LM head: about 6.6 M parameters, a quarter of them in the head); batch
-16 in 4 micro-batches of 4. With m = 4 micro-batches on p = 2 ranks the fill and drain of
-GPipe and 1F1B idle each rank for (p - 1) / (m + p - 1) = 20 % of the step: the bubble that
-zero-bubble schedules fill with weight gradients (ZB-H1) or halve and fill (ZB-V, 2 stages
-per rank). With many more micro-batches the bubble, and so their gain, shrinks.
+thread each; a GPT-like language model (8 pre-norm blocks, width 384, 4 heads, sequence 64,
+vocabulary 8000, untied LM head: 20.4 M parameters, 15% of them in the head); batch 16 in 4
+micro-batches of 4. At width 256 a split backward's extra autograd calls (W runs one per group
+of weights) cost a larger share of each op on this CPU, and the zero-bubble gain over 1F1B
+measured 1.04-1.14 across runs; at 384 compute dominates, as it does on GPUs.
+With m = 4 micro-batches on p = 2 ranks the fill and drain of GPipe and 1F1B idle each rank
+for (p - 1) / (m + p - 1) = 20 % of the step: the bubble that zero-bubble schedules fill with
+weight gradients (ZB-H1) or halve and fill (ZB-V and DualPipeV, 2 stages per rank). With many
+more micro-batches the bubble, and so their gain, shrinks.
 
 Trainers, all in this run, measured in alternating rounds (so a load change on the machine
 hits all of them alike); each one's figure is its fastest round (other load on a shared
@@ -16,10 +19,12 @@ machine only adds time), its median round printed beside it:
          and 1f1b with update="2bw" and update="stash" (no flush between steps; their
          predicted ms is the stream's steady step);
   PiPPy: ScheduleGPipe, Schedule1F1B (1 stage per rank), ScheduleInterleaved1F1B,
-         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble (2 stages per rank; V placement
-         for ZBV), each on PiPPy's equal-layer split (split_spec at block boundaries).
+         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV (2 stages per
+         rank; V placement for ZBV and DualPipeV), each on PiPPy's equal-layer split (split_spec
+         at block boundaries).
 Each of ours is printed beside the simulator's prediction for its plan. The last line is
-`best ours vs best pippy: X (zero-bubble over 1f1b: Y)`, Y = our best zero-bubble over our 1F1B.
+`best ours vs best pippy: X (zero-bubble over 1f1b: Y)`, Y = our best zero-bubble schedule (zb1,
+zbv, dualpipev) over our 1F1B.
 
 Usage: torchrun --standalone --nproc_per_node=2 benchmarks/schedules.py [--rounds 6] [--steps 1]
 """
@@ -45,7 +50,7 @@ from models import GPT, GPTConfig  # noqa: E402
 from partitioner import partition  # noqa: E402
 
 Step = Callable[[], None]
-ZERO_BUBBLE = ("ours zb1", "ours zbv")
+ZERO_BUBBLE = ("ours zb1", "ours zbv", "ours dualpipev")
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -152,12 +157,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=384)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     began = time.perf_counter()
-    cfg = GPTConfig(vocab=8000, width=256, heads=4, layers=args.layers, seq=64, tied=False)
+    cfg = GPTConfig(vocab=8000, width=args.width, heads=4, layers=args.layers, seq=64, tied=False)
     torch.manual_seed(0)
     base = GPT(cfg)
     x = torch.randint(0, cfg.vocab, (args.batch, cfg.seq))
@@ -177,6 +183,7 @@ def main() -> None:
 
     from torch.distributed.pipelining import (
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
@@ -188,6 +195,7 @@ def main() -> None:
         ("pippy interleaved-1f1b", ScheduleInterleaved1F1B, 2, "loop"),
         ("pippy interleaved-zb", ScheduleInterleavedZeroBubble, 2, "loop"),
         ("pippy zbv", ScheduleZBVZeroBubble, 2, "v"),
+        ("pippy dualpipev", ScheduleDualPipeV, 2, "v"),
     ):
         try:
             trainers[name] = pippy(base, x, y, m, cls, per_rank, style)

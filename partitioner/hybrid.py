@@ -38,9 +38,12 @@ import numpy as np
 from partitioner.errors import PartitionError
 from partitioner.planner import boundary_bytes
 
-__all__ = ["SCHEDULES", "HybridProblem", "HybridSolution", "InfeasibleError", "evaluate", "solve_hybrid"]
+__all__ = [
+    "SCHEDULES", "HybridProblem", "HybridSolution", "InfeasibleError", "evaluate", "micro_batch_counts", "solve_hybrid",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
+PER_DEVICE = 4  # default micro-batch counts go up to this many per device (and multiples of replica counts)
 WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
 
 
@@ -71,6 +74,18 @@ class HybridProblem:
     batch: int | None = None  # samples per step: micro-batch counts above it are skipped
     names: list[str] | None = None  # device names for messages
     out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
+    size_times: dict[int, np.ndarray] | None = None  # samples -> [kinds, n] one micro-batch of that many samples
+
+    def micro_batch_times(self, m: int) -> np.ndarray:
+        """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes
+        torch.tensor_split makes, priced at their shapes (`size_times`), else fixed + whole-batch / m."""
+        if self.batch and self.size_times and m <= self.batch:
+            low, extra = divmod(self.batch, m)
+            if low in self.size_times and (not extra or low + 1 in self.size_times):
+                times = self.size_times[low] * ((m - extra) / m)
+                return times + self.size_times[low + 1] * (extra / m) if extra else times
+        out: np.ndarray = self.fixed_times + self.batch_times / m
+        return out
 
     @property
     def n(self) -> int:
@@ -102,13 +117,20 @@ class _Grid:
         self.recv, self.send = boundary_bytes(
             problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts
         )
-
-        def prefix(x: np.ndarray) -> np.ndarray:
-            return np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)[..., cuts]
-
-        self.fixed, self.batch = prefix(problem.fixed_times), prefix(problem.batch_times)
-        self.params, self.saved = prefix(problem.param_bytes), prefix(problem.saved_bytes)
+        self.problem = problem
+        self.params, self.saved = self._prefix(problem.param_bytes), self._prefix(problem.saved_bytes)
         self.largest = _range_max(problem.out_bytes, cuts) if problem.out_bytes is not None else None
+        self._compute: dict[int, np.ndarray] = {}
+
+    def _prefix(self, x: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)
+        return out[..., self.cuts]
+
+    def compute(self, m: int) -> np.ndarray:
+        """[kinds, cuts] cumulative seconds of one micro-batch of m (see HybridProblem.micro_batch_times)."""
+        if m not in self._compute:
+            self._compute[m] = self._prefix(self.problem.micro_batch_times(m))
+        return self._compute[m]
 
 
 def _range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
@@ -147,7 +169,7 @@ def _stage_parts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
     r, kinds, recv_link, send_link, reduce, _ = window
-    comp = np.max(_diff(g.fixed[list(kinds)], rows, cols) + _diff(g.batch[list(kinds)], rows, cols) / m, axis=0)
+    comp = np.max(_diff(g.compute(m)[list(kinds)], rows, cols), axis=0)
     recv, send = g.recv[rows, cols] / m, g.send[rows, cols] / m
     t = comp
     for link, nbytes in ((recv_link, recv), (send_link, send)):
@@ -259,15 +281,30 @@ def _walk(choice: Choice, D: int, q: int) -> tuple[list[int], list[int]]:
     return idx, reps
 
 
-def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
-    """Micro-batch counts to try: given, or powers of two up to 4 per device; at most the batch."""
-    top = max(8, 4 * problem.devices)
-    ms = [2**e for e in range(12) if 2**e <= top] if micro_batches is None else (
-        [micro_batches] if isinstance(micro_batches, int) else list(micro_batches))
+def micro_batch_counts(devices: int, batch: int | None, micro_batches: int | Sequence[int] | None = None) -> list[int]:
+    """Micro-batch counts to try: given, else every count that fills some replica count evenly.
+
+    The default is the counts up to `PER_DEVICE` per device that are a multiple c * r
+    (c <= PER_DEVICE) of a replica count r <= devices, or a divisor of the batch, or a power
+    of two: a stage with r replicas runs ceil(m / r) micro-batches per replica, so 15 + 1
+    replicas want m = 15 or 30, not the 16 or 32 a power of two gives. Counts above the
+    batch are dropped (the smallest is kept when none is left).
+    """
+    top = max(8, PER_DEVICE * devices)
+    if micro_batches is None:
+        ms = {c * r for r in range(1, devices + 1) for c in range(1, PER_DEVICE + 1)}
+        ms |= {2**e for e in range(top.bit_length())} | {d for d in range(1, top + 1) if batch and batch % d == 0}
+        ms = {m for m in ms if m <= top}
+    else:
+        ms = {micro_batches} if isinstance(micro_batches, int) else set(micro_batches)
     if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
         raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
-    kept = [m for m in ms if problem.batch is None or m <= problem.batch]
+    kept = [m for m in ms if batch is None or m <= batch]
     return sorted(set(kept or [min(ms)]))
+
+
+def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
+    return micro_batch_counts(problem.devices, problem.batch, micro_batches)
 
 
 def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1) -> np.ndarray:
@@ -338,11 +375,20 @@ def solve_hybrid(
                 idx, reps = _walk(choice, problem.devices, q)
                 best = (float(step), m, q, [int(grid.cuts[i]) for i in idx], reps)
 
+    # Default counts, two passes: powers of two and divisors of the batch first; then the multiples
+    # of the best layout's replica counts (15 + 1 replicas want m = 15 or 30), so the search prices a
+    # few more counts, not every multiple of every replica count.
+    first = ms if micro_batches is not None else [
+        m for m in ms if m & (m - 1) == 0 or (problem.batch is not None and problem.batch % m == 0)] or ms
     floor = min(n + 1, max(64, 2 * qmax + 2))
-    size = max(floor, int(math.sqrt(budget / sum(_units(windows, qmax, rmax[m]) for m in ms))))
+    size = max(floor, int(math.sqrt(budget / sum(_units(windows, qmax, rmax[m]) for m in first))))
     coarse = _Grid(problem, _cuts(problem, size))
-    for m in ms:
+    for m in first:
         run(m, coarse)
+    if best is not None and first is not ms:
+        fits = {c * r for r in set(best[4]) for c in range(1, PER_DEVICE + 1)}
+        for m in sorted(fits & set(ms) - set(first)):
+            run(m, coarse)
     stride = math.ceil(n / size)
     while best is not None and stride > 1:  # zoom in around the chosen cuts
         m, bounds = best[1], best[3]

@@ -19,10 +19,10 @@ from cost_model.interface import CostModel
 from cost_model.memory import optimizer_states, saved_activation_bytes
 from partitioner.assemble import assemble, device_key
 from partitioner.errors import PartitionError
-from partitioner.hybrid import SCHEDULES, HybridProblem, solve_hybrid
+from partitioner.hybrid import SCHEDULES, HybridProblem, micro_batch_counts, solve_hybrid
 from runtime.plan import Plan
 
-__all__ = ["hybrid_problem", "per_micro_batch", "plan_hybrid"]
+__all__ = ["at_batch", "batch_size", "hybrid_problem", "per_micro_batch", "plan_hybrid"]
 
 
 def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
@@ -40,28 +40,51 @@ def hybrid_problem(
     memory_bytes: Sequence[float] | None = None,
     optimizer: str = "adam",
     headroom: float = 0.9,
+    *,
+    micro_batches: int | Sequence[int] | None = None,
 ) -> HybridProblem:
     """Gather a HybridProblem from a graph annotated for one step's whole batch.
 
-    Node times are asked twice per kind of device (same rates), at the whole batch and at
-    half of it (FLOPs and bytes halved), and fitted as overhead + batch part. Capacity is
-    `memory_bytes` per device, else `headroom` times the cost model's spec memory, else no limit.
+    Node times are asked per kind of device (same rates) at each micro-batch size that the
+    candidate counts (`micro_batches`, default hybrid.micro_batch_counts) make, with the
+    node's shapes cut along the batch (`at_batch`), so a matrix product of a smaller batch is
+    priced with a smaller M, not a smaller K. Whole batch and half of it also give the fit
+    overhead + batch part (cut candidates; counts not priced). Capacity is `memory_bytes` per
+    device, else `headroom` times the cost model's spec memory, else no limit.
     """
     devs = [torch.device(d) for d in devices]
     position = {name: i for i, name in enumerate(order)}
     n, D = len(order), len(devs)
     keys: dict[Any, int] = {}
     kind = np.array([keys.setdefault(device_key(cost, d), len(keys)) for d in devs])
-    fixed, batch = np.zeros((len(keys), n)), np.zeros((len(keys), n))
+    size = batch_size(graph)
+    probes: set[int] = set()
+    if size is not None and size > 1:
+        probes = {size, size // 2}
+        for m in micro_batch_counts(D, size, micro_batches):
+            low, extra = divmod(size, m)
+            probes |= {low, low + 1} if extra else {low}
+    size_times = {s: np.zeros((len(keys), n)) for s in probes}
     for k in range(len(keys)):
         dev = devs[int(np.argmax(kind == k))]
         for i, name in enumerate(order):
             attrs = graph.nodes[name]
-            whole = cost.node_time(attrs, dev)
-            halved = {**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}
-            half = cost.node_time(halved, dev)
-            part = min(max(2.0 * (whole - half), 0.0), whole)
-            fixed[k, i], batch[k, i] = whole - part, part
+            for s in probes:
+                size_times[s][k, i] = cost.node_time(at_batch(attrs, batch=size, size=s), dev)
+    fixed, batch = np.zeros((len(keys), n)), np.zeros((len(keys), n))
+    if size is not None and size > 1:
+        whole, half = size_times[size], size_times[size // 2]
+        part = np.clip((whole - half) * size / (size - size // 2), 0.0, whole)
+        fixed, batch = whole - part, part
+    else:  # batch unknown: halve FLOPs and bytes
+        for k in range(len(keys)):
+            dev = devs[int(np.argmax(kind == k))]
+            for i, name in enumerate(order):
+                attrs = graph.nodes[name]
+                whole_s = cost.node_time(attrs, dev)
+                halved = {**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}
+                part_s = min(max(2.0 * (whole_s - cost.node_time(halved, dev)), 0.0), whole_s)
+                fixed[k, i], batch[k, i] = whole_s - part_s, part_s
     producers, consumers, sizes = [], [], []
     params = np.array([float(graph.nodes[x].get("param_bytes", 0) or 0) for x in order])
     saved = np.array([float(saved_activation_bytes([graph.nodes[x]])) for x in order])
@@ -93,16 +116,14 @@ def hybrid_problem(
     totals = [headroom * float(spec(d).memory_bytes) if callable(spec) else 0.0 for d in devs]
     given = [float(x) for x in memory_bytes] if memory_bytes is not None else None
     capacity = np.array(given if given is not None else [t if t > 0 else np.inf for t in totals])
-    first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
-    size = first["shapes"][0][0] if first and first["shapes"][0] else None
     try:
         states = optimizer_states(optimizer)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
     return HybridProblem(
         fixed, batch, kind, np.array(producers, dtype=np.int64), consumers, np.array(sizes), params, saved,
-        link, allreduce, capacity, states, int(size) if size else None, [str(d) for d in devs],
-        np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]),
+        link, allreduce, capacity, states, size, [str(d) for d in devs],
+        np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]), size_times or None,
     )
 
 
@@ -134,7 +155,9 @@ def plan_hybrid(
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
     """
-    problem = hybrid_problem(graph, order, devices, cost, memory_bytes, optimizer, headroom)
+    problem = hybrid_problem(
+        graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
+    )
     sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
     names, m = problem.names or [str(d) for d in devices], sol.micro_batches
     starts = np.cumsum([0, *sol.replicas])
@@ -148,12 +171,38 @@ def plan_hybrid(
     )
 
 
+def batch_size(graph: nx.DiGraph) -> int | None:
+    """Samples per step: dim 0 of the first placeholder with a shape (None: no shapes recorded)."""
+    first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
+    return int(first["shapes"][0][0]) if first and first["shapes"][0] else None
+
+
+def at_batch(attrs: dict[str, Any], *, batch: int | None, size: float) -> dict[str, Any]:
+    """A node's attributes for `size` of the `batch` samples: FLOPs and output bytes scaled by size / batch,
+    and dim 0 of every output whose dim 0 is the batch set to `size` (rounded, at least 1), so the cost
+    model reads the matrix shapes of the smaller batch (see cost_model/ops.py `gemm_dims`)."""
+    if not batch:
+        return dict(attrs)
+    scale, rows = size / batch, max(1, round(size))
+    shapes = [(rows, *s[1:]) if len(s) and s[0] == batch else s for s in attrs.get("shapes") or []]
+    out = {**attrs, "flops": (attrs.get("flops", 0) or 0) * scale}
+    out["out_bytes"] = (attrs.get("out_bytes", 0) or 0) * scale
+    if "shapes" in attrs:
+        out["shapes"] = shapes
+    return out
+
+
 def per_micro_batch(graph: nx.DiGraph, micro_batches: int) -> nx.DiGraph:
-    """A copy of a whole-batch graph describing one micro-batch: FLOPs and bytes moved divided by m."""
+    """A copy of a whole-batch graph describing one micro-batch: FLOPs and bytes moved divided by m, and
+    batch-sized shapes cut to batch / m samples (`at_batch`)."""
     out = graph.copy()
-    for _, attrs in out.nodes(data=True):
-        for key in ("flops", "out_bytes"):
-            attrs[key] = (attrs.get(key, 0) or 0) / micro_batches
+    batch = batch_size(graph)
+    for name, attrs in out.nodes(data=True):
+        if batch:
+            out.nodes[name].update(at_batch(attrs, batch=batch, size=batch / micro_batches))
+        else:
+            for key in ("flops", "out_bytes"):
+                attrs[key] = (attrs.get(key, 0) or 0) / micro_batches
     for _, _, data in out.edges(data=True):
         if "bytes" in data:
             data["bytes"] = data["bytes"] / micro_batches

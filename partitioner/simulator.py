@@ -25,16 +25,19 @@ so what is predicted and drawn is what runs. A rank runs its ops in order:
 Prices: compute from each stage's `forward_ms` and `backward_ms`; a message from
 `transfer_ms`, else the duration the plan's programs already record for it, else a share of
 the stages' `comm_ms`; an all-reduce from `group_ms`, else the `allreduce_ms` of the stage
-whose replicas form the group, else what the programs record. An explicit schedule
+whose replicas form the group, else what the programs record. Identical data-parallel replicas
+(every stage on R ranks, R dividing the micro-batches) are simulated once and drawn as one row
+standing for R ranks (partitioner/replica_fold.py; `rows="ranks"` for a row each). An explicit schedule
 (`simulate(plan, gpipe(m, p))`) is simulated on stage times instead: see schedule_sim.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
 from partitioner.errors import PartitionError
+from partitioner.replica_fold import fold
 from partitioner.schedule_sim import (
     ScheduleCheck,
     ScheduleError,
@@ -141,6 +144,7 @@ def simulate(
     group_ms: GroupMs | None = None,
     micro_batches: int | None = None,
     producers: Sequence[Sequence[int]] | None = None,
+    rows: Literal["replicas", "ranks"] = "replicas",
 ) -> Timeline:
     """One step of `plan`: its programs (the default), or an explicit `schedule` on its stage times.
 
@@ -154,6 +158,9 @@ def simulate(
         group_ms: programs only: AR group (ranks) -> ms; a mapping falls back to the rules
             in the module docstring for groups it lacks, a callable answers for all.
         micro_batches, producers: explicit schedules only (see `simulate_schedule`).
+        rows: programs only: "replicas" simulates identical data-parallel replicas once and
+            shows them as one row (partitioner/replica_fold.py: exact, and what keeps a
+            16,384-rank plan to a few rows and seconds); "ranks" simulates a row per rank.
 
     Raises:
         ScheduleError: the schedule or programs are incomplete or deadlock (says where).
@@ -161,9 +168,18 @@ def simulate(
     if schedule is not None:
         return simulate_schedule(plan, schedule, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
                                  micro_batches=micro_batches, producers=producers)
-    programs = plan.programs or _lower(plan)
-    return _ProgramRun(plan, programs, message_price(plan, programs, transfer_ms),
-                       group_price(plan, programs, group_ms, allreduce_ms)).run()
+    folded = fold(plan) if rows == "replicas" else None
+    if folded is None:
+        programs = plan.programs or _lower(plan)
+        return _ProgramRun(plan, programs, message_price(plan, programs, transfer_ms),
+                           group_price(plan, programs, group_ms, allreduce_ms)).run()
+    priced = plan.programs or folded.programs
+    timeline = _ProgramRun(plan, folded.programs, message_price(plan, priced, transfer_ms),
+                           group_price(plan, priced, group_ms, allreduce_ms), folded.members).run()
+    if plan.programs:  # every program's times: those of the representative it equals, renumbered
+        times = {p.rank: t for p, t in zip(folded.programs, timeline.predicted)}
+        timeline.predicted = [times[folded.representative[p.rank]] for p in plan.programs]
+    return timeline
 
 
 def steady_step_ms(plan: Plan, *, transfer_ms: TransferMs | None = None) -> float:
@@ -244,8 +260,10 @@ class _ProgramRun:
     """One simulation of programs: rank clocks, finish times, transfers and all-reduces in flight."""
 
     def __init__(self, plan: Plan, programs: Sequence[Program], message: Callable[[int, int], float],
-                 group: Callable[[Group], float]) -> None:
+                 group: Callable[[Group], float], members: Mapping[int, Sequence[int]] | None = None) -> None:
         self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
+        # Folded replicas (replica_fold): a rank -> the simulated rank standing for it.
+        self.stand_for = {m: rep for rep, ms in (members or {}).items() for m in ms}
         self.row = {p.rank: k for k, p in enumerate(self.programs)}
         self.producers = [list(s.reads_from) for s in plan.stages]
         self.consumers: list[list[int]] = [[] for _ in plan.stages]
@@ -261,7 +279,8 @@ class _ProgramRun:
         self.reduce_free = [0.0] * len(self.programs)
         self.posted: dict[tuple[Group, int], dict[int, tuple[int, float]]] = {}  # (group, k-th) -> row -> (op, time)
         self.seen: list[dict[Group, int]] = [{} for _ in self.programs]
-        self.rows = [DeviceTimeline(p.device, sorted({op.stage for op in p.ops if op.is_compute}))
+        self.rows = [DeviceTimeline(p.device, sorted({op.stage for op in p.ops if op.is_compute}),
+                                    ranks=list((members or {}).get(p.rank, [p.rank])))
                      for p in self.programs]
 
     def rank_of(self, stage: int, mb: int) -> int:
@@ -355,7 +374,7 @@ class _ProgramRun:
         self.seen[k][op.group] = nth + 1
         posts = self.posted.setdefault((op.group, nth), {})
         posts[k] = (i, self.clock[k])
-        members = [self.row.get(r) for r in op.group]
+        members = {self.row.get(self.stand_for.get(r, r)) for r in op.group}
         if any(m is None or m not in posts for m in members):
             return True  # the others have not reached it yet; it finishes when the last one does
         start = max([t for _, t in posts.values()] + [self.reduce_free[m] for m in posts])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from partitioner.replica_fold import rank_span
+
 __all__ = [
     "ALLREDUCE", "BACKWARD", "FORWARD", "IDLE", "RECV", "SEND", "WEIGHT", "DeviceTimeline", "Event", "Timeline",
     "fill_idle",
@@ -34,7 +36,11 @@ class Event:
 
 @dataclass
 class DeviceTimeline:
-    """A device's (or rank's) events sorted by start; comm events may overlap compute."""
+    """A device's (or rank's) events sorted by start; comm events may overlap compute.
+
+    `ranks`: the ranks the row stands for; several when identical data-parallel replicas
+    were simulated once (partitioner/replica_fold.py), and then every figure is per rank.
+    """
 
     device: str
     stages: list[int]
@@ -42,6 +48,18 @@ class DeviceTimeline:
     busy_ms: float = 0.0  # compute
     comm_ms: float = 0.0  # send, recv and allreduce, overlapped or not
     idle_ms: float = 0.0  # nothing at all running
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks run this row's timeline (1 for a row of its own)."""
+        return max(1, len(self.ranks))
+
+    def label(self, row: int) -> str:
+        """'device 3' for a row of its own, 'ranks 0-8191 (8192 replicas)' for a group."""
+        if self.replicas == 1:
+            return f"device {row}"
+        return f"ranks {rank_span(self.ranks)} ({self.replicas} replicas)"
 
 
 @dataclass
@@ -49,7 +67,8 @@ class Timeline:
     """Per-device timelines of one training step, its makespan and stage occupancy.
 
     `predicted` holds, when the plan's programs were simulated, each program's (start, end)
-    per op: what `Program.predicted` stores.
+    per op: what `Program.predicted` stores (one per program of the plan; where the plan had
+    none and replicas were folded, one per row).
     """
 
     devices: list[DeviceTimeline]
@@ -59,10 +78,16 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of device time not computing: 1 - sum(busy) / (devices * makespan)."""
+        """Share of device time not computing: 1 - sum(busy) / (devices * makespan), each rank of a row counted."""
         if not self.devices or self.makespan_ms <= 0:
             return 0.0
-        return 1.0 - sum(d.busy_ms for d in self.devices) / (len(self.devices) * self.makespan_ms)
+        ranks = sum(d.replicas for d in self.devices)
+        return 1.0 - sum(d.busy_ms * d.replicas for d in self.devices) / (ranks * self.makespan_ms)
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks the timeline covers (rows of folded replicas count every rank)."""
+        return sum(d.replicas for d in self.devices)
 
     def events(self, kind: str) -> list[list[Event]]:
         """Per device, its events of one kind (e.g. ALLREDUCE), in start order."""
@@ -73,6 +98,8 @@ class Timeline:
         scale = ms_per_char or (self.makespan_ms / width if self.makespan_ms > 0 else 1.0)
         columns = max(1, round(self.makespan_ms / scale))
         rows = []
+        labels = [timeline.label(d) for d, timeline in enumerate(self.devices)]
+        width_label = max(map(len, labels)) if any(d.replicas > 1 for d in self.devices) else 0
         for d, timeline in enumerate(self.devices):
             cells = ["."] * columns
             for e in timeline.events:
@@ -80,18 +107,23 @@ class Timeline:
                 for c in range(int(e.start / scale + 0.5), int(e.end / scale + 0.5)):
                     if mark and c < columns and (cells[c] == "." or mark != "~"):
                         cells[c] = mark
-            rows.append(f"device {d} " + "".join(cells))
+            rows.append(f"{labels[d]:<{width_label}} " + "".join(cells))
         return "\n".join(rows)
 
     def summary(self) -> str:
         """A table: one row per device, then the makespan and bubble."""
-        lines = [f"{'device':<12} {'stages':<10} {'busy ms':>10} {'comm ms':>10} {'idle ms':>10}"]
-        for d in self.devices:
+        grouped = any(d.replicas > 1 for d in self.devices)
+        names = [f"{d.device} {d.label(k)}" if grouped else d.device
+                 for k, d in enumerate(self.devices)]
+        width = max([12, *map(len, names)]) if grouped else 12
+        lines = [f"{'device':<{width}} {'stages':<10} {'busy ms':>10} {'comm ms':>10} {'idle ms':>10}"]
+        for name, d in zip(names, self.devices):
             stages = ",".join(map(str, d.stages))
-            lines.append(f"{d.device:<12} {stages:<10} {d.busy_ms:>10.3f} {d.comm_ms:>10.3f} {d.idle_ms:>10.3f}")
+            lines.append(f"{name:<{width}} {stages:<10} {d.busy_ms:>10.3f} {d.comm_ms:>10.3f} {d.idle_ms:>10.3f}")
         lines.append(
             f"makespan {self.makespan_ms:.3f} ms, bubble {self.bubble_fraction:.1%}, "
             f"peak in-flight per stage {self.peak_in_flight}"
+            + (f", {self.ranks} ranks in {len(self.devices)} rows (per-rank figures)" if grouped else "")
         )
         return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from partitioner.simulator import (
@@ -13,6 +15,7 @@ from partitioner.simulator import (
     SEND,
     Event,
     ScheduleError,
+    Timeline,
     check_schedule,
     simulate,
 )
@@ -249,3 +252,92 @@ def test_weight_gradients_are_their_own_kind_predicted_measured_and_drawn() -> N
     assert kinds.count("weight") == 4 and kinds.count("backward") == 4
     drawn = timeline_data(measured, "measured")
     assert sum(e["kind"] == "W" for row in drawn["rows"] for e in row["events"]) == 4
+
+
+# ---- the closed form at every size, and folded replicas at scale ----
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", range(2, 9))
+def test_uniform_stages_bubble_is_the_closed_form(schedule: str, p: int) -> None:
+    # Equal forward and backward (1.5 ms each), free transfers: every device computes 3 m ms of a
+    # (m + p - 1) * 3 ms step, so the bubble (idle share of device time) is (p - 1) / (m + p - 1).
+    generate = gpipe if schedule == "gpipe" else one_f_one_b
+    for m in range(1, 17):
+        plan = chain(p, m, schedule)
+        for s in plan.stages:
+            s.forward_ms = s.backward_ms = 1.5
+        for timeline in (simulate(plan, generate(m, p)), simulate(plan)):  # the schedule, and the programs
+            assert timeline.makespan_ms == pytest.approx((m + p - 1) * 3.0, abs=1e-9), (p, m)
+            assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
+
+
+def replicated(replicas: int, micro_batches: int, schedule: str = "gpipe") -> Plan:
+    """2 stages x `replicas` data-parallel replicas; stage 0 on ranks 0..R-1, stage 1 on R..2R-1."""
+    plan = Plan([StagePlan(0, "cuda:0", [], forward_ms=1.0, backward_ms=2.0, allreduce_ms=2.5,
+                           ranks=list(range(replicas))),
+                 StagePlan(1, "cuda:1", [], forward_ms=1.5, backward_ms=2.0, allreduce_ms=0.7, comm_ms=0.4,
+                           recv_bytes=100, ranks=list(range(replicas, 2 * replicas)), reads_from=[0])],
+                micro_batches=micro_batches)  # fmt: skip
+    plan.schedule = schedule  # type: ignore[assignment]
+    return plan
+
+
+def by_rank(timeline: Timeline, events: list[Event]) -> list[Event]:
+    """Events with `peer` the first rank of the peer row (a folded timeline's rows are not ranks)."""
+    return [replace(e, peer=timeline.devices[e.peer].ranks[0]) if e.peer >= 0 else e for e in events]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb1"])
+@pytest.mark.parametrize("replicas, m", [(2, 4), (4, 8), (4, 4), (3, 12)])
+def test_folded_replicas_equal_the_rank_by_rank_simulation(schedule: str, replicas: int, m: int) -> None:
+    plan = replicated(replicas, m, schedule)
+    plan.programs = plan_programs(plan, [(s.ranks, [s.index]) for s in plan.stages])
+    every = simulate(plan, rows="ranks")
+    folded = simulate(plan)
+    assert len(every.devices) == 2 * replicas and len(folded.devices) == 2
+    assert folded.makespan_ms == every.makespan_ms
+    assert folded.predicted == every.predicted  # every program's times, not only the representatives'
+    assert folded.bubble_fraction == pytest.approx(every.bubble_fraction, abs=1e-12)
+    assert folded.ranks == every.ranks == 2 * replicas
+    for row in folded.devices:  # a row is its first rank's, and it stands for that stage's replicas
+        assert by_rank(folded, row.events) == every.devices[row.ranks[0]].events
+        assert sorted(row.ranks) == plan.stages[row.stages[0]].ranks
+    lowered_here = replicated(replicas, m, schedule)  # no programs: only the representatives are lowered
+    alone = simulate(lowered_here)
+    assert alone.makespan_ms == every.makespan_ms and [d.events for d in alone.devices] == [
+        d.events for d in folded.devices]
+    assert alone.predicted == [every.predicted[0], every.predicted[replicas]]
+
+
+def test_replicas_that_differ_are_simulated_one_by_one() -> None:
+    # 6 micro-batches over 4 replicas: replicas 0 and 1 run two, 2 and 3 run one; no fold.
+    plan = replicated(4, 6)
+    assert len(simulate(plan).devices) == 8
+    assert simulate(plan).makespan_ms == simulate(plan, rows="ranks").makespan_ms
+    plan = replicated(2, 4)
+    plan.programs = plan_programs(plan, [(s.ranks, [s.index]) for s in plan.stages])
+    plan.programs[1].ops[0] = replace(plan.programs[1].ops[0], tick=99)  # not replica 0's program renumbered
+    assert len(simulate(plan).devices) == 4
+
+
+@pytest.mark.timeout(120)
+def test_16384_ranks_simulate_as_two_rows() -> None:
+    # 2 stages x 8192 replicas, 2 micro-batches each, free transfers. One replica by hand: stage 0
+    # F 0-1, 1-2, B 5-7, 7-9, all-reduce 9-11.5; stage 1 F 1-2, 2-3, B 3-5, 5-7, all-reduce 7-7.7.
+    plan = replicated(8192, 16384)
+    plan.stages[1].forward_ms, plan.stages[1].comm_ms = 1.0, 0.0
+    timeline = simulate(plan)
+    assert timeline.makespan_ms == 11.5
+    assert timeline.ranks == 16384 and len(timeline.devices) == 2
+    small = replicated(2, 4)
+    small.stages[1].forward_ms, small.stages[1].comm_ms = 1.0, 0.0
+    assert timeline.makespan_ms == simulate(small, rows="ranks").makespan_ms
+    assert timeline.bubble_fraction == pytest.approx(1 - 6 / 11.5, abs=1e-12)
+    chart = timeline.chart(0.5).splitlines()
+    assert chart == [
+        "ranks 0-8191 (8192 replicas)     FFFF......BBBBBBBB~~~~~",
+        "ranks 8192-16383 (8192 replicas) ..FFFFBBBBBBBB~........",
+    ]
+    summary = timeline.summary()
+    assert "cuda:0 ranks 0-8191 (8192 replicas)" in summary and "16384 ranks in 2 rows" in summary

@@ -229,27 +229,13 @@ def test_stream_cuts_calls() -> None:
 def test_torchrun_equals_direct_rule(ranks: int) -> None:
     """Under torchrun (NCCL's rules imposed on gloo) 2bw and stash equal the rules the one-process runs match;
     with 3 ranks a message received at the end of one call is taken in the next."""
-    import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from runtime.distributed import NCCL_RULES_ENV
+    from tests.test_distributed import results, torchrun
 
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(root / "tests" / "async_worker.py")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
-                            start_new_session=True, env={**os.environ, NCCL_RULES_ENV: "1"})
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
-    lines = [line for line in out.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and len(lines) == 2 * ranks, out[-4000:]
+    run = torchrun(ranks, timeout=240, worker=str(Path(__file__).resolve().parent / "async_worker.py"))
+    out, lines = run.stdout, results(run.stdout)
+    assert run.returncode == 0 and len(lines) == 2 * ranks, out[-4000:]
     assert all("ok=True" in line for line in lines), "\n".join(lines)
 
 

@@ -28,12 +28,13 @@ def free_port() -> int:
 
 
 def torchrun(
-    ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240, nccl_rules: bool = True
+    ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240, nccl_rules: bool = True,
+    worker: str = WORKER,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the worker on `ranks` gloo processes; with `nccl_rules`, every message obeys NCCL's rules
-    (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead."""
+    """Run `worker` (default tests/dist_worker.py) on `ranks` gloo processes; with `nccl_rules`, every message
+    obeys NCCL's rules (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra,
-           WORKER, *args]
+           worker, *args]
     env = {**os.environ, NCCL_RULES_ENV: "1" if nccl_rules else "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True, env=env)

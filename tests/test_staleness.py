@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import datetime
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,27 +12,16 @@ import torch
 from torch import nn
 
 from partitioner import PartitionError, partition
-from runtime.distributed import NCCL_RULES_ENV
 from runtime.staleness import Reduction, StaleReductions, check_staleness
 from tests import zoo
-from tests.test_distributed import results
+from tests.test_distributed import results, torchrun as distributed_torchrun
 
 WORKER = str(Path(__file__).resolve().parent / "staleness_worker.py")
-ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def torchrun(ranks: int, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """The worker on `ranks` gloo processes under NCCL's rules (runtime.nccl_rules); a hang fails the test."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", WORKER, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env={**os.environ, NCCL_RULES_ENV: "1"})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return distributed_torchrun(ranks, *args, timeout=timeout, worker=WORKER)
 
 
 class FakeWork:

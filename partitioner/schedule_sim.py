@@ -37,14 +37,12 @@ from typing import Callable, Literal, Mapping, Sequence
 from partitioner.errors import PartitionError
 from partitioner.timeline import (
     ALLREDUCE,
-    BACKWARD,
-    FORWARD,
     RECV,
     SEND,
-    WEIGHT,
     DeviceTimeline,
     Event,
     Timeline,
+    compute_kind,
     fill_idle,
 )
 from runtime.plan import Plan, StagePlan
@@ -342,7 +340,7 @@ class _Run:
         stage = self.plan.stages[a.stage]
         split = (a.stage, a.microbatch) in self.split
         end = start + compute_ms(stage, a.kind, split, bool(self.producers[a.stage]))
-        kind = {"F": FORWARD, "W": WEIGHT}.get(a.kind, BACKWARD)
+        kind = compute_kind(a.kind)
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
         self.free[d] = self.finished[a] = end
         for consumer in _consumers(a, self.stages, self.producers):

@@ -60,6 +60,7 @@ from partitioner.timeline import (
     DeviceTimeline,
     Event,
     Timeline,
+    compute_kind,
     fill_idle,
 )
 from runtime.plan import Plan
@@ -346,7 +347,7 @@ class _ProgramRun:
         stage = self.plan.stages[s]
         start = max([self.clock[k], *(t for t in needs if t is not None)])
         end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
-        self.rows[k].events.append(Event({"F": FORWARD, "W": WEIGHT}.get(op.kind, BACKWARD), s, mb, start, end))
+        self.rows[k].events.append(Event(compute_kind(op.kind), s, mb, start, end))
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
         self.times[k][i] = (start, end)
         return True

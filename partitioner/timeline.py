@@ -11,7 +11,7 @@ from partitioner.replica_fold import rank_span
 
 __all__ = [
     "ALLREDUCE", "BACKWARD", "FORWARD", "IDLE", "RECV", "SEND", "WEIGHT", "DeviceTimeline", "Event", "Timeline",
-    "fill_idle",
+    "compute_kind", "fill_idle",
 ]
 
 FORWARD, BACKWARD, WEIGHT = "compute-forward", "compute-backward", "compute-weight"  # WEIGHT: a split B's W
@@ -126,6 +126,11 @@ class Timeline:
             + (f", {self.ranks} ranks in {len(self.devices)} rows (per-rank figures)" if grouped else "")
         )
         return "\n".join(lines)
+
+
+def compute_kind(action: str) -> str:
+    """The event kind of a compute action "F", "B" or "W" (a split backward's weight part)."""
+    return {"F": FORWARD, "W": WEIGHT}.get(action, BACKWARD)
 
 
 def fill_idle(timeline: DeviceTimeline, makespan: float) -> None:

@@ -37,9 +37,16 @@ from runtime.steps import StepInputs
 from runtime.stream import Stream, StreamError
 from runtime.versions import AsyncUpdate, StageVersions, Stepper
 
-__all__ = ["AsyncTrainer", "check_async_plan"]
+__all__ = ["AsyncTrainer", "check_async_plan", "refuse_optimizer"]
 
 RunSegment = Callable[[list[list[Op]], StepInputs | None], None]  # per-rank ops of a call, the call's batch
+
+
+def refuse_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """A synchronous train_step takes no optimizer: the caller steps it (both runtimes say so alike)."""
+    if optimizer is not None:
+        raise PartitionError("optimizer= is for update='2bw' or 'stash' (the runtime steps it); with "
+                             "update='sync' step the optimizer yourself after train_step")
 
 
 def check_async_plan(plan: Plan) -> list[str]:

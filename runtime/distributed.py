@@ -26,7 +26,7 @@ import torch.fx
 from torch import nn
 
 from runtime import checkpoint
-from runtime.async_updates import AsyncTrainer
+from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.comm import Comm, TorchComm
 from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter
@@ -302,9 +302,7 @@ class DistributedPipeline(nn.Module):
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
-        if optimizer is not None:
-            raise PartitionError("optimizer= is for update='2bw' or 'stash' (the runtime steps it); with "
-                                 "update='sync' step the optimizer yourself after train_step")
+        refuse_optimizer(optimizer)
         bns = list(dict.fromkeys(bn for stage in self._stages.values() for bn in stage.deferred_bns))
         with transaction(self._params, bns, grads=True):
             interpreter, program = self._mode()

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from runtime.async_updates import AsyncTrainer
+from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter, Routes
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
@@ -243,9 +243,7 @@ class Pipeline(nn.Module):
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
-        if optimizer is not None:
-            raise PartitionError("optimizer= is for update='2bw' or 'stash' (the runtime steps it); with "
-                                 "update='sync' step the optimizer yourself after train_step")
+        refuse_optimizer(optimizer)
         self._run(step)
         loss = self._workers[self._rank_of[-1]].loss
         assert loss is not None

@@ -245,9 +245,10 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
     """Print the stages (ranks, replicas, hosts, memory per GPU) and the predicted throughput."""
     plan, example, cluster, dtype, tried = made.plan, made.example, made.cluster, made.dtype, made.tried
     stages = f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}"
-    table = Table(title=f"{example.name} on {cluster.shape}: {stages}, {cluster.size} GPUs on "
-                  f"{cluster.hosts} hosts", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-                  show_edge=False, padding=(0, 1), collapse_padding=True)  # fmt: skip
+    # the heading on its own unwrapped line: as a table title it would wrap to the table's width
+    out.print(f"{example.name} on {cluster.shape}: {stages}, {cluster.size} GPUs on {cluster.hosts} hosts",
+              markup=False, soft_wrap=True)
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
     for name in ("stage", "ranks", "replicas", "hosts", "nodes", "compute ms", "all-reduce ms", "memory per GPU",
                  "capacity"):
         table.add_column(name, justify="left" if name in ("ranks", "hosts") else "right")

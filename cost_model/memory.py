@@ -26,9 +26,9 @@ A CUDA device holds less than its capacity for them (`usable_bytes`):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from cost_model.ops import classify
+from cost_model.recompute_cost import saved_bytes_per_node
 
 if TYPE_CHECKING:
     import torch
@@ -100,12 +100,15 @@ def optimizer_states(optimizer: str) -> int:
     return OPTIMIZER_STATES[key]
 
 
-def saved_activation_bytes(nodes: Iterable[Mapping[str, Any]]) -> int:
-    """Bytes of node outputs kept for backward: every tensor output except views and sizes.
+def saved_activation_bytes(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu") -> int:
+    """Bytes the nodes of a stage save for backward (no recomputation): what autograd keeps, each tensor once.
 
-    An upper bound: some ops keep less (ReLU its output only, which the next op may share).
+    The sum of `cost_model.recompute_cost.saved_bytes_per_node` (the one rule: a product keeps its
+    inputs, ReLU its output, add nothing; a ReLU output that the next conv saves counts once), so
+    this equals `recompute_costs(nodes)["none"].kept_bytes`. Each node needs `name` and `inputs`
+    (`recompute_cost.graph_nodes` makes them from a graph); the stage's inputs and weights are not counted.
     """
-    return int(sum(int(n.get("out_bytes", 0) or 0) for n in nodes if classify(n) not in ("view", "python")))
+    return int(sum(saved_bytes_per_node(nodes, device_type).values()))
 
 
 def stage_memory(

@@ -19,8 +19,11 @@ softmax output saved, the gradient of the probabilities and of the scores).
 The stage's inputs (values it receives, the batch) are held in every mode and not counted here.
 What autograd saves under "none" follows each operator's backward: a product keeps its inputs,
 softmax, tanh, sigmoid and ReLU their output, GELU, norms and pooling their input, dropout its
-mask, add and views nothing; each tensor counts once (views count as the tensor they view), and
-an operator of unknown kind keeps its output (the old upper bound).
+mask, add and views nothing; each tensor counts once (views count as the tensor they view; a view
+of a stage input is that input), and an operator of unknown kind keeps its output (an upper bound).
+`saved_bytes_per_node` gives the same bytes node by node, each tensor at the node that made it: the
+hybrid planner's per-node array, and `cost_model.memory.saved_activation_bytes`. Checked against
+`torch.autograd.graph.saved_tensors_hooks` in tests/test_saved_memory.py.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from cost_model.ops import classify
 
-__all__ = ["ModeCost", "op_name", "recompute_costs", "segment_key"]
+__all__ = ["ModeCost", "graph_nodes", "op_name", "recompute_costs", "saved_bytes_per_node", "segment_key"]
 
 # Names (module classes or functions, lower case) by what their backward keeps.
 _PRODUCTS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "bilinear", "conv1d", "conv2d",
@@ -80,20 +83,13 @@ def recompute_costs(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu"
         device_type: "cpu" (dropout keeps a float mask) or an accelerator's (a byte per element).
     """
     own = {str(n["name"]): n for n in nodes}
-    base: dict[str, str] = {}
-    for n in nodes:  # a view is the tensor it views
-        name, first = str(n["name"]), _first_input(n)
-        base[name] = base.get(first, first) if classify(n) == "view" and first in own else name
+    base, saved, extra = _kept(nodes, device_type)
     segment = _segments(nodes)
     names = [str(n["name"]) for n in nodes]
-    saved: list[set[str]] = []  # per node: the values (roots) its backward keeps
-    extra: list[int] = []  # per node: bytes it keeps besides (masks, statistics)
     crossing: set[str] = set()  # values a later segment reads: each segment's checkpoint keeps its inputs
     for n, name in zip(nodes, names):
-        values, more = _saved(n, device_type)
-        saved.append({r for v in values if (r := base.get(name if v == _SELF else v)) is not None})
-        extra.append(more)
-        crossing.update(base[u] for u, _ in n.get("inputs") or [] if u in own and segment[str(u)] < segment[name])
+        crossing.update(r for u, _ in n.get("inputs") or []
+                        if u in own and segment[str(u)] < segment[name] and (r := base[str(u)]) is not None)
 
     def size(roots: set[str]) -> int:
         return sum(int(own[r].get("out_bytes", 0) or 0) for r in roots)
@@ -110,6 +106,53 @@ def recompute_costs(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu"
                               walk.peak(selective, recompute=True)),
         "full": ModeCost(size(crossing), sum(forward), walk.peak(crossing, recompute=True)),
     }
+
+
+def saved_bytes_per_node(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu") -> dict[str, int]:
+    """Bytes autograd saves for backward under "none", per node of a stage (or of a whole graph).
+
+    Each saved tensor counts once, at the node that made it (a view at the tensor it views), saved
+    by one reader or several; a node's masks and statistics count at that node. Values made outside
+    `nodes` (the stage's inputs, weights) count nowhere. The values sum to
+    `recompute_costs(nodes, device_type)["none"].kept_bytes`: one rule (`_saved`) for both.
+
+    Args:
+        nodes: graph nodes in order, with `inputs` as for `recompute_costs` (`graph_nodes` makes them).
+        device_type: "cpu" or an accelerator's (the size of a dropout mask).
+    """
+    own = {str(n["name"]): n for n in nodes}
+    _, saved, extra = _kept(nodes, device_type)
+    out = {str(n["name"]): more for n, more in zip(nodes, extra)}
+    for root in set().union(*saved):
+        out[root] += int(own[root].get("out_bytes", 0) or 0)
+    return out
+
+
+def graph_nodes(graph: Any, names: Sequence[str]) -> list[dict[str, Any]]:
+    """The nodes `names` of a graph (networkx-like: `.nodes[name]`, `.predecessors(name)`) as `recompute_costs`
+    and `saved_bytes_per_node` read them: each vertex's attributes and its `inputs` (producer, out_bytes)."""
+    return [{**graph.nodes[n], "name": n,
+             "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)]} for n in names]
+
+
+def _kept(nodes: Sequence[Mapping[str, Any]],
+          device_type: str) -> tuple[dict[str, str | None], list[set[str]], list[int]]:
+    """The rule of what autograd saves, for each node: the tensor each value is (a view: the one it views;
+    None: a view of a value made outside `nodes`, the stage's input), the values (those tensors) its
+    backward keeps, and the bytes it keeps besides (masks, statistics)."""
+    own = {str(n["name"]): n for n in nodes}
+    base: dict[str, str | None] = {}
+    for n in nodes:  # a view is the tensor it views
+        name, first = str(n["name"]), _first_input(n)
+        base[name] = (base.get(first, first) if first in own else None) if classify(n) == "view" else name
+    saved: list[set[str]] = []
+    extra: list[int] = []
+    for n in nodes:
+        name = str(n["name"])
+        values, more = _saved(n, device_type)
+        saved.append({r for v in values if (r := base.get(name if v == _SELF else v)) is not None})
+        extra.append(more)
+    return base, saved, extra
 
 
 class _Walk:

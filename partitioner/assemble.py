@@ -40,7 +40,7 @@ import torch
 
 from cost_model.interface import CostModel, forward_time
 from cost_model.memory import StageMemory, stage_memory
-from cost_model.recompute_cost import ModeCost, recompute_costs
+from cost_model.recompute_cost import ModeCost, graph_nodes, recompute_costs
 from cost_model.update_cost import version_bytes
 from partitioner.errors import PartitionError
 from partitioner.simulator import group_price, in_flight, message_price, replica_groups, simulate, steady_step_ms
@@ -223,11 +223,9 @@ def _mode_costs(graph: nx.DiGraph, names: Sequence[str], devices: Sequence[torch
     (untimed, or without devices: bytes only, as on the CPU)."""
     found: list[dict[str, ModeCost]] = []
     for device in devices or [torch.device("cpu")]:
-        nodes = [
-            {**graph.nodes[n], "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)],
-             "forward_s": forward_time(cost, graph.nodes[n], device) if timed and cost is not None else 0.0}
-            for n in names
-        ]
+        timer = cost if timed else None
+        nodes = [{**node, "forward_s": forward_time(timer, graph.nodes[n], device) if timer is not None else 0.0}
+                 for n, node in zip(names, graph_nodes(graph, names))]
         found.append(recompute_costs(nodes, device.type))
     return {m: replace(found[0][m], extra_forward_s=max(c[m].extra_forward_s for c in found)) for m in found[0]}
 

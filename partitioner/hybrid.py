@@ -17,10 +17,17 @@ device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has,
 
 compute(a, b; m) = fixed + whole-batch / m per node: the graph describes one step's whole
 batch, and each node's time is fitted as overhead plus a part that splits with the batch.
-R, S, A (bytes received, sent, saved) are whole-batch bytes / m. Transfers into a stage use
-the slowest link from the device before it; out of it, the slowest to the device after.
+R, S, A (bytes received, sent, saved) are whole-batch bytes / m; A is what autograd saves
+(cost_model.recompute_cost.saved_bytes_per_node), not every node's output.
 
-A dynamic program over (devices left k, stages left q, first cut a) finds, for every stage
+Transfers into a stage are priced per sender and receiver (partitioner/hybrid_windows.py): on
+the slowest pair of its devices and the stage before's, as the simulator prices a message, so a
+stage on one host receiving from replicas on two hosts pays the link between them; out of it, on
+the slowest link to the next stage's first device. The stage before's replica count, grouped into
+the classes that price the receive alike (one on a host, two or three over hosts), is part of the
+DP state.
+
+A dynamic program over (devices left k, class before, stages left q, first cut a) finds, for every stage
 count, the split and replicas with the smallest max W whose every stage fits its devices'
 memory (the smallest capacity among its replicas); m and p then minimize the step. At the
 same predicted time 1F1B never holds more than GPipe, so GPipe is kept only where it holds
@@ -36,6 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partitioner.errors import PartitionError
+from partitioner.hybrid_windows import Classes, Window, Windows, all_windows, receive_classes, restrict, stage_window
 from partitioner.planner import boundary_bytes
 
 __all__ = [
@@ -147,21 +155,8 @@ def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
     return out
 
 
-# (replicas, device kinds, receive link, send link, all-reduce ring, smallest capacity); links and
-# ring are (latency, seconds per byte), None where there is no neighbour or no replica to reduce with.
-LinkCost = tuple[float, ...] | None
-Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
-Windows = dict[tuple[int, int], Window]  # by (first device, replicas)
-Choice = dict[int, tuple[np.ndarray, np.ndarray]]  # by devices left: (replicas, next cut) per (stages, cut)
-
-
-def _window(p: HybridProblem, w: int, r: int) -> Window:
-    """What a stage's costs depend on when it runs on devices w .. w+r-1 (equal keys, equal costs)."""
-    kinds = tuple(np.unique(p.device_kind[w : w + r]).tolist())
-    recv = tuple(p.link[w - 1, w : w + r].max(axis=0).tolist()) if w > 0 else None
-    send = tuple(p.link[w : w + r, w + r].max(axis=0).tolist()) if w + r < p.devices else None
-    reduce = tuple(p.allreduce[w, r].tolist()) if r > 1 else None
-    return r, kinds, recv, send, reduce, float(p.capacity[w : w + r].min())
+# By devices left, per class of the stage before: (replicas, next cut) per (stages, cut).
+Choice = dict[int, tuple[np.ndarray, np.ndarray]]
 
 
 def _stage_parts(
@@ -193,66 +188,72 @@ def _in_flight(schedule: str, q: int, m: int, r: int) -> int:
     return math.ceil((m if schedule == "gpipe" else min(q, m)) / r)
 
 
-Matrix = Callable[[int, int, slice, slice, np.ndarray], np.ndarray]
+Matrix = Callable[[int, int, int, slice, slice, np.ndarray], np.ndarray]
 
 
 def _dp(
-    D: int, K: int, qmax: int, rmax: int, matrix: Matrix, schedule: str, m: int,
+    D: int, K: int, qmax: int, rmax: int, matrix: Matrix, schedule: str, m: int, classes: Classes,
     limit: Callable[[int], float] | None = None, exact_stages: bool = False,
 ) -> tuple[np.ndarray, Choice]:
-    """Suffix DP: f[k][q, i] = smallest max stage value covering cuts[i].. with q stages on the last k devices.
+    """Suffix DP: f[k][c, q, i] = smallest max stage value covering cuts[i].. with q stages on the last k
+    devices, after a stage whose replica count is of class c (`classes[k]`).
 
-    `matrix(w, r, rows, cols, needs)` gives the value of a stage [cuts[i], cuts[j]) on devices
-    w .. w+r-1 holding needs[x] micro-batches in flight: shape (1 or len(needs), rows, cols).
-    A state is dropped when one with fewer stages is no worse (fewer stages never hold more
-    in flight), or when its value reaches `limit(stages)` (already beaten: exact pruning).
+    `matrix(w, r, before, rows, cols, needs)` gives the value of a stage [cuts[i], cuts[j]) on devices
+    w .. w+r-1 after a stage of `before` replicas, holding needs[x] micro-batches in flight: shape
+    (1 or len(needs), rows, cols). A state is dropped when one with fewer stages is no worse (fewer
+    stages never hold more in flight), or when its value reaches `limit(stages)` (already beaten:
+    exact pruning).
     """
-    f = [np.full((qmax + 1, K), np.inf) for _ in range(D + 1)]
-    f[0][0, K - 1] = 0.0
-    alive = [np.array([True] + [False] * qmax)]
+    f: dict[int, np.ndarray] = {}
+    alive: dict[int, np.ndarray] = {}
     choice: Choice = {}
     for k in range(1, D + 1):
         rows = slice(0, 1) if k == D else slice(1, K - 1)
-        best_r = np.zeros((qmax + 1, K), dtype=np.int32)
-        best_j = np.zeros((qmax + 1, K), dtype=np.int32)
+        reps, _, groups = classes[k]
+        fk = np.full((len(reps), qmax + 1, K), np.inf)
+        best_r = np.zeros(fk.shape, dtype=np.int32)
+        best_j = np.zeros(fk.shape, dtype=np.int32)
         for r in range(1, min(k, rmax) + 1):
             rest = k - r
             if rest == 0:
                 cols, qs, base = slice(K - 1, K), np.array([1]), np.zeros((1, 1))
             else:
+                after = classes[rest][1][r]  # the next stage comes after this one's r replicas
                 cols = slice(1, K - 1)
-                qs = np.flatnonzero(alive[rest][1 : qmax]) + 2  # q - 1 >= 1 stages after this one
+                qs = np.flatnonzero(alive[rest][after, 1:qmax]) + 2  # q - 1 >= 1 stages after this one
                 if not len(qs):
                     continue
-                base = f[rest][qs - 1, cols]
+                base = f[rest][after, qs - 1, cols]
             flight = np.minimum(qs, m) if schedule == "1f1b" else np.full(len(qs), m)
-            cand = np.maximum(matrix(D - k, r, rows, cols, -(-flight // r)), base[:, None, :])
-            j = cand.argmin(axis=2)
-            val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
-            cur = f[k][qs, rows]
-            better = val < cur
-            f[k][qs, rows] = np.where(better, val, cur)
-            best_r[qs, rows] = np.where(better, r, best_r[qs, rows])
-            best_j[qs, rows] = np.where(better, j + cols.start, best_j[qs, rows])
+            for group in groups[r]:  # classes pricing this stage alike share one matrix
+                cand = np.maximum(matrix(D - k, r, reps[group[0]], rows, cols, -(-flight // r)), base[:, None, :])
+                j = cand.argmin(axis=2)
+                val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
+                for c in group:
+                    cur = fk[c, qs, rows]
+                    better = val < cur
+                    fk[c, qs, rows] = np.where(better, val, cur)
+                    best_r[c, qs, rows] = np.where(better, r, best_r[c, qs, rows])
+                    best_j[c, qs, rows] = np.where(better, j + cols.start, best_j[c, qs, rows])
         if not exact_stages:
-            fewer = np.minimum.accumulate(f[k], axis=0)
-            f[k][1:][fewer[:-1] <= f[k][1:]] = np.inf
+            fewer = np.minimum.accumulate(fk, axis=1)
+            fk[:, 1:][fewer[:, :-1] <= fk[:, 1:]] = np.inf
         if limit is not None:
-            f[k][f[k] >= np.array([limit(q + (k < D)) for q in range(qmax + 1)])[:, None]] = np.inf
-        alive.append(np.isfinite(f[k]).any(axis=1))
+            fk[fk >= np.array([limit(q + (k < D)) for q in range(qmax + 1)])[None, :, None]] = np.inf
+        f[k], alive[k] = fk, np.isfinite(fk).any(axis=2)
         choice[k] = (best_r, best_j)
-    return f[D][:, 0], choice
+    return f[D][0, :, 0], choice
 
 
 def _pass(
-    problem: HybridProblem, grid: _Grid, windows: Windows, m: int, qmax: int, rmax: int, mode: str,
+    problem: HybridProblem, grid: _Grid, windows: Windows, classes: Classes, m: int, qmax: int, rmax: int, mode: str,
     exact_stages: bool, limit: Callable[[int], float] | None = None, ratio: bool = False,
 ) -> tuple[np.ndarray, Choice]:
     """One DP on `grid` for m micro-batches: max W with memory as a limit, or (ratio) max memory / capacity."""
     cache: dict[tuple[Window, int, int], tuple[np.ndarray, ...]] = {}
 
-    def matrix(w: int, r: int, rows: slice, cols: slice, needs: np.ndarray) -> np.ndarray:
-        window = windows[w, r]
+    def matrix(w: int, r: int, before: int, rows: slice, cols: slice, needs: np.ndarray) -> np.ndarray:
+        window = windows[w, r, before]
         key = (window, rows.start, cols.start)
         if key not in cache:
             work, static, flight = _stage_parts(problem, grid, window, m, rows, cols)
@@ -267,17 +268,18 @@ def _pass(
                 return np.where(np.isfinite(work)[None], np.nan_to_num(used / window[-1], nan=np.inf), np.inf)
         return np.where(used <= window[-1], work[None], np.inf)
 
-    return _dp(problem.devices, len(grid.cuts), qmax, rmax, matrix, mode, m, limit, exact_stages)
+    return _dp(problem.devices, len(grid.cuts), qmax, rmax, matrix, mode, m, classes, limit, exact_stages)
 
 
-def _walk(choice: Choice, D: int, q: int) -> tuple[list[int], list[int]]:
+def _walk(choice: Choice, classes: Classes, D: int, q: int) -> tuple[list[int], list[int]]:
     """Cut indices and replicas of the best suffix from (D devices, q stages, cut 0)."""
-    idx, reps, k, i = [0], [], D, 0
+    idx, reps, k, i, c = [0], [], D, 0, 0
     while k > 0:
-        r, j = int(choice[k][0][q, i]), int(choice[k][1][q, i])
+        r, j = int(choice[k][0][c, q, i]), int(choice[k][1][c, q, i])
         reps.append(r)
         idx.append(j)
         k, q, i = k - r, q - 1, j
+        c = classes[k][1][r] if k > 0 else 0
     return idx, reps
 
 
@@ -321,16 +323,12 @@ def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: 
     return np.unique(np.clip(np.concatenate(parts), 0, n)).astype(np.int64)
 
 
-def _windows(problem: HybridProblem, rmax: int) -> Windows:
-    D = problem.devices
-    return {(w, r): _window(problem, w, r) for w in range(D) for r in range(1, min(D - w, rmax) + 1)}
-
-
 def _units(windows: Windows, qmax: int, rmax: int) -> int:
-    """DP cost of one pass in units of K^2: q values per (devices left, replicas), plus stage matrices."""
-    D = max(w for w, _ in windows) + 1
+    """DP cost of one pass in units of K^2: q values per (devices left, replicas), plus stage matrices (counted
+    for a stage after one device, so the grid is that of a DP without classes; the classes add their share)."""
+    D = max(w for w, _, _ in windows) + 1
     loops = sum(max(1, min(k - r, qmax - 1)) for k in range(1, D + 1) for r in range(1, min(k, rmax) + 1))
-    return loops + 12 * len({v for (w, r), v in windows.items() if r <= rmax})
+    return loops + 12 * len({v for (w, r, before), v in windows.items() if r <= rmax and before <= 1})
 
 
 def solve_hybrid(
@@ -359,8 +357,15 @@ def solve_hybrid(
     ms = _candidates(problem, micro_batches)
     mode = "1f1b" if "1f1b" in schedules else "gpipe"
     best: tuple[float, int, int, list[int], list[int]] | None = None
-    windows = _windows(problem, D if replicate else 1)
+    windows = all_windows(problem, D if replicate else 1)
     rmax = {m: min(D, m) if replicate else 1 for m in ms}
+    every = receive_classes(windows, D, D if replicate else 1)
+    by_rmax: dict[int, Classes] = {}
+
+    def classes(m: int) -> Classes:  # made for the counts a pass runs
+        if rmax[m] not in by_rmax:
+            by_rmax[rmax[m]] = restrict(every, rmax[m])
+        return by_rmax[rmax[m]]
 
     def run(m: int, grid: _Grid) -> None:
         nonlocal best
@@ -368,11 +373,11 @@ def solve_hybrid(
         def limit(q: int) -> float:  # a max W at or above this cannot beat the best step so far
             return np.inf if best is None else best[0] * m / (m + q - 1) * (1 + 1e-12)
 
-        finals, choice = _pass(problem, grid, windows, m, qmax, rmax[m], mode, stages is not None, limit)
+        finals, choice = _pass(problem, grid, windows, classes(m), m, qmax, rmax[m], mode, stages is not None, limit)
         for q in range(1, qmax + 1):
             step = (m + q - 1) / m * finals[q]
             if (stages is None or q == stages) and np.isfinite(step) and (best is None or step < best[0]):
-                idx, reps = _walk(choice, problem.devices, q)
+                idx, reps = _walk(choice, classes(m), problem.devices, q)
                 best = (float(step), m, q, [int(grid.cuts[i]) for i in idx], reps)
 
     # Default counts, two passes: powers of two and divisors of the batch first; then the multiples
@@ -399,7 +404,7 @@ def solve_hybrid(
         run(m, _Grid(problem, _cuts(problem, size, bounds, stride, finer)))
         stride = finer
     if best is None:
-        raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, mode)
+        raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, classes, mode)
     _, m, _, bounds, reps = best
     schedule = mode
     same = (
@@ -419,9 +424,8 @@ def evaluate(
     grid, p, w = _Grid(problem, cuts), len(replicas), 0
     work, memory = [], []
     for s, r in enumerate(replicas):
-        wk, static, flight = _stage_parts(
-            problem, grid, _window(problem, w, r), m, slice(s, s + 1), slice(s + 1, s + 2)
-        )
+        window = stage_window(problem, w, r, replicas[s - 1] if s else 0)
+        wk, static, flight = _stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
         work.append(float(wk[0, 0]))
         memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, r) * flight[0, 0]))
         w += r
@@ -430,15 +434,16 @@ def evaluate(
 
 def _infeasible(
     problem: HybridProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: _Grid,
-    windows: Windows, mode: str,
+    windows: Windows, classes: Callable[[int], Classes], mode: str,
 ) -> InfeasibleError:
     """The error naming the memory each device would need under the split that needs the least."""
     D, best = problem.devices, None
     for m in ms:
-        finals, choice = _pass(problem, grid, windows, m, qmax, rmax[m], mode, stages is not None, ratio=True)
+        finals, choice = _pass(problem, grid, windows, classes(m), m, qmax, rmax[m], mode, stages is not None,
+                               ratio=True)
         for q in range(1, qmax + 1):
             if (stages is None or q == stages) and np.isfinite(finals[q]) and (best is None or finals[q] < best[0]):
-                idx, reps = _walk(choice, D, q)
+                idx, reps = _walk(choice, classes(m), D, q)
                 best = (float(finals[q]), m, [int(grid.cuts[i]) for i in idx], reps)
     if best is None:
         return InfeasibleError(

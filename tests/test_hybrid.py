@@ -60,9 +60,11 @@ def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
 
 
 def stage_numbers(
-    pr: HybridProblem, a: int, b: int, w: int, r: int, m: int
+    pr: HybridProblem, a: int, b: int, w: int, r: int, m: int, before: int = 1
 ) -> tuple[float, float, float, float, float]:
-    """Direct (slow) W, static bytes, bytes per micro-batch in flight, capacity, and recv+send of one stage."""
+    """Direct (slow) W, static bytes, bytes per micro-batch in flight, capacity, and recv+send of one stage
+    after a stage of `before` replicas (devices w - before .. w-1): its receive is priced on the slowest of
+    every sender-receiver pair."""
     D = pr.devices
     recv, send = (x / m for x in moved(pr, a, b))
     devs = range(w, w + r)
@@ -72,7 +74,8 @@ def stage_numbers(
     compute = max(per_mb[pr.device_kind[d], a:b].sum() for d in devs)
     t = compute
     if w > 0 and recv > 0:
-        t += 2 * (max(pr.link[w - 1, d, 0] for d in devs) + max(pr.link[w - 1, d, 1] for d in devs) * recv)
+        pairs = [(x, d) for x in range(w - before, w) for d in devs]
+        t += 2 * (max(pr.link[x, d, 0] for x, d in pairs) + max(pr.link[x, d, 1] for x, d in pairs) * recv)
     if w + r < D and send > 0:
         t += 2 * (max(pr.link[d, w + r, 0] for d in devs) + max(pr.link[d, w + r, 1] for d in devs) * send)
     params = pr.param_bytes[a:b].sum()
@@ -105,7 +108,8 @@ def configs(pr: HybridProblem, ms, schedules, stages=None, replicate=True):
                     if max(reps) > m or (not replicate and max(reps) > 1):
                         continue
                     starts = np.cumsum([0, *reps])
-                    nums = [stage_numbers(pr, a, b, w, r, m) for a, b, w, r in zip(bounds, bounds[1:], starts, reps)]
+                    nums = [stage_numbers(pr, a, b, w, r, m, before)
+                            for a, b, w, r, before in zip(bounds, bounds[1:], starts, reps, [0, *reps])]
                     step = (m + p - 1) / m * max(x[0] for x in nums)
                     for schedule in schedules:
                         ratio = 0.0
@@ -125,7 +129,7 @@ def check_solution(pr: HybridProblem, sol, ms) -> None:
     assert b[0] == 0 and b[-1] == pr.n and all(x < y for x, y in zip(b, b[1:]))
     assert sum(reps) == pr.devices and len(reps) == len(b) - 1 and max(reps) <= m and m in ms
     starts = np.cumsum([0, *reps])
-    nums = [stage_numbers(pr, x, y, w, r, m) for x, y, w, r in zip(b, b[1:], starts, reps)]
+    nums = [stage_numbers(pr, x, y, w, r, m, before) for x, y, w, r, before in zip(b, b[1:], starts, reps, [0, *reps])]
     assert sol.step_s == pytest.approx((m + len(reps) - 1) / m * max(x[0] for x in nums), rel=1e-9)
     for s, ((_, static, flight, cap, _), r) in enumerate(zip(nums, reps)):
         used = static + math.ceil(in_flight(sol.schedule, s, len(reps), m) / r) * flight
@@ -299,3 +303,42 @@ def test_traced_model_too_big_names_each_device() -> None:
     plan = plan_hybrid(graph, order, names, AnalyticCostModel(CLUSTER), memory_bytes=info.value.needed_bytes)
     assert all(s.capacity_bytes == info.value.needed_bytes[s.ranks[0]] for s in plan.stages)
     assert all(s.memory_bytes <= s.capacity_bytes for s in plan.stages if s.capacity_bytes is not None)
+
+
+def two_host_problem(hosts: list[int]) -> HybridProblem:
+    """Node 0 (1 s of whole-batch compute) sends 1 MB to node 1 (2 s); a device per entry of `hosts`, links
+    1 ns per byte inside a host and 100 ns per byte between hosts, no latency, no weights."""
+    D = len(hosts)
+    link = np.zeros((D, D, 2))
+    for i, j in itertools.product(range(D), range(D)):
+        link[i, j, 1] = 0.0 if i == j else 1e-9 if hosts[i] == hosts[j] else 1e-7
+    return HybridProblem(
+        np.zeros((1, 2)), np.array([[1.0, 2.0]]), np.zeros(D, dtype=int), np.array([0]), [np.array([1])],
+        np.array([1e6]), np.zeros(2), np.zeros(2), link, np.zeros((D, D + 1, 2)), np.full(D, np.inf),
+    )
+
+
+def test_a_stage_pays_for_senders_on_another_host() -> None:
+    # Stage 0 on devices 0 (host 0) and 1 (host 1), stage 1 on device 2 (host 1), m = 2: micro-batch 0
+    # comes from device 0, across the hosts. Per micro-batch 0.5 MB, both ways: 2 x 0.05 s.
+    pr = two_host_problem([0, 1, 1])
+    step, work, _ = evaluate(pr, [0, 1, 2], [2, 1], 2, "gpipe")
+    assert work == pytest.approx([1.0 / 2 + 2 * 0.05, 2 * (2.0 / 2 + 2 * 0.05)])  # not 2 x (1 + 2 x 0.0005)
+    assert step == pytest.approx(3 / 2 * 2.2)
+    # A stage replicated over both hosts, receiving from a stage on one host: the pair across hosts is priced.
+    pr = two_host_problem([0, 0, 1])
+    work = evaluate(pr, [0, 1, 2], [1, 2], 2, "gpipe")[1]
+    assert work[1] == pytest.approx(1 * (2.0 / 2 + 2 * 0.05))
+    # Same devices, one host: the fast link.
+    pr = two_host_problem([0, 0, 0])
+    assert evaluate(pr, [0, 1, 2], [2, 1], 2, "gpipe")[1][1] == pytest.approx(2 * (2.0 / 2 + 2 * 0.0005))
+
+
+def test_the_solver_prices_senders_as_exhaustive_search_does() -> None:
+    # 5 devices over two hosts: the best layout and its step equal those of every layout priced pair by pair.
+    pr = two_host_problem([0, 0, 0, 1, 1])
+    pr.batch_times = np.array([[3.0, 2.0]])
+    ms = [1, 2, 4]
+    sol = solve_hybrid(pr, ms)
+    assert sol.step_s == pytest.approx(exhaustive(pr, ms), rel=1e-9)
+    check_solution(pr, sol, ms)

@@ -13,6 +13,7 @@ from cost_model.memory import (
     stage_memory,
     usable_bytes,
 )
+from cost_model.recompute_cost import recompute_costs, saved_bytes_per_node
 
 
 def test_micro_batches_in_flight() -> None:
@@ -52,14 +53,24 @@ def test_fits_with_headroom() -> None:
     assert mem.fits(210, headroom=1.0)
 
 
-def test_saved_activations_skip_views_and_sizes() -> None:
+def test_saved_activations_count_what_autograd_saves_once() -> None:
+    # x -> fc -> view -> relu -> fc2 -> gelu; fc saves x (the stage's input: not counted), relu its output,
+    # which fc2 saves too (once), gelu its input (fc2's output); views and sizes save nothing. The old upper
+    # bound counted every output: fc, relu, fc2 and gelu, 128 bytes.
+    def node(name: str, op: str, target: str, inputs: list[str], **more: object) -> dict[str, object]:
+        return {"name": name, "op": op, "target": target, "shapes": [(2, 4)], "out_bytes": 32,
+                "inputs": [(u, 32) for u in inputs], **more}
+
     nodes = [
-        {"op": "call_module", "target": "fc", "flops": 10, "shapes": [(2, 4)], "out_bytes": 32},
-        {"op": "call_method", "target": "view", "shapes": [(8,)], "out_bytes": 32},
-        {"op": "call_function", "target": "relu", "shapes": [(8,)], "out_bytes": 32},
-        {"op": "call_function", "target": "floordiv", "shapes": [], "out_bytes": 0},
+        node("fc", "call_module", "fc", ["x"], kind="Linear", flops=64),
+        node("v", "call_method", "view", ["fc"]),
+        node("r", "call_function", "relu", ["v"]),
+        node("fc2", "call_module", "fc2", ["r"], kind="Linear", flops=64),
+        node("gelu", "call_function", "gelu", ["fc2"]),
+        {**node("n", "call_function", "floordiv", ["gelu"]), "shapes": [], "out_bytes": 0},
     ]
-    assert saved_activation_bytes(nodes) == 64
+    assert saved_bytes_per_node(nodes) == {"fc": 0, "v": 0, "r": 32, "fc2": 32, "gelu": 0, "n": 0}
+    assert saved_activation_bytes(nodes) == 64 == recompute_costs(nodes)["none"].kept_bytes
 
 
 def test_cuda_loses_its_context_and_allocator_headroom() -> None:

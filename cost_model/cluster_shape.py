@@ -2,7 +2,8 @@
 
     rank r = host * gpus_per_host + local            (any size: no per-device or per-pair entries)
     transfer_time(b, a, c) = intra or inter link's latency + b / bandwidth, by whether a and c share a host
-    allreduce_time(b, ranks): a ring inside one host, hierarchical across hosts (formulas on the method)
+    allreduce_time(b, ranks): a ring inside one host, hierarchical across hosts with the same count on
+    each, a flat ring otherwise (formulas on the method; runtime/hier_allreduce.py runs the same rule)
 
 A cluster also reads from JSON (or YAML where pyyaml is installed) with the same fields:
 
@@ -31,7 +32,7 @@ import torch
 
 from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_GPU_EFFICIENCY
 from cost_model.cluster import DeviceSet
-from cost_model.comm import Link, p2p_time
+from cost_model.comm import Link, p2p_time, ring_allreduce_time
 from cost_model.devices import DeviceSpec
 from cost_model.gpu_table import GpuTable, GpuType, UnknownGpuError, _tokens
 
@@ -299,14 +300,16 @@ class Cluster:
     def allreduce_time(self, nbytes: float, ranks: Iterable[Rank]) -> float:
         """All-reduce seconds of `nbytes` per GPU over a replica group, by how it spreads over hosts.
 
+        Priced as runtime/hier_allreduce.py issues it (the same rule picks the algorithm).
         One host, n GPUs (ring over the intra link, latency l_i, bandwidth B_i):
             2 (n - 1) l_i + 2 (n - 1) / n * b / B_i
-        H > 1 hosts with g_max the most and g_min the fewest of the group's GPUs on one host:
-            reduce-scatter in each host     (g_max - 1) l_i + (g_max - 1) / g_max * b / B_i
-            all-reduce across hosts         2 (H - 1) l_e + 2 (H - 1) / H * (b / g_min) / B_e
+        H > 1 hosts with g GPUs of the group on every one of them (hierarchical):
+            reduce-scatter in each host     (g - 1) l_i + (g - 1) / g * b / B_i
+            all-reduce across hosts         2 (H - 1) l_e + 2 (H - 1) / H * (b / g) / B_e
             all-gather in each host         as the reduce-scatter
-        Each GPU crosses hosts with its shard over its own NIC (B_e is per GPU); the host with the
-        fewest members has the largest shards, the host with the most the longest local ring.
+        Each GPU crosses hosts with its shard over its own NIC (B_e is per GPU).
+        H > 1 hosts with uneven counts (the runtime's flat all-reduce): one ring over all n GPUs,
+        each step paced by the inter-host link: 2 (n - 1) l_e + 2 (n - 1) / n * b / B_e.
 
         Raises:
             ClusterError: a rank outside the cluster, or one named twice.
@@ -318,13 +321,13 @@ class Cluster:
         if len(group) <= 1 or nbytes <= 0:
             return 0.0
         per_host = collections.Counter(r // self.gpus_per_host for r in group).values()
-        g_max, g_min, h = max(per_host), min(per_host), len(per_host)
-        intra, inter = self.fabric.intra, self.fabric.inter
-        local = (g_max - 1) * intra.latency_s + (g_max - 1) / g_max * nbytes / intra.bandwidth
+        g, h = max(per_host), len(per_host)
         if h == 1:
-            return 2 * local
-        across = 2 * (h - 1) * inter.latency_s + 2 * (h - 1) / h * (nbytes / g_min) / inter.bandwidth
-        return 2 * local + across
+            return ring_allreduce_time(nbytes, g, self.fabric.intra)
+        if min(per_host) != g:  # uneven: the runtime falls back to the flat all-reduce
+            return ring_allreduce_time(nbytes, len(group), self.fabric.inter)
+        local = ring_allreduce_time(nbytes, g, self.fabric.intra)  # reduce-scatter + all-gather
+        return local + ring_allreduce_time(nbytes / g, h, self.fabric.inter)
 
     # --- specs and interop ------------------------------------------------------------------------
     def spec(self, device: Rank = 0) -> DeviceSpec:

@@ -305,10 +305,19 @@ def _gantt(
                 fill = {"send": "#444444", "recv": "#999999"}.get(e["kind"], "#7b3294")
                 ax.add_patch(Rectangle((e["start"], i + 0.3), e["end"] - e["start"], 0.12, fc=fill, lw=0))
     ax.set_xlim(0, span), ax.set_ylim(len(t["rows"]) - 0.5, -0.5)
-    labels = [f"{r['device']} · stage {', '.join(map(str, r['stages']))}" for r in t["rows"]]
-    ax.set_yticks(range(len(t["rows"])), [_clip(s, 28) for s in labels], fontsize=8.5)
+    _row_labels(ax, t["rows"])
     ax.tick_params(axis="x", labelsize=8)
     ax.set_xlabel("ms", fontsize=8.5, loc="right")
     ax.set_facecolor("#f4f4f4")
     return y - 24 - h - 70
 
+
+def _row_labels(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Row names: 'ranks 0-7 (x8) · stage 0'; host headings (partitioner/visual_hosts.py) bold over a rule."""
+    labels = [str(r["device"]) if r.get("heading") else f"{r['device']} · stage {', '.join(map(str, r['stages']))}"
+              for r in rows]  # fmt: skip
+    ax.set_yticks(range(len(rows)), [_clip(s, 36) for s in labels], fontsize=8.5)
+    for i, (tick, row) in enumerate(zip(ax.get_yticklabels(), rows)):
+        if row.get("heading"):
+            tick.set_fontweight("bold")
+            ax.axhline(i - 0.5, color="#bbbbbb", lw=0.8)

@@ -180,17 +180,26 @@ def test_allreduce_two_hosts_of_four() -> None:
     assert cluster.allreduce_time(B, range(8)) < flat_over_inter
 
 
-def test_allreduce_uneven_group() -> None:
-    # 3 GPUs on host 0, 1 on host 1: intra phases over g_max = 3, inter shards of b / g_min = b
-    # 2 * (2 * 10 us + 2 / 3 * 10 ms) + 2 * 20 us + 2 * 1 / 2 * 1e9 / 10e9
+def test_allreduce_uneven_group_is_the_flat_ring_the_runtime_runs() -> None:
+    # 3 GPUs on host 0, 1 on host 1: runtime/hier_allreduce.py falls back to one flat ring over the 4
+    # GPUs, paced by the inter link: 2 * 3 * 20 us + 2 * 3 / 4 * 1e9 / 10e9 = 120 us + 150 ms
     cluster = round_cluster(2, 4)
-    expected = 2 * (20e-6 + 2 / 3 * 10e-3) + 40e-6 + 0.1
-    assert cluster.allreduce_time(B, [0, 1, 2, 4]) == pytest.approx(expected)
-    # three hosts, 2 + 2 + 1: 2 * (10 us + 1 / 2 * 10 ms) + 2 * 2 * 20 us + 2 * 2 / 3 * 1e9 / 10e9
-    expected3 = 2 * (10e-6 + 5e-3) + 80e-6 + 4 / 3 * 0.1
-    assert round_cluster(3, 4).allreduce_time(B, [0, 1, 4, 5, 8]) == pytest.approx(expected3)
+    assert cluster.allreduce_time(B, [0, 1, 2, 4]) == pytest.approx(120e-6 + 0.15)
+    # three hosts, 2 + 2 + 1: a ring over 5 GPUs: 2 * 4 * 20 us + 2 * 4 / 5 * 1e9 / 10e9
+    assert round_cluster(3, 4).allreduce_time(B, [0, 1, 4, 5, 8]) == pytest.approx(160e-6 + 0.16)
     with pytest.raises(ClusterError, match="appear twice"):
         cluster.allreduce_time(B, [0, 1, 1])
+
+
+def test_allreduce_2x8_and_4x8_groups_hand_computed() -> None:
+    # 2 hosts x 8 GPUs: in-host reduce-scatter + all-gather 2 * (7 * 10 us + 7 / 8 * 10 ms) = 140 us + 17.5 ms;
+    # across hosts, shards of 1e9 / 8 = 125 MB: 2 * 1 * 20 us + 2 * 1 / 2 * 125e6 / 10e9 = 40 us + 12.5 ms
+    assert round_cluster(2, 8).allreduce_time(B, range(16)) == pytest.approx(180e-6 + 30e-3)
+    # 4 hosts x 8 GPUs: the same in-host part; across: 2 * 3 * 20 us + 2 * 3 / 4 * 125e6 / 10e9 = 120 us + 18.75 ms
+    assert round_cluster(4, 8).allreduce_time(B, range(32)) == pytest.approx(260e-6 + 36.25e-3)
+    # the same 4x8 ranks of a bigger cluster, given as (host, local): only where they sit matters
+    spread = [(h, g) for h in (1, 3, 4, 6) for g in range(8)]
+    assert round_cluster(8, 8).allreduce_time(B, spread) == pytest.approx(260e-6 + 36.25e-3)
 
 
 # --- DeviceSet interop and the analytic model ------------------------------------------------------------

@@ -318,3 +318,90 @@ def test_html_in_chromium_inception_with_measured_timeline(tmp_path: Path, incep
     boxes = dom.with_class("box")
     assert len(boxes) == len(graph_of(inception_plan)["nodes"])  # small graph: every node drawn
     check_screenshot(tmp_path, inception_plan, "inception", 1900)
+
+
+# --- rows by host and folded replicas (partitioner/visual_hosts.py) ----------------------------------------
+def two_stage_replicas(replicas: int, gpus_per_host: int) -> runtime_plan.Plan:
+    """2 stages x `replicas` replicas, 2 micro-batches per replica; stage 0 on ranks 0..R-1, stage 1 after."""
+    plan = runtime_plan.Plan(
+        [runtime_plan.StagePlan(0, "cuda:0", [], forward_ms=1.0, backward_ms=2.0, allreduce_ms=2.5,
+                                ranks=list(range(replicas))),
+         runtime_plan.StagePlan(1, "cuda:1", [], forward_ms=1.0, backward_ms=2.0, allreduce_ms=0.7,
+                                ranks=list(range(replicas, 2 * replicas)), reads_from=[0])],
+        micro_batches=2 * replicas)  # fmt: skip
+    plan.gpus_per_host = gpus_per_host
+    return plan
+
+
+def test_16384_ranks_draw_as_two_rows_under_host_headings(tmp_path: Path) -> None:
+    plan = two_stage_replicas(8192, 8)  # 2048 hosts of 8: stage 0 on hosts 0-1023, stage 1 on 1024-2047
+    (predicted,) = page_data(plan)["timelines"]
+    assert [(r["device"], r["stages"], bool(r.get("heading"))) for r in predicted["rows"]] == [
+        ("hosts 0-1023", [], True), ("ranks 0-8191 (x8192)", [0], False),
+        ("hosts 1024-2047", [], True), ("ranks 8192-16383 (x8192)", [1], False),
+    ]
+    # one replica by hand: stage 0 busy F 2 ms + B 4 ms, stage 1 the same; each rank counted once
+    timeline = simulate(plan)
+    assert predicted["bubble"] == pytest.approx(1 - 12 / (2 * timeline.makespan_ms))
+    for name in ("plan.png", "plan.html"):
+        visualize(plan, tmp_path / name)
+    page = (tmp_path / "plan.html").read_text()
+    assert "ranks 0-8191 (x8192)" in page and "hosts 1024-2047" in page
+
+
+def test_rows_of_single_ranks_grouped_under_their_host() -> None:
+    plan = two_stage_replicas(1, 1)  # ranks 0 and 1 on hosts 0 and 1
+    rows = page_data(plan)["timelines"][0]["rows"]
+    assert [r["device"] for r in rows] == ["host 0", "cuda:0", "host 1", "cuda:1"]
+    plan.gpus_per_host = 2  # both on host 0: one heading
+    assert [r["device"] for r in page_data(plan)["timelines"][0]["rows"]] == ["host 0", "cuda:0", "cuda:1"]
+    plan.gpus_per_host = 0  # hosts unknown: no headings, as before
+    assert [r["device"] for r in page_data(plan)["timelines"][0]["rows"]] == ["cuda:0", "cuda:1"]
+
+
+def test_unfoldable_rows_are_merged_when_equal_and_capped() -> None:
+    from partitioner.timeline import FORWARD, DeviceTimeline, Event, Timeline
+    from partitioner.visual_hosts import MAX_ROWS, by_host
+
+    def rows(n: int, same: bool) -> Timeline:
+        devices = [DeviceTimeline(f"cuda:{r}", [0], [Event(FORWARD, 0, r, 0.0, 1.0 if same else 1.0 + r)],
+                                  ranks=[r]) for r in range(n)]  # fmt: skip
+        return Timeline(devices, float(n + 1), [1])
+
+    same = rows(1000, True)
+    (row,) = by_host(timeline_data(same, "t"), same, gpus_per_host=0)["rows"]
+    assert row["device"] == "ranks 0-999 (x1000)" and row["ranks"] == list(range(1000))
+    many = rows(1000, False)
+    drawn = by_host(timeline_data(many, "t"), many, gpus_per_host=0)["rows"]
+    assert len(drawn) == MAX_ROWS and drawn[-1]["device"] == f"... {1000 - MAX_ROWS + 1} more rows (745 ranks)"
+
+
+def test_cluster_report_prints_grouped_rows_not_one_per_rank() -> None:
+    # by hand, one replica (gpipe, free transfers): stage 0 F 0-2, B 5-9, all-reduce 9-11.5;
+    # stage 1 F 1-3, B 3-7, all-reduce 7-7.7; 23 columns of 0.5 ms
+    from rich.console import Console
+
+    from partitioner.cli_cluster import timeline_rows
+    from partitioner.visual_hosts import text_rows
+
+    plan = two_stage_replicas(8192, 8)
+    text = text_rows(simulate(plan), gpus_per_host=8, width=23)
+    assert text.splitlines() == [
+        "row                        stages     busy ms   comm ms   idle ms  timeline",
+        "hosts 0-1023",
+        "  ranks 0-8191 (x8192)     0            6.000     2.500     3.000  FFFF......BBBBBBBB~~~~~",
+        "hosts 1024-2047",
+        "  ranks 8192-16383 (x8192) 1            6.000     0.700     4.800  ..FFFFBBBBBBBB~........",
+        "makespan 11.500 ms, bubble 47.8%, 16384 ranks in 2 rows (identical replicas folded; figures per rank)",
+    ]
+    console = Console(record=True, width=200)
+    timeline_rows(console, plan)  # what `python -m partitioner plan --cluster ...` ends with
+    printed = console.export_text()
+    assert "ranks 8192-16383 (x8192)" in printed and "16384 ranks in 2 rows" in printed
+
+
+@needs_chromium
+def test_html_in_chromium_rows_under_host_headings(tmp_path: Path) -> None:
+    dom = render_in_browser(tmp_path, Plan.from_plan(two_stage_replicas(8192, 8)), "hosts")  # no graph attached
+    assert [r["data-device"] for r in dom.with_class("tl-row")] == [
+        "hosts 0-1023", "ranks 0-8191 (x8192)", "hosts 1024-2047", "ranks 8192-16383 (x8192)"]

@@ -10,6 +10,14 @@ observation so far,
 kept as two running sums, so each new run refines it and old runs fade by `decay`.
 `CalibratedCostModel` multiplies a base model's node times by its device's factor, and
 transfer times by the factor of the device pair.
+
+The rest of a step's time is priced by a few more general parameters, fitted from a traced
+run by `fit_calibration` (cost_model/run_fit.py) and read by the simulator: per-kind factors
+("cpu/F", "cpu/B" in `sums`), a per-task overhead (`task_ms`: Python dispatch and posting
+around each F/B/W), per-backend links (`links`: latency and bandwidth of one message), a
+fixed per-step cost (`step_ms`: scatter, gather, loss, optimizer step) and the cores that
+ranks of one host share (`cores`: k computing ranks on c < k cores each run c/k as fast).
+Saved as JSON with a `version`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import torch
 
 from cost_model.interface import CostModel, forward_time
 
-__all__ = ["CalibratedCostModel", "Calibration", "measured_stage_ms", "stage_records"]
+__all__ = ["CALIBRATION_VERSION", "CalibratedCostModel", "Calibration", "fit_calibration", "measured_stage_ms",
+           "stage_records"]
+
+CALIBRATION_VERSION = 2  # 1: factors only (no "version" key); 2: + task_ms, links, step_ms, cores, runs
 
 
 def _get(record: Any, *names: str) -> Any:
@@ -78,11 +89,38 @@ class Calibration:
 
     decay: float = 1.0  # weight kept by older observations at each new run (1: never forget)
     sums: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum p*m, sum p*p]
+    task_ms: dict[str, float] = field(default_factory=dict)  # "F"/"B"/"W" -> ms around each op beyond compute
+    links: dict[str, list[float]] = field(default_factory=dict)  # backend -> [latency ms, bytes per ms]
+    step_ms: float = 0.0  # fixed per-step cost outside the traced ops
+    cores: float = 0.0  # cores the ranks of one host share (0: unlimited)
+    runs: float = 0.0  # weight of the fitted runs behind task_ms, links, step_ms and cores
 
     def factor(self, device: Any) -> float:
         """measured / predicted for a device ('cuda:0') or a pair ('cpu->cuda:0'); 1 if unseen."""
         pm, pp = self.sums.get(str(device), (0.0, 0.0))
         return pm / pp if pp > 0 else 1.0
+
+    def compute_factor(self, device: Any, kind: str) -> float:
+        """measured / predicted of one F, B or W on `device`: its kind's factor, else the device's."""
+        key = f"{device}/{kind}"
+        return self.factor(key) if key in self.sums else self.factor(device)
+
+    def message_ms(self, nbytes: float, backend: str = "gloo") -> float | None:
+        """One message of `nbytes` over `backend`'s fitted link (ms), or None when it has none."""
+        if backend not in self.links or nbytes <= 0:
+            return None if backend not in self.links else 0.0
+        latency, per_ms = self.links[backend]
+        return latency + nbytes / per_ms
+
+    def allreduce_ms(self, nbytes: float, ranks: int, backend: str = "gloo") -> float | None:
+        """A ring all-reduce of `nbytes` over `ranks` on `backend`'s link (ms), or None when it has none."""
+        if backend not in self.links:
+            return None
+        if ranks < 2 or nbytes <= 0:
+            return 0.0
+        latency, per_ms = self.links[backend]
+        steps = 2 * (ranks - 1)
+        return steps * latency + steps / ranks * nbytes / per_ms
 
     def observe(self, key: str, predicted_s: float, measured_s: float) -> None:
         """Add one (predicted, measured) pair for `key` (a device or 'src->dst' pair).
@@ -117,12 +155,26 @@ class Calibration:
             self.observe(key, predicted, measured)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()}}
+        return {"version": CALIBRATION_VERSION, "decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()},
+                "task_ms": dict(self.task_ms), "links": {k: list(v) for k, v in self.links.items()},
+                "step_ms": self.step_ms, "cores": self.cores, "runs": self.runs}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        """Read `to_dict` output (version 1 files: factors only).
+
+        Raises:
+            ValueError: a file from a newer version; re-run the calibration with this version.
+        """
+        version = int(data.get("version", 1))
+        if version > CALIBRATION_VERSION:
+            raise ValueError(f"calibration version {version} is newer than this code's {CALIBRATION_VERSION}; "
+                             "re-run the calibration (pipe.calibrate()) with this version")
         return cls(
-            float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()}
+            float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()},
+            {str(k): float(v) for k, v in data.get("task_ms", {}).items()},
+            {str(k): [float(x) for x in v] for k, v in data.get("links", {}).items()},
+            float(data.get("step_ms", 0.0)), float(data.get("cores", 0.0)), float(data.get("runs", 0.0)),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -133,6 +185,16 @@ class Calibration:
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def fit_calibration(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float,
+                    previous: Calibration | None = None, cores: float | None = None,
+                    backend: str = "gloo", priced_with: Calibration | None = None) -> Calibration:
+    """`previous` refined by one traced run of a plan: see cost_model/run_fit.py (imported here on use)."""
+    from cost_model.run_fit import fit_run
+
+    return fit_run(plan_data, trace, step_ms=step_ms, previous=previous, cores=cores, backend=backend,
+                   priced_with=priced_with)
 
 
 class CalibratedCostModel:

@@ -26,7 +26,9 @@ import torch
 
 from cost_model.comm import Link
 
-__all__ = ["fit_link", "measure_copy_link", "measure_gloo_link", "measure_gloo_p2p"]
+__all__ = ["fit_link", "loopback_link", "measure_copy_link", "measure_gloo_link", "measure_gloo_p2p"]
+
+LOOPBACK_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # small ones fix the latency
 
 
 def _free_port() -> int:
@@ -132,6 +134,30 @@ def fit_link(measured: Mapping[int, float], kind: str = "loopback") -> Link:
 def measure_gloo_link(sizes: Sequence[int] = (256 << 10, 2 << 20, 8 << 20, 32 << 20), repeats: int = 7) -> Link:
     """The loopback link measured once: gloo sends of several sizes, fitted by `fit_link`."""
     return fit_link(measure_gloo_p2p(sizes, repeats=repeats))
+
+
+def loopback_link(*, measure: bool = True, cache: str | os.PathLike[str] | None = None) -> Link:
+    """This machine's gloo loopback link, measured once (small and large sends) and kept in the cost cache.
+
+    With `measure=False` a machine never measured gets the typical `LINK_KINDS["loopback"]`.
+    """
+    import platform
+
+    from cost_model.cache import cache_dir, cache_key, read_json, write_json
+    from cost_model.comm import LINK_KINDS
+
+    path = cache_dir(cache) / "links" / f"{cache_key('gloo-loopback', platform.node(), torch.__version__)}.json"
+    saved = read_json(path)
+    if isinstance(saved, dict):
+        try:
+            return Link.from_dict(saved)
+        except (ValueError, TypeError):
+            pass  # a damaged entry is a miss
+    if not measure:
+        return LINK_KINDS["loopback"]
+    link = fit_link(measure_gloo_p2p(LOOPBACK_SIZES, repeats=9))
+    write_json(path, link.to_dict())
+    return link
 
 
 def measure_copy_link(

@@ -29,6 +29,8 @@ whose replicas form the group, else what the programs record. Identical data-par
 (every stage on R ranks, R dividing the micro-batches) are simulated once and drawn as one row
 standing for R ranks (partitioner/replica_fold.py; `rows="ranks"` for a row each). An explicit schedule
 (`simulate(plan, gpipe(m, p))`) is simulated on stage times instead: see schedule_sim.
+`simulate(plan, calibration=c)` prices the programs with a fitted Calibration (overheads, links,
+shared cores, fixed step cost): see calibrated_sim.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
+from cost_model.calibration import Calibration
 from partitioner.errors import PartitionError
 from partitioner.replica_fold import fold
 from partitioner.schedule_sim import (
@@ -146,6 +149,7 @@ def simulate(
     micro_batches: int | None = None,
     producers: Sequence[Sequence[int]] | None = None,
     rows: Literal["replicas", "ranks"] = "replicas",
+    calibration: Calibration | None = None,
 ) -> Timeline:
     """One step of `plan`: its programs (the default), or an explicit `schedule` on its stage times.
 
@@ -162,6 +166,9 @@ def simulate(
         rows: programs only: "replicas" simulates identical data-parallel replicas once and
             shows them as one row (partitioner/replica_fold.py: exact, and what keeps a
             16,384-rank plan to a few rows and seconds); "ranks" simulates a row per rank.
+        calibration: programs only: price every op with a fitted Calibration (per-kind compute
+            factors, per-task overhead, link, fixed step cost, cores shared by CPU ranks);
+            see partitioner/calibrated_sim.py. One row per rank.
 
     Raises:
         ScheduleError: the schedule or programs are incomplete or deadlock (says where).
@@ -169,6 +176,11 @@ def simulate(
     if schedule is not None:
         return simulate_schedule(plan, schedule, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
                                  micro_batches=micro_batches, producers=producers)
+    if calibration is not None:
+        from partitioner.calibrated_sim import simulate_calibrated  # it runs _ProgramRun: import here
+
+        return simulate_calibrated(plan, calibration, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
+                                   group_ms=group_ms)
     folded = fold(plan) if rows == "replicas" else None
     if folded is None:
         programs = plan.programs or _lower(plan)
@@ -263,6 +275,8 @@ class _ProgramRun:
     def __init__(self, plan: Plan, programs: Sequence[Program], message: Callable[[int, int], float],
                  group: Callable[[Group], float], members: Mapping[int, Sequence[int]] | None = None) -> None:
         self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
+        self.compute_price: Callable[[int, int, Op], float] | None = None  # (row, op index, op) -> ms
+        self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs)
         # Folded replicas (replica_fold): a rank -> the simulated rank standing for it.
         self.stand_for = {m: rep for rep, ms in (members or {}).items() for m in ms}
         self.row = {p.rank: k for k, p in enumerate(self.programs)}
@@ -346,7 +360,10 @@ class _ProgramRun:
             return False
         stage = self.plan.stages[s]
         start = max([self.clock[k], *(t for t in needs if t is not None)])
-        end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
+        if self.compute_price is not None:
+            end = start + self.compute_price(k, i, op)
+        else:
+            end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
         self.rows[k].events.append(Event(compute_kind(op.kind), s, mb, start, end))
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
         self.times[k][i] = (start, end)
@@ -358,6 +375,8 @@ class _ProgramRun:
         if ready is None or peer is None:
             return False
         duration = self.message(op.src, op.dst)
+        if self.post_ms > 0:  # posting occupies the sender's thread before the message leaves
+            self.clock[k] = max(self.clock[k], ready) + self.post_ms
         start = max(self.clock[k], ready, self.link_free.get((k, peer), 0.0))
         key = (op.src, op.dst, op.microbatch)
         self.transfers[key] = self.times[k][i] = (start, start + duration)

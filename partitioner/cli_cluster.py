@@ -27,7 +27,9 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
 from cost_model.gpu_table import precision_of
 from partitioner.cli_input import Example, UsageError, load_example
+from partitioner.cluster_search import reporting
 from partitioner.errors import PartitionError
+from partitioner.replica_fold import rank_span
 from runtime.plan import Plan, human_bytes
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
@@ -42,8 +44,8 @@ Step = Callable[[str], ContextManager[None]]
 def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     """`plan`'s options for a cluster that need not be here: --cluster, --global-batch, --dtype, --replicas."""
     plan.add_argument("--cluster", metavar="SHAPE|FILE",
-                      help="plan for a cluster that need not be here: HOSTSxGPUSxTYPE (e.g. 16x8xH100, at most 128 "
-                      "GPUs) or a JSON/YAML file; every GPU is a torchrun rank. Not with --devices")
+                      help="plan for a cluster that need not be here: HOSTSxGPUSxTYPE (e.g. 16x8xH100; any size, "
+                      "2048x8xH100 too) or a JSON/YAML file; every GPU is a torchrun rank. Not with --devices")
     plan.add_argument("--global-batch", type=int, metavar="N",
                       help="the batch of one step over the whole job (same as --batch); with --cluster and no "
                       "--micro-batches, the micro-batch count predicted fastest is chosen")
@@ -137,15 +139,12 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
     """The plan `partitioner.plan(model, cluster=...)` makes for the command line's arguments, checked to run:
     micro-batches that divide the global batch and over each stage's replicas, stages within memory per GPU."""
     from partitioner.api import plan as make_plan
-    from partitioner.arguments import MAX_CLUSTER_GPUS
+    from partitioner.arguments import cluster_devices
     from partitioner.planning import device_capacity
 
     if args.devices:
         raise UsageError("--devices with --cluster: the cluster's GPUs are the devices; drop one of them")
     cluster = _cluster(args.cluster)
-    if cluster.size > MAX_CLUSTER_GPUS:
-        raise UsageError(f"--cluster {args.cluster}: planning for more than {MAX_CLUSTER_GPUS} GPUs is not supported "
-                         f"yet ({cluster.size} GPUs); plan at most {MAX_CLUSTER_GPUS} and replicate that plan")
     replicas = parse_replicas(args.replicas)
     if isinstance(replicas, list) and sum(replicas) != cluster.size:
         fix = "too few GPUs for" if sum(replicas) > cluster.size else "GPUs left over by"
@@ -157,19 +156,26 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
     tries = [args.micro_batches] if args.micro_batches else _micro_batch_choices(example.batch, cluster.size)
     for m in tries:
         _check_batch(example.batch, m, replicas)
-    cost = AnalyticCostModel(cluster.device_set(), tf32={"fp32": False, "tf32": True}.get(args.dtype))
+    prices = cluster_devices(cluster)[2]  # cuda:r per rank up to 128 GPUs, each host's names above
+    cost = AnalyticCostModel(prices, tf32={"fp32": False, "tf32": True}.get(args.dtype))
     capacity = device_capacity(cost, torch.device("cuda:0"))  # one GPU type: every rank holds as much
     made: dict[int, Plan] = {}
     refused: list[str] = []
     with _progress(err, args.quiet) as bar:
         task = bar.add_task(f"planning {example.batch} samples on {cluster.shape}", total=len(tries))
+        search = bar.add_task("search", total=None, visible=False)
+
+        def searched(what: str, done: int, total: int) -> None:  # the cluster search's (p, d, m) configurations
+            bar.update(search, description=f"  {what}", completed=done, total=total, visible=True)
+
         for m in tries:
             bar.update(task, description=f"planning {example.batch} samples in {m} micro-batches on {cluster.shape}")
             try:
-                plan = make_plan(example.model, cluster=cluster, example_inputs=example.args,
-                                 example_kwargs=example.kwargs, micro_batches=m, schedule=args.schedule,
-                                 replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
-                                 update=args.update)  # fmt: skip
+                with reporting(searched):
+                    plan = make_plan(example.model, cluster=cluster, example_inputs=example.args,
+                                     example_kwargs=example.kwargs, micro_batches=m, schedule=args.schedule,
+                                     replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
+                                     update=args.update)  # fmt: skip
                 if len(tries) > 1:
                     _check_plan(plan, cluster, capacity, given=False)
                 made[m] = plan
@@ -254,7 +260,8 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
         table.add_column(name, justify="left" if name in ("ranks", "hosts") else "right")
     for s in plan.stages:
         hosts = sorted({plan.host_of(r) for r in s.ranks})
-        table.add_row(str(s.index), _span(s.ranks), str(s.replicas), _span(hosts), str(len(s.nodes)),
+        table.add_row(str(s.index), _span(s.ranks) if len(s.ranks) <= 8 else rank_span(s.ranks), str(s.replicas),
+                      _span(hosts) if len(hosts) <= 8 else rank_span(hosts), str(len(s.nodes)),
                       f"{s.compute_ms:.3f}", f"{s.allreduce_ms:.3f}", human_bytes(s.memory_bytes),
                       human_bytes(s.capacity_bytes or made.capacity))  # fmt: skip
     out.print(table)
@@ -273,6 +280,17 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
               markup=False)
     out.print(f"MFU counts 3 x forward FLOPs per step = {t.flops_per_step:.4g} FLOP, over {cluster.size} GPUs x "
               f"{t.peak_flops / 1e12:.1f} TFLOP/s ({cluster.gpu.name} dense {dtype} peak)", markup=False)
+    timeline_rows(out, plan)
+
+
+def timeline_rows(out: Console, plan: Plan) -> None:
+    """The simulated step by row: identical replicas folded into one row, rows under their hosts (visual_hosts)."""
+    from partitioner.visual_hosts import text_rows
+    from partitioner.visualizer import simulated_timeline
+
+    timeline, note = simulated_timeline(plan)
+    text = note if timeline is None else text_rows(timeline, gpus_per_host=plan.gpus_per_host)
+    out.print(text, markup=False, soft_wrap=True)
 
 
 def _span(values: list[int]) -> str:

@@ -16,13 +16,19 @@ import numpy as np
 import torch
 
 from cost_model.interface import CostModel
-from cost_model.memory import optimizer_states, saved_activation_bytes
+from cost_model.memory import optimizer_states
+from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.assemble import assemble, device_key
 from partitioner.errors import PartitionError
 from partitioner.hybrid import SCHEDULES, HybridProblem, micro_batch_counts, solve_hybrid
 from runtime.plan import Plan
 
-__all__ = ["at_batch", "batch_size", "hybrid_problem", "per_micro_batch", "plan_hybrid"]
+__all__ = [
+    "EXHAUSTIVE_GPUS", "at_batch", "batch_size", "graph_values", "hybrid_problem", "node_times", "per_micro_batch",
+    "plan_hybrid",
+]
+
+EXHAUSTIVE_GPUS = 16  # clusters up to this size also run the search over device lists (uneven replicas)
 
 
 def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
@@ -53,8 +59,7 @@ def hybrid_problem(
     device, else `headroom` times the cost model's spec memory, else no limit.
     """
     devs = [torch.device(d) for d in devices]
-    position = {name: i for i, name in enumerate(order)}
-    n, D = len(order), len(devs)
+    D = len(devs)
     keys: dict[Any, int] = {}
     kind = np.array([keys.setdefault(device_key(cost, d), len(keys)) for d in devs])
     size = batch_size(graph)
@@ -64,42 +69,9 @@ def hybrid_problem(
         for m in micro_batch_counts(D, size, micro_batches):
             low, extra = divmod(size, m)
             probes |= {low, low + 1} if extra else {low}
-    size_times = {s: np.zeros((len(keys), n)) for s in probes}
-    for k in range(len(keys)):
-        dev = devs[int(np.argmax(kind == k))]
-        for i, name in enumerate(order):
-            attrs = graph.nodes[name]
-            for s in probes:
-                size_times[s][k, i] = cost.node_time(at_batch(attrs, batch=size, size=s), dev)
-    fixed, batch = np.zeros((len(keys), n)), np.zeros((len(keys), n))
-    if size is not None and size > 1:
-        whole, half = size_times[size], size_times[size // 2]
-        part = np.clip((whole - half) * size / (size - size // 2), 0.0, whole)
-        fixed, batch = whole - part, part
-    else:  # batch unknown: halve FLOPs and bytes
-        for k in range(len(keys)):
-            dev = devs[int(np.argmax(kind == k))]
-            for i, name in enumerate(order):
-                attrs = graph.nodes[name]
-                whole_s = cost.node_time(attrs, dev)
-                halved = {**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}
-                part_s = min(max(2.0 * (whole_s - cost.node_time(halved, dev)), 0.0), whole_s)
-                fixed[k, i], batch[k, i] = whole_s - part_s, part_s
-    producers, consumers, sizes = [], [], []
-    params = np.array([float(graph.nodes[x].get("param_bytes", 0) or 0) for x in order])
-    saved = np.array([float(saved_activation_bytes([graph.nodes[x]])) for x in order])
-    for name, attrs in graph.nodes(data=True):
-        if attrs["op"] == "get_attr":
-            users = [position[u] for u in graph.successors(name) if u in position]
-            if users:
-                params[min(users)] += float(attrs.get("param_bytes", 0) or 0)
-        if attrs["op"] != "placeholder" and name not in position:
-            continue
-        outs = {position.get(u, n) for u in graph.successors(name) if u in position or graph.nodes[u]["op"] == "output"}
-        if outs:
-            producers.append(position.get(name, -1))
-            consumers.append(np.array(sorted(outs), dtype=np.int64))
-            sizes.append(float(attrs.get("out_bytes", 0) or 0))
+    kinds = [devs[int(np.argmax(kind == k))] for k in range(len(keys))]
+    fixed, batch, size_times = node_times(graph, order, kinds, cost, probes)
+    producers, consumers, sizes, params, saved = graph_values(graph, order)
     link = np.zeros((D, D, 2))
     for i, j in ((i, j) for i in range(D) for j in range(D) if i != j):  # ranks: a device may repeat
         link[i, j] = _affine(cost.transfer_time, devs[i], devs[j])
@@ -125,6 +97,61 @@ def hybrid_problem(
         link, allreduce, capacity, states, size, [str(d) for d in devs],
         np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]), size_times or None,
     )
+
+
+def node_times(
+    graph: nx.DiGraph, order: Sequence[str], kinds: Sequence[torch.device], cost: CostModel, probes: set[int]
+) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    """(fixed, whole-batch, {samples: times}) seconds per device kind and node (HybridProblem's arrays).
+
+    Node times are asked at each probed micro-batch size with the node's shapes cut along the
+    batch (`at_batch`); whole batch and half of it give the fit overhead + batch part.
+    """
+    n, size = len(order), batch_size(graph)
+    size_times = {s: np.zeros((len(kinds), n)) for s in probes}
+    for k, dev in enumerate(kinds):
+        for i, name in enumerate(order):
+            attrs = graph.nodes[name]
+            for s in probes:
+                size_times[s][k, i] = cost.node_time(at_batch(attrs, batch=size, size=s), dev)
+    fixed, batch = np.zeros((len(kinds), n)), np.zeros((len(kinds), n))
+    if size is not None and size > 1:
+        whole, half = size_times[size], size_times[size // 2]
+        part = np.clip((whole - half) * size / (size - size // 2), 0.0, whole)
+        fixed, batch = whole - part, part
+    else:  # batch unknown: halve FLOPs and bytes
+        for k, dev in enumerate(kinds):
+            for i, name in enumerate(order):
+                attrs = graph.nodes[name]
+                whole_s = cost.node_time(attrs, dev)
+                halved = {**attrs, "flops": attrs.get("flops", 0) / 2, "out_bytes": attrs.get("out_bytes", 0) / 2}
+                part_s = min(max(2.0 * (whole_s - cost.node_time(halved, dev)), 0.0), whole_s)
+                fixed[k, i], batch[k, i] = whole_s - part_s, part_s
+    return fixed, batch, size_times
+
+
+def graph_values(
+    graph: nx.DiGraph, order: Sequence[str]
+) -> tuple[list[int], list[np.ndarray], list[float], np.ndarray, np.ndarray]:
+    """(producers, consumers, value bytes, param bytes, saved bytes) of HybridProblem, by position in `order`."""
+    position = {name: i for i, name in enumerate(order)}
+    n = len(order)
+    producers, consumers, sizes = [], [], []
+    params = np.array([float(graph.nodes[x].get("param_bytes", 0) or 0) for x in order])
+    saved = np.array([float(x) for x in saved_bytes_per_node(graph_nodes(graph, order)).values()])
+    for name, attrs in graph.nodes(data=True):
+        if attrs["op"] == "get_attr":
+            users = [position[u] for u in graph.successors(name) if u in position]
+            if users:
+                params[min(users)] += float(attrs.get("param_bytes", 0) or 0)
+        if attrs["op"] != "placeholder" and name not in position:
+            continue
+        outs = {position.get(u, n) for u in graph.successors(name) if u in position or graph.nodes[u]["op"] == "output"}
+        if outs:
+            producers.append(position.get(name, -1))
+            consumers.append(np.array(sorted(outs), dtype=np.int64))
+            sizes.append(float(attrs.get("out_bytes", 0) or 0))
+    return producers, consumers, sizes, params, saved
 
 
 def plan_hybrid(
@@ -154,21 +181,60 @@ def plan_hybrid(
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
+
+    On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
+    (partitioner/cluster_plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
+    up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
+    plan with the smaller objective is kept, so small clusters get today's exact optimum or better.
     """
+    from partitioner.cluster_plan import cluster_of, plan_on_cluster  # it builds on this module's helpers
+
+    cluster = cluster_of(cost) if memory_bytes is None else None
+    counted: tuple[Plan, float] | None = None
+    if cluster is not None and len(devices) == cluster.size:
+        try:
+            made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
+                                          schedules=schedules, stages=stages, replicate=replicate,
+                                          optimizer=optimizer, headroom=headroom)
+            counted = made, found.step_s
+        except PartitionError:
+            if cluster.size > EXHAUSTIVE_GPUS:
+                raise
+        if counted is not None and cluster.size > EXHAUSTIVE_GPUS:
+            return counted[0]
     problem = hybrid_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
     )
-    sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+    try:
+        sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+    except PartitionError:
+        if counted is None:
+            raise
+        return counted[0]
+    if counted is not None and counted[1] < sol.step_s:
+        return counted[0]
     names, m = problem.names or [str(d) for d in devices], sol.micro_batches
     starts = np.cumsum([0, *sol.replicas])
     ranks = [list(range(int(a), int(b))) for a, b in zip(starts, starts[1:])]
     capacity = [float(problem.capacity[r].min()) for r in ranks]
-    return assemble(
+    plan = assemble(
         per_micro_batch(graph, m), [list(order[a:b]) for a, b in zip(sol.bounds, sol.bounds[1:])],
         [names[r[0]] for r in ranks], cost, micro_batches=m, schedule=sol.schedule,  # type: ignore[arg-type]
         stage_ranks=ranks, rank_devices=names, placement="hybrid", optimizer=optimizer,
         capacity_bytes=[int(c) if np.isfinite(c) else None for c in capacity],
     )
+    if cluster is not None:
+        _local_names(plan, cluster.gpus_per_host)
+    return plan
+
+
+def _local_names(plan: Plan, gpus_per_host: int) -> None:
+    """A cluster plan names each rank's GPU on its own host (cuda:r % gpus_per_host); ranks say where it is."""
+    for stage in plan.stages:
+        stage.device = f"cuda:{stage.ranks[0] % gpus_per_host}" if stage.ranks else stage.device
+    for program in plan.programs:
+        program.device = f"cuda:{program.rank % gpus_per_host}"
+    plan.gpus_per_host = gpus_per_host
 
 
 def batch_size(graph: nx.DiGraph) -> int | None:

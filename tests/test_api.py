@@ -360,8 +360,8 @@ def test_plan_for_a_cluster_that_is_not_here() -> None:
     h100 = GpuTable.load().get("H100")
     assert all(s.memory_bytes <= (s.capacity_bytes or 0) <= h100.memory_bytes for s in made.stages)
     assert made.predicted_step_ms > 0
-    with pytest.raises(PartitionError, match="planning for more than 128 GPUs is not supported yet"):
-        partitioner.plan(model, cluster="17x8xH100", example_inputs=(x,))
+    big = partitioner.plan(model, cluster="17x8xH100", example_inputs=(x,), micro_batches=8, replicas="auto")
+    assert sorted(r for s in big.stages for r in s.ranks) == list(range(136))  # beyond torch's cuda:127
     with pytest.raises(PartitionError, match="both devices and cluster"):
         partitioner.plan(model, ["cpu"], cluster="2x8xH100", example_inputs=(x,))
     with pytest.raises(PartitionError, match="not a cluster shape|neither a cluster shape"):

@@ -24,6 +24,9 @@ from partitioner.arguments import (
     plan_target,
 )
 from partitioner.assemble import price_update
+from partitioner.calibrate import Setup, attach
+from partitioner.calibration_store import CalibrationArg, with_calibration
+from partitioner.describe import describe_model
 from partitioner.errors import PartitionError
 from partitioner.fidelity import (
     Cuts,
@@ -36,7 +39,6 @@ from partitioner.fidelity import (
     cuts_from,
     input_dims,
 )
-from partitioner.graph import build_graph
 from partitioner.meta import is_meta, shapes_only
 from partitioner.planning import (
     RecomputeChoice,
@@ -82,6 +84,7 @@ def plan(
     split_spec: Mapping[str, SplitPoint] | None = None,
     recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
     update: Update = "sync",
+    calibration: CalibrationArg = None,
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -92,6 +95,7 @@ def plan(
     a JSON/YAML file or a cost_model.Cluster (at most 128 GPUs); every GPU is a torchrun rank
     (cuda:r is rank r, host r // GPUs per host: `plan.gpus_per_host`), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
+    `calibration`: as for `partition`.
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
@@ -103,7 +107,7 @@ def plan(
     check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
-    cost_model = default_cost(model, cost_model)
+    cost_model = with_calibration(default_cost(model, cost_model), resolved, processes=multi, given=calibration)
     traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
     made = _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
@@ -137,6 +141,8 @@ def partition(
     init: Init | None = None,
     update: Update = "sync",
     staleness: int = 0,
+    calibrate: int = 0,
+    calibration: CalibrationArg = None,
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -200,6 +206,10 @@ def partition(
             `staleness` steps those weights get no gradient, so the optimizer leaves them). 0 (the
             default) is the synchronous all-reduce. Call `pipe.wait_gradients()` on every rank
             before destroy_process_group. See [Note: bounded staleness] in runtime.staleness.
+        calibrate: run `pipe.calibrate(steps=calibrate)` once built (partitioner.calibrate; 0: not now);
+            its report is `pipe.calibration_report`.
+        calibration: a calibration (or its JSON path) to price with, where `pipe.calibrate` saves; default:
+            the one saved on this machine for these devices (not applied over a given `cost_model`).
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -232,13 +242,19 @@ def partition(
                              f"update={update!r} runs every weight on one rank; drop one of them")
     staleness = check_staleness_argument(staleness)
     fill = materializer(model, weights, init)
-    cost_model = default_cost(model, cost_model)
+    setup = Setup(model, list(devices), args, kwargs, {
+        "micro_batches": micro_batches, "schedule": schedule, "placement": placement, "replicas": replicas,
+        "virtual_stages": virtual_stages, "recompute": recompute}, {
+        "threads": threads, "timeout": timeout, "output_merge_spec": output_merge_spec, "split_points": split_points,
+        "input_split_spec": input_split_spec, "split_spec": split_spec}, cost_model, calibration, steps=calibrate)
+    cost_model = setup.planned_with = with_calibration(default_cost(model, cost_model), resolved,
+                                                       processes=distributed(), given=calibration)
     if distributed():
         pipe = _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
                                       schedule, replicas, virtual_stages, timeout, placement,
                                       cuts_from(split_points, split_spec), input_split_spec, recompute, fill)
         pipe.staleness = staleness  # recorded in pipe.plan.staleness
-        return _with_update(update, pipe, planned=planned)
+        return attach(_with_update(update, pipe, planned=planned), setup)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
     traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
@@ -265,7 +281,7 @@ def partition(
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan)
         output_node, placeholders, constants = _graph_io(gm)
-        return _with_update(update, Pipeline(
+        made = _with_update(update, Pipeline(
             model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs, traced.unflatten_outputs,
             placeholders, threads, traced.mutated_inputs, other, traced.other_mode_error, batched_outputs=batched,
             output_merge_spec=output_merge_spec, input_dims=dims), planned=planned)
@@ -273,6 +289,7 @@ def partition(
         for u in reversed(undos):
             u()
         raise
+    return attach(made, setup)
 
 
 def _with_update(update: Update, made: _T, *, planned: bool) -> _T:
@@ -331,16 +348,6 @@ def _graph_io(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[str], dict[
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     constants = {n.name: operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes if n.op == "get_attr"}
     return output_node, placeholders, constants
-
-
-def describe_model(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None = None) -> str:
-    """A printable report of the model's structure: fork/join regions (parallel branches,
-    nested), the critical path and the cheapest cut points. The model is left untouched."""
-    from partitioner.analysis import describe
-
-    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    traced = trace(model, args, dict(example_kwargs or {}))
-    return describe(build_graph(traced.graph_module, traced.flatten_inputs(args, dict(example_kwargs or {}))))
 
 
 def _partition_distributed(

@@ -13,7 +13,7 @@ from torch import nn
 
 from cost_model.analytic import AnalyticCostModel, CostModel
 from cost_model.cluster import DeviceSet
-from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
+from cost_model.cluster_shape import Cluster, ClusterDeviceSet, ClusterError, as_cluster
 from cost_model.devices import DeviceLike, resolve_devices
 from partitioner.errors import PartitionError
 from partitioner.meta import is_meta, on_meta
@@ -35,27 +35,31 @@ PlacementChoice = Literal["pipeline", "branches", "auto"]
 PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
 _SCHEDULES: tuple[str, ...] = SCHEDULE_CHOICES  # the Plan's Schedule, or "auto"
 ClusterLike = Cluster | str | os.PathLike[str] | Mapping[str, Any]  # cost_model.cluster_shape.as_cluster takes these
-MAX_CLUSTER_GPUS = 128  # torch device names hold an index below 128 (cost_model.cluster_shape.TORCH_INDEX_LIMIT)
+MAX_CLUSTER_GPUS = 128  # up to this many GPUs rank r is cuda:r; above, cuda:{r % gpus_per_host} (cluster_devices)
 
 
 def cluster_devices(cluster: ClusterLike) -> tuple[Cluster, list[torch.device], DeviceSet]:
-    """`plan(cluster=...)`: the cluster, its ranks as devices cuda:0 .. cuda:N-1 (none need be here), its prices.
+    """`plan(cluster=...)`: the cluster, a device per rank (none need be here), and its prices.
+
+    Up to 128 GPUs, rank r is cuda:r (priced by rank: cost_model.ClusterDeviceSet). Above, torch
+    device names run out (an index is below 128), so rank r is its GPU on its host,
+    cuda:{r % gpus_per_host}, and the prices hold one host's names (node times; the cluster
+    planner prices links and all-reduces by rank: partitioner/cluster_plan.py).
 
     Raises:
-        PartitionError: a bad shape or file (cost_model.cluster_shape names the fix), or more than 128 GPUs.
+        PartitionError: a bad shape or file (cost_model.cluster_shape names the fix).
     """
     try:
         found = as_cluster(cluster)
     except ClusterError as exc:
         raise PartitionError(f"cluster={cluster!r}: {exc}") from None
-    if found.size > MAX_CLUSTER_GPUS:
-        raise PartitionError(
-            f"planning for more than {MAX_CLUSTER_GPUS} GPUs is not supported yet; {found.shape} has {found.size}: "
-            f"plan one pipeline of at most {MAX_CLUSTER_GPUS} GPUs (e.g. {MAX_CLUSTER_GPUS // found.gpus_per_host}x"
-            f"{found.gpus_per_host}x{found.gpu.name}) and replicate it with data parallelism"
-        )
-    device_set = found.device_set()
-    return found, [torch.device(name) for name in device_set.devices], device_set
+    if found.size <= MAX_CLUSTER_GPUS:
+        device_set = found.device_set()
+        return found, [torch.device(name) for name in device_set.devices], device_set
+    per_host = found.gpus_per_host
+    local = ClusterDeviceSet({f"cuda:{g}": found.spec(g) for g in range(per_host)}, cluster=found)
+    names = [torch.device(f"cuda:{g}") for g in range(per_host)]
+    return found, [names[r % per_host] for r in range(found.size)], local
 
 
 def plan_target(
@@ -64,8 +68,9 @@ def plan_target(
 ) -> tuple[Sequence[DeviceLike], bool | None, CostModel | None, int]:
     """What `plan()` plans for: (devices, processes, cost model, GPUs per host; 0 without a cluster).
 
-    With `cluster`, every GPU of it is a torchrun rank (cuda:r is rank r), priced by the
-    analytic model on the cluster's prices unless `cost_model` is given.
+    With `cluster`, every GPU of it is a torchrun rank (`cluster_devices` names them), priced by
+    the analytic model on the cluster's prices unless `cost_model` is given; with
+    replicas="auto" the planner searches the cluster by counts at any size (16,384 GPUs and more).
     """
     if cluster is None:
         if devices is None:

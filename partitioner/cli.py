@@ -1,4 +1,4 @@
-"""Command line: `python -m partitioner plan|profile|simulate MODULE:FACTORY ...`.
+"""Command line: `python -m partitioner plan|profile|simulate|calibrate MODULE:FACTORY ...`.
 
 Exit codes: 0 success, 1 the work itself failed (a model that cannot be traced, say),
 2 bad arguments (the message says which and how to fix it).
@@ -18,6 +18,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from partitioner.cli_calibrate import add_calibrate_parser, run_calibrate
 from partitioner.cli_cluster import add_cluster_arguments, cast_example, cluster_report, parse_replicas, plan_cluster
 from partitioner.cli_input import Example, UsageError, load_example
 from partitioner.errors import PartitionError, TraceError
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--width", type=int, default=72, metavar="COLS", help="characters per timeline row (default 72)")
     sim.add_argument("--out", metavar="PATH", help="also write the plan's picture with this timeline")
     sim.add_argument("--quiet", action="store_true", help="no progress display")
+    add_calibrate_parser(commands, _common, PLACEMENTS, SCHEDULE_CHOICES, **kw)
     return parser
 
 
@@ -141,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     try:
         _check(args)
+        if args.command == "calibrate":
+            return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
         return {"plan": _plan, "profile": _profile, "simulate": _simulate}[args.command](args, out, err)
     except UsageError as exc:
         err.print(f"error: {exc}", markup=False, soft_wrap=True)
@@ -166,7 +170,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top {args.top}: use 0 (all rows) or more")
     if getattr(args, "depth", None) is not None and args.depth < 1:
         raise UsageError(f"--depth {args.depth}: use 1 or more (99 draws every node)")
-    for name in ("out",):
+    for name in ("out",) if args.command != "calibrate" else ():  # calibrate --out is the JSON
         path = getattr(args, name, None)
         if path and Path(path).suffix.lower() not in (".html", ".htm", ".png", ".svg", ".pdf", ".dot", ".gv"):
             raise UsageError(f"--out {path}: the suffix picks the picture; use .html, .png, .svg, .pdf or .dot")

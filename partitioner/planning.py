@@ -158,11 +158,12 @@ def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
 def fits_memory(plan: Plan, cost: CostModel) -> bool:
     """Whether every device holds what its ranks' stages need: `memory_bytes` of each stage a
     program runs, summed over the programs on the device, within `device_capacity`."""
-    need: dict[str, int] = {}
+    need: dict[tuple[int, str], int] = {}
     for prog in plan.programs:
         held = {op.stage for op in prog.ops if op.is_compute}
-        need[prog.device] = need.get(prog.device, 0) + sum(plan.stages[s].memory_bytes for s in held)
-    return all(n <= device_capacity(cost, torch.device(d)) for d, n in need.items())
+        key = (plan.host_of(prog.rank), prog.device)  # a cluster plan names each host's GPUs alike
+        need[key] = need.get(key, 0) + sum(plan.stages[s].memory_bytes for s in held)
+    return all(n <= device_capacity(cost, torch.device(d)) for (_, d), n in need.items())
 
 
 def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[Any], order: list[str],

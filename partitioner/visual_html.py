@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any
 
 from partitioner.visual_layout import NODES, choose_depth, max_depth
+from partitioner.visual_measured import stage_error_table
 
 __all__: list[str] = []
 
@@ -47,4 +48,5 @@ def render_html(data: dict[str, Any], depth: int | None = None) -> str:
     # occurs inside JSON strings, where \u003c means the same.
     text = text.replace("<", "\\u003c")
     page = template()
+    page = page.replace('<div id="timelines"></div>', '<div id="timelines"></div>' + stage_error_table(data), 1)
     return page.replace("{{TITLE}}", html.escape(str(data["title"]))).replace("{{DATA}}", text)

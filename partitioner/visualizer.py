@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import networkx as nx
 import torch
 
+from partitioner.visual_hosts import by_host
 from runtime import plan as runtime_plan
 
 __all__ = ["Plan", "attach_graph", "page_data", "visualize", "with_graph"]
@@ -243,13 +244,16 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         d["capacity_bytes"] = known.get(d["name"], capacity.get(d["name"]))
     timelines = []
     if timeline is not None:
-        timelines.append(timeline_data(timeline, "predicted (simulator)"))
+        timelines.append(by_host(timeline_data(timeline, "predicted (simulator)"), timeline,
+                                 gpus_per_host=plan.gpus_per_host))  # folded replicas, host headings
     if measured is not None:
         timelines.append(timeline_data(measured, "measured (runtime trace)"))
     if graph is None:
         notes.append("no graph attached: plans made by partition() carry one; attach one to a loaded plan "
                      "with partitioner.visualizer.attach_graph(plan, build_graph(...))")  # fmt: skip
-    return {
+    from partitioner.visual_measured import with_stage_errors
+
+    return with_stage_errors({
         "title": f"{len(plan.stages)}-stage plan on {', '.join(dict.fromkeys(plan.devices))}",
         "plan": {"micro_batches": plan.micro_batches, "schedule": plan.schedule, "placement": plan.placement,
                  "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms,
@@ -259,7 +263,7 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         "graph": {"nodes": graph["nodes"], "edges": graph["edges"]} if graph else None,
         "timelines": timelines,
         "notes": notes,
-    }
+    })
 
 
 def visualize(

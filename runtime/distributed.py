@@ -27,8 +27,10 @@ from torch import nn
 
 from runtime import checkpoint
 from runtime.async_updates import AsyncTrainer, refuse_optimizer
+from runtime.calibration_hook import Calibratable, StepCall
 from runtime.comm import Comm, TorchComm
 from runtime.errors import PartitionError
+from runtime.hier_allreduce import all_reduce, replica_group
 from runtime.interpreter import Interpreter
 from runtime.launch import wire_device
 from runtime.microbatch import SplitDim
@@ -72,7 +74,7 @@ class _GradGroup:
                     flat = torch.cat([g.reshape(-1) for g in grads])
                     if self.wire is not None and flat.device != self.wire:
                         flat = flat.to(self.wire)
-                    self.pending.append(Reduction(comm.all_reduce(flat, self.group), flat, bucket))
+                    self.pending.append(Reduction(all_reduce(comm, flat, self.group), flat, bucket))
                 bucket, size = [], 0
             if p is not None:
                 bucket.append(p)
@@ -83,7 +85,7 @@ class _GradGroup:
         self.reductions.step(pending, self.params, wait)
 
 
-class DistributedPipeline(nn.Module):
+class DistributedPipeline(Calibratable, nn.Module):
     """This rank's part of a pipelined model; `train_step` runs one step of the whole job."""
 
     def __init__(
@@ -193,6 +195,11 @@ class DistributedPipeline(nn.Module):
     def trace(self) -> list[dict[str, Any]]:
         return [e for interpreter, _ in self._modes.values() for e in interpreter.trace]
 
+    def clear_trace(self) -> None:
+        """Drop the recorded events (as Pipeline.clear_trace), so the next gather holds only new steps."""
+        for interpreter, _ in self._modes.values():
+            interpreter.trace.clear()
+
     def held_tensor_ids(self) -> set[int]:
         """Weights this rank holds: those its stages read, and (rank 0) those no stage reads."""
         return self._held
@@ -230,13 +237,14 @@ class DistributedPipeline(nn.Module):
         self._loss_group = None
         for ranks in all_sets:  # every rank creates every group, in the same order
             handle = dist.new_group(list(ranks))
+            reducer = replica_group(ranks, gpus_per_host=self.plan.gpus_per_host, flat=handle)  # every rank
             if self.rank not in ranks:
                 continue
             if ranks == last_ranks:
                 self._loss_group = handle
             if ranks in by_ranks:
                 params = [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])]
-                groups.append(_GradGroup(ranks, params, handle, self._wire(*ranks)))
+                groups.append(_GradGroup(ranks, params, reducer, self._wire(*ranks)))
         return groups
 
     def _wire(self, *ranks: int) -> torch.device:
@@ -300,6 +308,7 @@ class DistributedPipeline(nn.Module):
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+        self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
         refuse_optimizer(optimizer)

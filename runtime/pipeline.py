@@ -27,6 +27,7 @@ import torch.fx
 from torch import nn
 
 from runtime.async_updates import AsyncTrainer, refuse_optimizer
+from runtime.calibration_hook import Calibratable, StepCall
 from runtime.errors import PartitionError
 from runtime.interpreter import Interpreter, Routes
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
@@ -100,7 +101,7 @@ class _Mode:
         self.bns = list(dict.fromkeys(bn for stage in graph.stages for bn in stage.deferred_bns))
 
 
-class Pipeline(nn.Module):
+class Pipeline(Calibratable, nn.Module):
     """The partitioned model: call it like the original; `plan` says where everything runs.
 
     Parameters, `state_dict()` and `load_state_dict()` are the original model's own. Where
@@ -241,6 +242,7 @@ class Pipeline(nn.Module):
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
                                  self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+        self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
         refuse_optimizer(optimizer)

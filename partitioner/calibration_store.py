@@ -1,0 +1,139 @@
+"""Where calibrations live and how one is fitted and applied: the one seam to the cost model's fit.
+
+A calibration is saved as JSON in the per-machine cache (cost_model.cache), one file per
+set of devices and process layout, so that later `plan`/`partition` calls on this machine for
+the same devices price with it automatically; an explicit `calibration=` path overrides that.
+
+`fit` is the only place that turns a measured run into a Calibration, and `calibrated_cost`
+the only place that applies one: swap cost_model.calibration's fit in there and nothing else
+changes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from cost_model import calibration as calibration_module
+from cost_model.analytic import CostModel
+from cost_model.cache import cache_dir, cache_key
+from cost_model.calibration import CalibratedCostModel, Calibration, measured_stage_ms, stage_records
+from partitioner.errors import PartitionError
+from runtime.plan import Plan
+
+__all__ = [
+    "calibrated_cost", "calibrated_plan", "calibration_path", "find_calibration", "fit", "load_calibration",
+    "save_calibration", "with_calibration",
+]
+
+CalibrationArg = Calibration | str | os.PathLike[str] | None
+# The swap point: True once cost_model.calibration.fit_calibration (per-device compute factors,
+# per-link latency and bandwidth, per-task overhead) is in; False folds per-device factors only.
+USE_COST_MODEL_FIT = True
+
+
+def calibration_path(devices: Sequence[Any], *, processes: bool, override: CalibrationArg = None) -> Path:
+    """The JSON file of the calibration of `devices` (one process, or one process per rank)."""
+    if isinstance(override, (str, os.PathLike)):
+        return Path(override)
+    key = cache_key("calibration", [str(d) for d in devices], bool(processes))
+    return cache_dir() / "calibration" / f"{key}.json"
+
+
+def load_calibration(path: str | os.PathLike[str]) -> Calibration:
+    """A saved calibration.
+
+    Raises:
+        PartitionError: the file is missing or is not a saved calibration.
+    """
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise PartitionError(f"calibration={os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc}); give "
+                             "a file written by pipe.calibrate() or `python -m partitioner calibrate --out`") from None
+
+
+def find_calibration(devices: Sequence[Any], *, processes: bool, given: CalibrationArg = None) -> Calibration | None:
+    """`given` (a Calibration or a path), else the one saved on this machine for these devices, else None.
+
+    A `given` path that does not exist yet is where a calibration will be saved: None, no error.
+    """
+    if isinstance(given, Calibration):
+        return given
+    if given is not None:
+        return load_calibration(given) if Path(given).exists() else None
+    path = calibration_path(devices, processes=processes)
+    if not path.is_file():
+        return None
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # a damaged cache entry is a miss
+
+
+def save_calibration(calibration: Calibration, path: Path) -> Path:
+    """Write it (creating the folder); the path written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    calibration.save(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def fit(plan: Plan, trace: Mapping[str, Any], *, step_ms: float, previous: Calibration | None,
+        priced_with: Calibration | None = None) -> Calibration:
+    """The calibration after one measured step of `plan`: `trace` is that step's gathered runtime trace.
+
+    Uses cost_model.calibration.fit_calibration when USE_COST_MODEL_FIT is set; else folds each
+    stage's measured compute into the per-device factors of `previous` (a fresh copy).
+    `priced_with`: the calibration the plan's numbers already carry (they are divided by its
+    factors first, so factors always scale the base cost model).
+    """
+    fitter = getattr(calibration_module, "fit_calibration", None)
+    if USE_COST_MODEL_FIT and callable(fitter):
+        fitted: Calibration = fitter(plan, trace, step_ms=step_ms, previous=previous, priced_with=priced_with)
+        return fitted
+    made = Calibration.from_dict(previous.to_dict()) if previous is not None else Calibration()
+    measured = measured_stage_ms(trace)
+    stages = [s for s in plan.stages if s.index in measured and s.compute_ms > 0]
+    scale = [priced_with.factor(s.device) if priced_with is not None else 1.0 for s in stages]
+    made.update([{**r, "predicted_ms": r["predicted_ms"] / f} for r, f in
+                 zip(stage_records(stages, [measured[s.index] for s in stages]), scale)])
+    return made
+
+
+def calibrated_plan(replan: Callable[[CostModel], Plan], base: CostModel, before: Plan,
+                    calibration: Calibration) -> tuple[Plan, float, bool]:
+    """What one option of an "auto" choice becomes under `calibration`: the plan, its calibrated step (ms),
+    and whether that plan was made with calibrated costs (else with `base`: `before`, priced by the simulator
+    with the calibration, which scales the plan's base stage times itself)."""
+    if USE_COST_MODEL_FIT:
+        from partitioner.simulator import simulate
+
+        return before, float(simulate(before, calibration=calibration).makespan_ms), False
+    made = replan(calibrated_cost(base, calibration))
+    return made, made.predicted_step_ms, True
+
+
+def calibrated_cost(base: CostModel, calibration: Calibration | None) -> CostModel:
+    """`base` priced with `calibration` (as it is where there is none)."""
+    if calibration is None:
+        return base
+    return CalibratedCostModel(base, calibration)
+
+
+def with_calibration(cost_model: CostModel | None, devices: Sequence[Any], *, processes: bool,
+                     given: CalibrationArg = None) -> CostModel | None:
+    """The cost model `plan`/`partition` price with: calibrated by `given` or by this machine's saved
+    calibration for `devices`; a cost model the user passed is kept as it is unless `given` is set."""
+    if cost_model is not None and given is None:
+        return cost_model
+    found = find_calibration(devices, processes=processes, given=given)
+    if found is None:
+        return cost_model
+    if cost_model is None:
+        from cost_model import default_cost_model
+
+        cost_model = default_cost_model()
+    return calibrated_cost(cost_model, found)

@@ -3,8 +3,10 @@
 For each cluster (hosts x 8 H100, bf16, global batch 1536 sequences of 2048 tokens: the
 GPT-3 paper's batch, divisible by every power of two up to 512), prints the plan time and the
 plan the cluster search (partitioner/cluster_search.py) chooses: stages, replicas, micro-batches,
-schedule, rank placement, memory per GPU, predicted step (simulated), samples/s and MFU. Clusters
-that cannot hold the weights print the InfeasibleError, which names the memory per GPU needed.
+schedule, recomputation (searched with none first, then full: GPT-3's activations at 1F1B's depth
+do not fit 80 GB otherwise), rank placement, memory per GPU, predicted step (simulated), samples/s
+and MFU. Clusters that cannot hold the weights print the InfeasibleError, which names the memory
+per GPU needed.
 
 Plan time = node times at each micro-batch size + the search + building the Plan (assemble and
 simulate); the model is traced once (printed apart, not included). The 10,000-node synthetic graph
@@ -71,7 +73,7 @@ def plan_gpt3(graph: object, order: list[str], gpus: int) -> tuple[float, str]:
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     start = time.perf_counter()
     try:
-        plan, found = plan_on_cluster(graph, order, cluster, cost)  # type: ignore[arg-type]
+        plan, found = plan_on_cluster(graph, order, cluster, cost, recompute="auto")  # type: ignore[arg-type]
     except InfeasibleError as exc:
         needs = re.search(r"At least (.*? GiB per GPU) is needed (\(.*?\))", str(exc))
         return time.perf_counter() - start, f"InfeasibleError: needs {needs.group(1)} {needs.group(2)}" if needs \
@@ -82,7 +84,8 @@ def plan_gpt3(graph: object, order: list[str], gpus: int) -> tuple[float, str]:
     memory = max(s.memory_bytes for s in plan.stages)
     hosts = {plan.host_of(r) for r in plan.stages[0].ranks}
     line = (f"{found.stages} stages x {found.replicas} replicas, {plan.micro_batches} micro-batches of "
-            f"{BATCH / plan.micro_batches:g}, {plan.schedule}, {found.order} (stage 0 on {len(hosts)} hosts), "
+            f"{BATCH / plan.micro_batches:g}, {plan.schedule}, recompute {plan.stages[0].recompute}, {found.order} "
+            f"(stage 0 on {len(hosts)} hosts), "
             f"memory/GPU {human_bytes(memory)}, step {plan.predicted_step_ms / 1e3:.2f} s (objective "
             f"{found.step_s:.2f} s), {BATCH / step_s:.1f} samples/s, MFU {mfu:.1%}; "
             f"{found.searched} configurations priced, {found.pruned} pruned")

@@ -18,7 +18,8 @@ tests/test_cluster_search.py), which takes milliseconds where lowering takes ten
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Literal, Sequence
 
 import networkx as nx
 import numpy as np
@@ -42,12 +43,12 @@ from partitioner.cluster_search import (
     windows,
 )
 from partitioner.errors import PartitionError
-from partitioner.hybrid import SCHEDULES, HybridProblem
+from partitioner.hybrid import SCHEDULES, HybridProblem, InfeasibleError
 from partitioner.hybrid_plan import batch_size, graph_values, node_times, per_micro_batch
 from partitioner.planner import boundary_bytes
 from partitioner.simulator import in_flight, replica_groups, simulate
-from runtime.plan import Plan
-from runtime.schedule import Action
+from runtime.plan import Plan, RecomputeMode
+from runtime.schedule import Action, one_f_one_b
 
 __all__ = [
     "EAGER_RANKS", "EAGER_WORK", "chain_step_s", "cluster_of", "cluster_problem", "forward_share", "local_device",
@@ -113,6 +114,7 @@ def plan_on_cluster(
     replicate: bool = True,
     optimizer: str = "adam",
     headroom: float = 0.9,
+    recompute: Literal["none", "full", "auto"] = "none",
 ) -> tuple[Plan, ClusterSolution]:
     """Plan `order` onto every GPU of `cluster`: stages, replicas, micro-batches, schedule and rank placement.
 
@@ -120,6 +122,9 @@ def plan_on_cluster(
         graph: annotated for one step's whole batch.
         cost: node times on the cluster's GPU (its device `cuda:0`); links and all-reduces come from `cluster`.
         micro_batches: the count, or candidates (default: cluster_search.default_micro_batches).
+        recompute: "full" searches with every stage recomputing its forward in backward (it keeps only its
+            inputs; the forward runs twice), as the final plan then runs (`StagePlan.recompute`);
+            "auto" searches without and, only if nothing fits, with it.
 
     Raises:
         InfeasibleError: nothing fits; the message names the memory per GPU needed.
@@ -135,12 +140,34 @@ def plan_on_cluster(
         raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
     ds = {cluster.size // p for p in range(1, limit + 1) if cluster.size % p == 0}
     ms = [m for m in ms if any(m % d == 0 for d in ds)] or ms  # counts no replica count divides are never tried
-    problem = cluster_problem(graph, order, device, cost, ms, optimizer=optimizer, headroom=headroom)
-    solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
-                              replicate=replicate, cuts=cuts)
-    solution = second_look(problem, cluster, solution, forward_share(graph, order, device, cost), schedules)
-    capacity = float(problem.capacity[0])
-    return solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer, capacity=capacity), solution
+    if recompute not in ("none", "full", "auto"):
+        raise PartitionError(f"recompute={recompute!r}; use 'none', 'full' or 'auto'")
+    plain = cluster_problem(graph, order, device, cost, ms, optimizer=optimizer, headroom=headroom)
+    share = forward_share(graph, order, device, cost)
+    for mode in ("none", "full") if recompute == "auto" else (recompute,):
+        problem = plain if mode == "none" else recomputing(plain, share)
+        try:
+            solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
+                                      replicate=replicate, cuts=cuts)
+        except InfeasibleError:
+            if mode == "full" or recompute != "auto":
+                raise
+            continue
+        solution = second_look(problem, cluster, solution, share, schedules)
+        capacity = float(problem.capacity[0])
+        return solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer, capacity=capacity,
+                             recompute=mode), solution
+    raise AssertionError("unreachable: the last mode raises or returns")
+
+
+def recomputing(problem: HybridProblem, share: np.ndarray) -> HybridProblem:
+    """`problem` as full recomputation runs it: nothing saved but the stage inputs (the receive bytes the
+    search counts anyway), and every node's forward once more in backward (its time x (1 + forward share))."""
+    grow = 1.0 + share
+    return dataclasses.replace(
+        problem, saved_bytes=np.zeros_like(problem.saved_bytes), fixed_times=problem.fixed_times * grow,
+        batch_times=problem.batch_times * grow,
+        size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
 
 
 def forward_share(graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel) -> np.ndarray:
@@ -158,10 +185,11 @@ def second_look(problem: HybridProblem, cluster: Cluster, solution: ClusterSolut
     """The search's best candidates simulated in the order the runtime runs them, the fastest kept.
 
     [Note: replicas in the runtime's order] runtime/schedule.py gives replica j of a stage the micro-batches
-    i = j mod d of the stage's one schedule over all m, so a replica holds at most ceil(min(p - s, m) / d) in
-    flight under 1F1B (hybrid.py's memory counts that), and its pipeline fills less than the objective's
-    (m + p - 1) / m assumes. Each candidate (and schedule) is simulated on replica 0's pipeline (exact for
-    equal replicas: replica_fold.py); the objective's best is kept only where it is also the fastest here.
+    i = j mod d, and under 1F1B each replica runs its own 1F1B over them, so d equal replicas of every stage
+    are d pipelines of m / d micro-batches: each fills in p - 1 micro-batch times, more than the
+    objective's (m + p - 1) / m assumes. Each candidate (and schedule) is simulated on replica 0's pipeline
+    (exact for equal replicas: replica_fold.py); the objective's best is kept only where it is also the
+    fastest here.
     """
     best: tuple[float, Candidate, str] | None = None
     timed: dict[str, float] = {}
@@ -206,18 +234,18 @@ def runtime_step_s(problem: HybridProblem, cluster: Cluster, candidate: Candidat
 
 
 def replica_lists(schedule: str, m: int, p: int, d: int) -> list[list[Action]]:
-    """Replica 0's actions per stage, as runtime/schedule.py's rank_schedule gives them: the stage's one list
-    over all m micro-batches (one_f_one_b, or GPipe's forwards then backwards reversed), micro-batch i on
-    replica i mod d; made without listing the other replicas' actions (tests compare with rank_schedule)."""
+    """Replica 0's actions per stage, as runtime/schedule.py's rank_schedule gives them: under 1F1B the
+    replica's own 1F1B over its micro-batches 0, d, 2d, ... ([Note: a replica runs its own 1F1B]); under
+    GPipe the stage's forwards then backwards reversed, micro-batch i on replica i mod d; made without
+    listing the other replicas' actions (tests compare with rank_schedule)."""
     out = []
+    mine = range(0, m, d)
+    own = one_f_one_b(len(mine), p) if schedule == "1f1b" else None
     for s in range(p):
-        if schedule == "1f1b":
-            warm = min(p - s, m)
-            order = [("F", i) for i in range(warm)]
-            order += [x for i in range(m - warm) for x in (("B", i), ("F", warm + i))]
-            order += [("B", i) for i in range(m - warm, m)]
-        else:
-            order = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+        if own is not None:
+            out.append([Action(s, a.kind, mine[a.microbatch]) for a in own[s]])
+            continue
+        order = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
         out.append([Action(s, kind, i) for kind, i in order if i % d == 0])  # type: ignore[arg-type]
     return out
 
@@ -272,7 +300,7 @@ def _boundary_bytes(problem: HybridProblem, bounds: Sequence[int]) -> list[float
 
 def solution_plan(
     graph: nx.DiGraph, order: Sequence[str], solution: ClusterSolution, cluster: Cluster, cost: CostModel, *,
-    optimizer: str = "adam", capacity: float = float("inf"),
+    optimizer: str = "adam", capacity: float = float("inf"), recompute: RecomputeMode = "none",
 ) -> Plan:
     """The Plan of a cluster solution (module docstring): one pipeline assembled, then priced by its ranks."""
     p, d, m = solution.stages, solution.replicas, solution.micro_batches
@@ -285,7 +313,7 @@ def solution_plan(
     plan = assemble(graph_mb, stage_nodes, ["cuda:0"] * p, cost, micro_batches=m // d,
                     schedule=solution.schedule,  # type: ignore[arg-type]
                     stage_ranks=[[s] for s in range(p)], placement="hybrid", groups=[], optimizer=optimizer,
-                    capacity_bytes=[cap] * p)
+                    capacity_bytes=[cap] * p, recompute=[recompute] * p)
     ranks = solution.ranks
     # Each replica holds what runtime/schedule.py's order keeps in flight (second_look), not what one
     # pipeline of m / d micro-batches would: scale the activations held (as assemble.finish does without a graph).

@@ -8,7 +8,8 @@ device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has,
     T   = max over its devices of compute(a, b; m) + 2 * (recv + send)      one micro-batch
     W   = ceil(m / r) * T + allreduce(param bytes of [a, b) over its r devices)
     mem = (2 + k) * P + f * (A + R + S) + 2 * (R + S) + 3 * O      per replica;
-          f = ceil(m / r) (GPipe) or ceil(min(p - s, m) / r) (1F1B) micro-batches in flight,
+          f = ceil(m / r) (GPipe) or min(p - s, ceil(m / r)) (1F1B: each replica runs its own with
+          equal replica counts; an upper bound on the dealt list otherwise) micro-batches in flight,
           O = the largest node output of the stage for one micro-batch: an upper bound on what
           one backward holds beyond the kept activations (its gradients, the loss of the last
           stage), so a plan that fits here fits cost_model/memory.py's finer count (assemble)
@@ -185,7 +186,7 @@ def _stage_parts(
 
 def _in_flight(schedule: str, q: int, m: int, r: int) -> int:
     """Micro-batches one replica holds: the stage is q-th from the end (q = p - s)."""
-    return math.ceil((m if schedule == "gpipe" else min(q, m)) / r)
+    return math.ceil(m / r) if schedule == "gpipe" else min(q, math.ceil(m / r))  # [Note: a replica runs its own 1F1B]
 
 
 Matrix = Callable[[int, int, int, slice, slice, np.ndarray], np.ndarray]
@@ -224,9 +225,9 @@ def _dp(
                 if not len(qs):
                     continue
                 base = f[rest][after, qs - 1, cols]
-            flight = np.minimum(qs, m) if schedule == "1f1b" else np.full(len(qs), m)
+            flight = np.minimum(qs, -(-m // r)) if schedule == "1f1b" else np.full(len(qs), -(-m // r))  # _in_flight
             for group in groups[r]:  # classes pricing this stage alike share one matrix
-                cand = np.maximum(matrix(D - k, r, reps[group[0]], rows, cols, -(-flight // r)), base[:, None, :])
+                cand = np.maximum(matrix(D - k, r, reps[group[0]], rows, cols, flight), base[:, None, :])
                 j = cand.argmin(axis=2)
                 val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
                 for c in group:

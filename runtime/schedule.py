@@ -455,21 +455,36 @@ def rank_schedule(
     # that depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
     if schedule == "gpipe" and single:
         return dag_gpipe(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
-    if schedule == "1f1b":
-        per_stage = one_f_one_b(micro_batches, p)
-    elif schedule == "zb1":
-        per_stage = zero_bubble_h1(micro_batches, p)
-    else:
-        per_stage = dag_gpipe(micro_batches, levels, list(range(p)))
+    # [Note: a replica runs its own 1F1B] With every stage on r replicas, micro-batch i runs on
+    # replica i mod r of every stage: r independent pipelines of m / r micro-batches, as data
+    # parallelism over pipelines runs. Replica j then runs micro-batches j, j + r, ... in the
+    # order the schedule gives a stage with that many (local index k is micro-batch j + k r), so
+    # it warms up min(p - s, m / r) forwards. Dealing one list over all m in turn would give it
+    # about (p - s) / r and serialize each pipeline. Unequal replica counts keep the dealt list:
+    # there a replica's own warm-up can wait on a micro-batch the stage before holds back
+    # (tests/test_schedule.py lowers both). GPipe runs every forward first anyway: always dealt.
+    counts = {len(ranks) for ranks in stage_ranks}
+    generate = {"1f1b": one_f_one_b, "zb1": zero_bubble_h1}.get(schedule) if len(counts) == 1 else None
+    per_stage = {"1f1b": one_f_one_b, "zb1": zero_bubble_h1}.get(schedule)
+    dealt = None if generate is not None else (per_stage(micro_batches, p) if per_stage is not None
+                                                else dag_gpipe(micro_batches, levels, list(range(p))))
+    orders: dict[int, list[list[Action]]] = {}
     lists: list[list[Action]] = [[] for _ in range(world)]
     owner: dict[int, int] = {}
-    for s, actions in enumerate(per_stage):
-        for a in actions:
-            r = stage_ranks[s][a.microbatch % len(stage_ranks[s])]
+    for s, ranks in enumerate(stage_ranks):
+        by_replica: list[list[Action]] = [[] for _ in ranks]
+        if dealt is not None:
+            for a in dealt[s]:
+                by_replica[a.microbatch % len(ranks)].append(a)
+        for j, r in enumerate(ranks):
             if owner.setdefault(r, s) != s:
                 raise ValueError(
                     f"rank {r} runs stages {owner[r]} and {s} under {schedule!r}; give each rank one stage "
                     "(or use 'interleaved', 'zbv' or 'dualpipev' for several stages per rank)"
                 )
-            lists[r].append(a)
+            mine = range(j, micro_batches, len(ranks))
+            if generate is not None and len(mine):
+                order = orders.setdefault(len(mine), generate(len(mine), p))
+                by_replica[j] = [Action(s, a.kind, mine[a.microbatch]) for a in order[s]]
+            lists[r] += by_replica[j]
     return lists

@@ -210,3 +210,28 @@ def test_torchrun_runs_a_cluster_plans_rank_map(tmp_path: Path) -> None:
     lines = results(run.stdout)
     assert run.returncode == 0 and len(lines) == 4, run.stdout[-4000:]
     assert all("ok=True" in line for line in lines), "\n".join(lines)
+
+
+def test_recompute_auto_searches_with_full_recomputation_only_when_nothing_fits_without() -> None:
+    model, x = small_gpt(2048)  # activations dominate the weights
+    gm = trace(model, (x,), {}).graph_module
+    graph, order = build_graph(gm, [x]), [n.name for n in compute_nodes(gm)]
+    cluster = round_cluster(1, 2)
+    cost = AnalyticCostModel(cluster_devices(cluster)[2])
+    gpu = float(cost.spec(torch.device("cuda:0")).memory_bytes)
+    pin = {"stages": 2, "micro_batches": 4}
+    none, _ = plan_on_cluster(graph, order, cluster, cost, **pin)  # type: ignore[arg-type]
+    full, _ = plan_on_cluster(graph, order, cluster, cost, recompute="full", **pin)  # type: ignore[arg-type]
+    assert all(s.recompute == "none" for s in none.stages) and all(s.recompute == "full" for s in full.stages)
+    held = [max(s.memory_bytes for s in p.stages) for p in (none, full)]
+    assert held[1] < 0.5 * held[0]  # only the stage inputs kept
+    assert full.predicted_step_ms > none.predicted_step_ms  # the forward runs twice
+    headroom = 1.05 * held[1] / gpu  # room for the recomputing plan only
+    with pytest.raises(InfeasibleError):
+        plan_on_cluster(graph, order, cluster, cost, headroom=headroom, **pin)  # type: ignore[arg-type]
+    auto, _ = plan_on_cluster(graph, order, cluster, cost, headroom=headroom, recompute="auto",
+                              **pin)  # type: ignore[arg-type]
+    assert all(s.recompute == "full" for s in auto.stages)
+    assert max(s.memory_bytes for s in auto.stages) <= headroom * gpu
+    roomy, _ = plan_on_cluster(graph, order, cluster, cost, recompute="auto", **pin)  # type: ignore[arg-type]
+    assert all(s.recompute == "none" for s in roomy.stages)  # fits without: not recomputed

@@ -114,7 +114,8 @@ def configs(pr: HybridProblem, ms, schedules, stages=None, replicate=True):
                     for schedule in schedules:
                         ratio = 0.0
                         for s, ((_, static, flight, cap, _), r) in enumerate(zip(nums, reps)):
-                            f = math.ceil(in_flight(schedule, s, p, m) / r)
+                            # a replica's own 1F1B (runtime/schedule.py): min(p - s, ceil(m / r)) in flight
+                            f = min(in_flight(schedule, s, p, m), math.ceil(m / r))
                             ratio = max(ratio, (static + f * flight) / cap)
                         yield step, ratio, bounds, reps, m, schedule
 
@@ -132,7 +133,7 @@ def check_solution(pr: HybridProblem, sol, ms) -> None:
     nums = [stage_numbers(pr, x, y, w, r, m, before) for x, y, w, r, before in zip(b, b[1:], starts, reps, [0, *reps])]
     assert sol.step_s == pytest.approx((m + len(reps) - 1) / m * max(x[0] for x in nums), rel=1e-9)
     for s, ((_, static, flight, cap, _), r) in enumerate(zip(nums, reps)):
-        used = static + math.ceil(in_flight(sol.schedule, s, len(reps), m) / r) * flight
+        used = static + min(in_flight(sol.schedule, s, len(reps), m), math.ceil(m / r)) * flight
         assert used <= cap * (1 + 1e-12)
         assert sol.memory[s] == pytest.approx(used, rel=1e-9)
 

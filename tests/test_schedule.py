@@ -134,6 +134,39 @@ def test_zero_bubble_schedules_are_complete_ordered_and_lower_without_deadlock(p
                 assert max(checked.peak_in_flight) <= max(check_schedule(one_f_one_b(m, p), p, m).peak_in_flight)
 
 
+def test_each_replica_runs_its_own_one_f_one_b() -> None:
+    # Every stage on 2 replicas, m = 8: two independent 1F1B pipelines of 4 micro-batches (0, 2, 4, 6 and
+    # 1, 3, 5, 7), each warming up p - s forwards, not one 1F1B over 8 dealt in turn (one forward ahead).
+    lists = rank_schedule("1f1b", 8, [[0, 1], [2, 3]], [[], [0]])
+    assert rows(lists) == [
+        "0F0 0F2 0B0 0F4 0B2 0F6 0B4 0B6",
+        "0F1 0F3 0B1 0F5 0B3 0F7 0B5 0B7",
+        "1F0 1B0 1F2 1B2 1F4 1B4 1F6 1B6",
+        "1F1 1B1 1F3 1B3 1F5 1B5 1F7 1B7",
+    ]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb1"])
+def test_replicated_layouts_are_complete_and_lower_without_deadlock(name: str) -> None:
+    import itertools
+
+    for p in (2, 3, 4):
+        chain = [[s - 1] if s else [] for s in range(p)]
+        for counts in itertools.product((1, 2, 3), repeat=p):
+            starts = [sum(counts[:s]) for s in range(p)]
+            ranks = [list(range(a, a + c)) for a, c in zip(starts, counts)]
+            for m in (1, 2, 3, 5, 6, 12):
+                lists = rank_schedule(name, m, ranks, chain)
+                kinds = "FBW" if name == "zb1" else "FB"
+                assert sorted((a.stage, a.kind, a.microbatch) for actions in lists for a in actions) == sorted(
+                    (s, k, i) for s in range(p) for k in kinds for i in range(m))
+                for stage_ranks in ranks:  # micro-batch i on replica i mod r
+                    for j, r in enumerate(stage_ranks):
+                        assert {a.microbatch for a in lists[r]} == set(range(j, m, len(stage_ranks)))
+                programs = lower(lists, chain, ranks, ["cpu"] * sum(counts))  # lowering finishes: no deadlock
+                assert [program.compute() for program in programs] == lists
+
+
 def test_checker_names_a_w_before_its_b_and_a_missing_b() -> None:
     with pytest.raises(ScheduleError, match=r"0W0 needs 0B0"):
         check_schedule(parse_schedule("0F0 0W0 0B0"), 1, 1)

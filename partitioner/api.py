@@ -92,8 +92,8 @@ def plan(
     for one process per rank (torchrun; the default when running under it) or for one
     process holding every device; the plan then prices transfers between processes.
     `cluster` (instead of `devices`): a cluster described, not here: a shape such as "2x8xH100",
-    a JSON/YAML file or a cost_model.Cluster (at most 128 GPUs); every GPU is a torchrun rank
-    (cuda:r is rank r, host r // GPUs per host: `plan.gpus_per_host`), priced by the analytic
+    a JSON/YAML file or a cost_model.Cluster (any size); every GPU is a torchrun rank
+    (rank r on host r // GPUs per host: `plan.gpus_per_host`, its GPU the local cuda:{r % that}), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
     `calibration`: as for `partition`.
 

@@ -9,7 +9,7 @@ the chosen one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import networkx as nx
 import numpy as np
@@ -167,6 +167,7 @@ def plan_hybrid(
     memory_bytes: Sequence[float] | None = None,
     optimizer: str = "adam",
     headroom: float = 0.9,
+    recompute: Literal["none", "full", "auto"] = "none",
 ) -> Plan:
     """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
 
@@ -178,6 +179,8 @@ def plan_hybrid(
         schedules: the schedules the runtime may run ("gpipe" only in one process).
         stages: force this many stages; replicate=False puts one stage on each device.
         memory_bytes: usable bytes per device (default: headroom x the spec's memory).
+        recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
+            without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
@@ -195,7 +198,7 @@ def plan_hybrid(
         try:
             made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
                                           schedules=schedules, stages=stages, replicate=replicate,
-                                          optimizer=optimizer, headroom=headroom)
+                                          optimizer=optimizer, headroom=headroom, recompute=recompute)
             counted = made, found.step_s
         except PartitionError:
             if cluster.size > EXHAUSTIVE_GPUS:

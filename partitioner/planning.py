@@ -174,7 +174,7 @@ def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[An
     recomputing = recompute != "none"
     if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
         made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
-                           schedules=(schedule,))
+                           schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none")
     elif placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
         made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, schedule=cast(Schedule, schedule),

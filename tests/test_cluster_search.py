@@ -20,7 +20,7 @@ from partitioner.cluster_plan import chain_step_s, cluster_problem, plan_on_clus
 from partitioner.cluster_search import affine, block_cuts, layout, search_cluster, windows
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.hybrid import InfeasibleError, evaluate, solve_hybrid
-from partitioner.hybrid_plan import hybrid_problem
+from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
 from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.plan import Plan, StagePlan
@@ -235,3 +235,9 @@ def test_recompute_auto_searches_with_full_recomputation_only_when_nothing_fits_
     assert max(s.memory_bytes for s in auto.stages) <= headroom * gpu
     roomy, _ = plan_on_cluster(graph, order, cluster, cost, recompute="auto", **pin)  # type: ignore[arg-type]
     assert all(s.recompute == "none" for s in roomy.stages)  # fits without: not recomputed
+    # plan(recompute="auto") reaches the search through plan_hybrid (the device-list search finds nothing)
+    devices = ["cuda:0", "cuda:1"]
+    with pytest.raises(InfeasibleError):
+        plan_hybrid(graph, order, devices, cost, headroom=headroom, **pin)  # type: ignore[arg-type]
+    front = plan_hybrid(graph, order, devices, cost, headroom=headroom, recompute="auto", **pin)  # type: ignore[arg-type]
+    assert all(s.recompute == "full" for s in front.stages)

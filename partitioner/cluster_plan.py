@@ -234,7 +234,7 @@ def runtime_step_s(problem: HybridProblem, cluster: Cluster, candidate: Candidat
 
 
 def replica_lists(schedule: str, m: int, p: int, d: int) -> list[list[Action]]:
-    """Replica 0's actions per stage, as runtime/schedule.py's rank_schedule gives them: under 1F1B the
+    """Replica 0's actions per stage, as runtime/schedule_ranks.py's rank_schedule gives them: under 1F1B the
     replica's own 1F1B over its micro-batches 0, d, 2d, ... ([Note: a replica runs its own 1F1B]); under
     GPipe the stage's forwards then backwards reversed, micro-batch i on replica i mod d; made without
     listing the other replicas' actions (tests compare with rank_schedule)."""

@@ -25,7 +25,8 @@ from typing import Sequence
 
 from runtime.plan import Plan
 from runtime.program import Op, Program, lower
-from runtime.schedule import Action, rank_schedule
+from runtime.schedule import Action
+from runtime.schedule_ranks import rank_schedule
 
 __all__ = ["Fold", "fold", "rank_span"]
 

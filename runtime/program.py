@@ -31,7 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
-from runtime.schedule import Action, rank_schedule
+from runtime.schedule import Action
+from runtime.schedule_ranks import rank_schedule
 
 if TYPE_CHECKING:
     from runtime.plan import Plan
@@ -279,7 +280,7 @@ def plan_programs(
     forward_only: bool = False,
     devices: Mapping[int, str] | None = None,
 ) -> list[Program]:
-    """The programs of `plan`: its schedule's action lists (runtime.schedule.rank_schedule), lowered.
+    """The programs of `plan`: its schedule's action lists (runtime.schedule_ranks.rank_schedule), lowered.
 
     Stage s runs on `plan.stages[s].ranks` (default: rank s) and reads `reads_from`. `groups`
     are (ranks, stages) of weights held by several ranks. Every rank up to the highest in

@@ -25,7 +25,7 @@ from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs
-from runtime.schedule import rank_schedule
+from runtime.schedule_ranks import rank_schedule
 
 ROUND = {"intra": {"kind": "nvswitch", "gb_per_s": 100, "latency_us": 10},
          "inter": {"kind": "infiniband", "gb_per_s": 10, "latency_us": 20}}

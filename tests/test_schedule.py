@@ -18,11 +18,11 @@ from runtime.schedule import (
     interleaved_one_f_one_b,
     one_f_one_b,
     parse_schedule,
-    rank_schedule,
     v_stage_ranks,
     zero_bubble_h1,
     zero_bubble_v,
 )
+from runtime.schedule_ranks import rank_schedule
 
 
 def rows(schedule: list[list[Action]]) -> list[str]:

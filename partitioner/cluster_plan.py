@@ -184,12 +184,12 @@ def second_look(problem: HybridProblem, cluster: Cluster, solution: ClusterSolut
                 schedules: Sequence[str]) -> ClusterSolution:
     """The search's best candidates simulated in the order the runtime runs them, the fastest kept.
 
-    [Note: replicas in the runtime's order] runtime/schedule.py gives replica j of a stage the micro-batches
-    i = j mod d, and under 1F1B each replica runs its own 1F1B over them, so d equal replicas of every stage
-    are d pipelines of m / d micro-batches: each fills in p - 1 micro-batch times, more than the
-    objective's (m + p - 1) / m assumes. Each candidate (and schedule) is simulated on replica 0's pipeline
-    (exact for equal replicas: replica_fold.py); the objective's best is kept only where it is also the
-    fastest here.
+    [Note: replicas in the runtime's order] runtime/schedule_ranks.py gives replica j of a stage the
+    micro-batches i = j mod d, and under 1F1B each replica runs its own 1F1B over them, so d equal replicas
+    of every stage are d pipelines of m / d micro-batches (the objective's fill(m, p, d) counts that, but
+    not the all-reduce's overlap or uneven stage times). Each candidate (and schedule) is simulated on
+    replica 0's pipeline (exact for equal replicas: replica_fold.py); the objective's best is kept only
+    where it is also the fastest here.
     """
     best: tuple[float, Candidate, str] | None = None
     timed: dict[str, float] = {}

@@ -10,9 +10,11 @@ micro-batches m with d | m, schedule), a rank order, and p - 1 cuts:
             DP over cut candidates: f_s[j] = min_i max(f_{s-1}[i], W_s[i, j])        p K^2, K candidates
     refine: node-level candidates around the chosen cuts, same DP for the chosen counts
 
-W_s (a stage's work per step), its memory and the step (m + p - 1) / m * max W are hybrid.py's
-(`_stage_parts`, `_in_flight`), so where both searches price a layout alike (one host, equal
-replicas) they rank configurations by one objective, and the DP over every cut is exact.
+W_s (a stage's work per step) and its memory are hybrid.py's; the step is fill(m, p, d) * max W, with
+fill = (m/d + p - 1) / (m/d): d equal replicas of every stage are d pipelines of m/d micro-batches
+(runtime/schedule_ranks.py), each filling in p - 1 micro-batch times (hybrid.py's (m + p - 1) / m at d = 1).
+W and memory come from hybrid.py (`_stage_parts`, `_in_flight`), so where both searches price a layout
+alike (one host, equal replicas) the DP over every cut is exact for each count.
 Micro-batch i runs on `ranks[i % d]` of each stage, so replica j of stage s talks to replica j of
 s + 1; a stage's link is the slowest of those pairs. Cut candidates come from the caller (the
 model's repeated blocks), else every position of a small graph, else equal counts and equal times.
@@ -34,7 +36,8 @@ from partitioner.hybrid import SCHEDULES, HybridProblem, InfeasibleError, Window
 
 __all__ = [
     "RANK_ORDERS", "TOP", "Candidate", "ClusterSolution", "RankOrder", "affine", "block_cuts", "default_micro_batches",
-    "evaluate_cluster", "layout", "refine", "reporting", "search_cluster", "slowest_pair", "solve_candidate", "windows",
+    "evaluate_cluster", "fill", "layout", "refine", "reporting", "search_cluster", "slowest_pair", "solve_candidate",
+    "windows",
 ]
 
 # Which ranks share hosts: a stage's replicas ("replicas-together": stage s on ranks s*d .. s*d+d-1, its
@@ -78,7 +81,7 @@ class ClusterSolution:
     order: RankOrder
     micro_batches: int
     schedule: str
-    step_s: float  # the search's objective: (m + p - 1) / m * max W
+    step_s: float  # the search's objective: fill(m, p, d) * max W
     work_s: list[float]  # W per stage
     memory: list[float]  # bytes per replica of each stage
     tried: dict[str, float] = field(default_factory=dict)  # "p x d, m, order" -> objective (s), best cuts
@@ -163,6 +166,12 @@ class _Pricer:
                     made[window, count] = np.where(used <= window[-1], work, np.inf)
             out.append(made[window, count])
         return out
+
+
+def fill(m: int, p: int, d: int) -> float:
+    """Step / max W for p stages of d equal replicas each over m micro-batches (module docstring)."""
+    per = max(1, m // d)
+    return (per + p - 1) / per
 
 
 def _dp(values: Sequence[np.ndarray]) -> tuple[float, list[int]]:
@@ -280,7 +289,7 @@ def search_cluster(
             continue
         for m in micro_batches:
             if m % d == 0:
-                bound = (m + p - 1) / m * (m // d) * float(problem.micro_batch_times(m).min(0).sum()) / p
+                bound = fill(m, p, d) * (m // d) * float(problem.micro_batch_times(m).min(0).sum()) / p
                 configs.append((bound, p, d, m))
     configs.sort()
     best: Candidate | None = None
@@ -298,7 +307,7 @@ def search_cluster(
             ranks = layout(p, d, order)
             searched += 1
             value, idx = _dp(pricer.values(windows(cluster, ranks, capacity), m, mode))
-            step = (m + p - 1) / m * value
+            step = fill(m, p, d) * value
             if np.isfinite(step):
                 tried[f"{p}x{d}, m={m}, {order}"] = step
                 found.append((step, m, d, order, [int(coarse[i]) for i in idx]))
@@ -344,7 +353,7 @@ def refine(problem: HybridProblem, cluster: Cluster, best: Candidate, coarse: np
         around = [np.arange(b - stride, b + stride + 1, finer) for b in bounds]
         cuts = np.unique(np.clip(np.concatenate([coarse, *around]), 0, problem.n)).astype(np.int64)
         value, idx = _dp(_Pricer(problem, cuts).values(wins, m, mode))
-        found = (m + len(bounds) - 2) / m * value
+        found = fill(m, len(bounds) - 1, d) * value
         if found < step:
             step, bounds = found, [int(cuts[i]) for i in idx]
         coarse, stride = cuts, finer
@@ -362,7 +371,7 @@ def evaluate_cluster(
         wk, static, flight = _stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
         work.append(float(wk[0, 0]))
         memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, window[0]) * flight[0, 0]))
-    return (m + p - 1) / m * max(work), work, memory
+    return fill(m, p, wins[0][0]) * max(work), work, memory
 
 
 def _infeasible(

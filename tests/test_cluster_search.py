@@ -54,7 +54,7 @@ def chain(nodes: int, seed: int) -> tuple[nx.DiGraph, list[str]]:
 
 
 def uniform_optimum(problem: object, gpus: int, ms: list[int], schedule: str) -> float:
-    """A reference: every p x d = gpus with d | m, every placement of the cuts, priced by hybrid.evaluate."""
+    """A reference: every p x d = gpus with d | m, every placement of the cuts, max W from hybrid.evaluate."""
     n, best = problem.n, np.inf  # type: ignore[attr-defined]
     for p in (p for p in range(1, min(gpus, n) + 1) if gpus % p == 0):
         d = gpus // p
@@ -63,7 +63,8 @@ def uniform_optimum(problem: object, gpus: int, ms: list[int], schedule: str) ->
                 bounds = [0, *inner, n]
                 step, _, memory = evaluate(problem, bounds, [d] * p, m, schedule)  # type: ignore[arg-type]
                 if all(x <= problem.capacity[0] for x in memory):  # type: ignore[attr-defined]
-                    best = min(best, step)
+                    # the same max W; d pipelines of m / d micro-batches each fill in p - 1 of them
+                    best = min(best, step / ((m + p - 1) / m) * ((m // d + p - 1) / (m // d)))
     return float(best)
 
 
@@ -71,7 +72,8 @@ def uniform_optimum(problem: object, gpus: int, ms: list[int], schedule: str) ->
 def test_count_search_is_the_exact_optimum_of_the_device_list_objective_on_one_host(seed: int,
                                                                                     headroom: float) -> None:
     # one host: every link is NVSwitch and an all-reduce depends only on its size, so both searches price a
-    # layout alike; the count search must find exactly the best equal-replica layout (a direct enumeration),
+    # layout alike (the same max W; the count search's fill counts d pipelines); the count search must find
+    # exactly the best equal-replica layout (a direct enumeration),
     # never beat the exhaustive search over uneven replicas, and equal it where it keeps one replica per stage
     graph, order = chain(10, seed)
     cluster = round_cluster(1, 8)

@@ -2,7 +2,7 @@
 
 For each config (benchmarks/fidelity_worker.py: GPT and Inception-style nets, chain GPipe,
 chain 1F1B, interleaved, branches, replicas [2,1]; 2 gloo ranks, 3 for replicas) one torchrun
-job plans it and runs 12 rounds of one traced step and three untraced ones (interleaved, so both
+job plans it and runs 30 rounds of one traced step and three untraced ones (interleaved, so both
 see the same load; each step between barriers, the optimizer step included). Here, in one
 process:
 

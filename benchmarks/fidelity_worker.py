@@ -3,7 +3,7 @@
 Rank 0 writes {"plan": Plan.to_json(), "traced": [one gathered trace per traced step],
 "traced_ms": [wall ms of each traced step], "measured_ms": [wall ms of each untraced step]}.
 Each step is bracketed by barriers, so its wall time covers every rank (optimizer step included);
-traced and untraced steps alternate (one traced, three untraced, twelve rounds).
+traced and untraced steps alternate (one traced, three untraced, thirty rounds).
 Usage (by fidelity.py): torchrun --standalone --nproc_per_node=N benchmarks/fidelity_worker.py CONFIG OUT.json
 """
 
@@ -37,7 +37,7 @@ CONFIGS: dict[str, tuple[str, str, str, list[int] | None, int]] = {
     "inception replicas [2,1]": ("inception", "gpipe", "pipeline", [2, 1], 3),
 }
 MICRO_BATCHES = 4
-WARMUP, ROUNDS, MEASURED_PER_ROUND = 3, 12, 3  # 12 traced steps, 36 untraced: single steps vary by +-25% here
+WARMUP, ROUNDS, MEASURED_PER_ROUND = 3, 30, 3  # 30 traced steps, 90 untraced: single steps vary by +-25% here
 
 
 def _data(kind: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Any]:

@@ -13,8 +13,9 @@ transfer times by the factor of the device pair.
 
 The rest of a step's time is priced by a few more general parameters, fitted from a traced
 run by `fit_calibration` (cost_model/run_fit.py) and read by the simulator: per-kind factors
-("cpu/F", "cpu/B" in `sums`), a per-task overhead (`task_ms`: Python dispatch and posting
-around each F/B/W), per-backend links (`links`: latency and bandwidth of one message), a
+("cpu/F", "cpu/B" in `sums`), a per-task overhead (`task_ms`: Python dispatch around each F/B/W,
+"SEND" and "RECV" the sender's and receiver's own time per message, "WAKE" the delay before a rank
+blocked on a message resumes once it has landed), per-backend links (`links`: latency and bandwidth of one message), a
 fixed per-step cost (`step_ms`: scatter, gather, loss, optimizer step) and the cores that
 ranks of one host share (`cores`: k computing ranks on c < k cores each run c/k as fast).
 Saved as JSON with a `version`.
@@ -89,7 +90,7 @@ class Calibration:
 
     decay: float = 1.0  # weight kept by older observations at each new run (1: never forget)
     sums: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum p*m, sum p*p]
-    task_ms: dict[str, float] = field(default_factory=dict)  # "F"/"B"/"W" -> ms around each op beyond compute
+    task_ms: dict[str, float] = field(default_factory=dict)  # "F"/"B"/"W"/"SEND"/"RECV"/"WAKE" -> ms (see above)
     links: dict[str, list[float]] = field(default_factory=dict)  # backend -> [latency ms, bytes per ms]
     step_ms: float = 0.0  # fixed per-step cost outside the traced ops
     cores: float = 0.0  # cores the ranks of one host share (0: unlimited)

@@ -12,10 +12,14 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
     task overhead    per rank: time between its traced events, shared out over its F/B/W ops
                      (Python dispatch, autograd set-up); "SEND": the time posting batches with
                      sends ("send" events) per SEND op of the programs
-    link latency     messages the receiver waited for: arrival (wait end) minus the sender's
-                     compute end minus its post ("SEND") minus bytes / bandwidth (bandwidth from the cached loopback
-                     measurement, cost_model.links.loopback_link); the mean, since a late wake-up
-                     on the critical path delays the step by its full length
+    link             latency and bandwidth of the cached loopback measurement (cost_model.links)
+    "RECV"           per RECV op, the receiver's own time: posting receive-only batches ("recv" events
+                     of the peer's stage) shared over the RECV ops, plus the mean take ("recv" events
+                     of its own stage) that found its message already landed
+    "WAKE"           a rank that blocked on a message resumes this long after the message's modelled
+                     arrival (sender's compute end + post + latency + bytes / bandwidth): the mean
+                     over blocked takes (with 2 busy ranks and gloo's I/O threads on few cores, the
+                     receiver may wait for a core; see tests/test_calibration.py)
     all-reduce       factor "allreduce": the measured span (last post to last wait end) over the
                      price the simulator gives it (`allreduce_base_ms`)
     fixed step cost  step wall time minus the traced span (first event to last, all ranks)
@@ -151,29 +155,60 @@ def _post_ms(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]]) -> flo
     return posted / (sends * len(steps)) if sends and steps else None
 
 
-def _latency_ms(plan: Mapping[str, Any], steps: Iterable[Mapping[str, Any]], per_ms: float) -> float | None:
-    """Mean of (arrival - sender's compute end - bytes / bandwidth) over messages the receiver waited for."""
+def _takes(plan: Mapping[str, Any], steps: Iterable[Mapping[str, Any]],
+           ) -> tuple[list[tuple[float, float, float, float]], float, int]:
+    """The receivers' side of the messages: (take start, take end, data ready, bytes) of each take whose
+    producer is traced (ready: the sender's compute end), the ms spent posting receive-only batches, and
+    the number of steps. A "recv" event of a rank's own stage is a take (waiting in transport.take);
+    one of the peer's stage is the posting of a receive-only batch (see runtime/interpreter.py _post)."""
     stages = plan.get("stages", [])
-    samples = []
+    takes, posting, count = [], 0.0, 0
     for step in steps:
+        count += 1
         by_rank = dict(_rows(step))
-        for events in by_rank.values():
+        for rank, events in by_rank.items():
+            own = {k for k, s in enumerate(stages) if rank in s.get("ranks", [k])}
             for e in events:
-                dst = int(e.get("stage", -1))
-                if e.get("kind") != "recv" or not 0 <= dst < len(stages) or int(e.get("peer", -1)) not in by_rank:
+                if e.get("kind") != "recv":
                     continue
-                mb, start, end = int(e.get("microbatch", -1)), float(e["start"]), float(e["end"])
-                reads = set(stages[dst].get("reads_from", []))
-                sent = [float(x["end"]) for x in by_rank[int(e["peer"])] if int(x.get("microbatch", -2)) == mb and (
-                    (x.get("kind") == "forward" and int(x["stage"]) in reads)
-                    or (x.get("kind") == "backward" and dst in stages[int(x["stage"])].get("reads_from", [])))]
-                ready = max((t for t in sent if t <= end), default=None)
-                if ready is None or start > ready:  # the receiver did not wait from before the data was ready
+                dst, start, end = int(e.get("stage", -1)), float(e["start"]), float(e["end"])
+                if dst not in own:
+                    posting += end - start
                     continue
-                src = [int(x["stage"]) for x in by_rank[int(e["peer"])] if float(x["end"]) == ready][0]
-                nbytes = float(stages[max(src, dst)].get("recv_bytes", 0))
-                samples.append(end - ready - nbytes / per_ms)
-    return max(0.0, statistics.fmean(samples)) if samples else None
+                if not 0 <= dst < len(stages) or int(e.get("peer", -1)) not in by_rank:
+                    continue
+                mb, reads = int(e.get("microbatch", -1)), set(stages[dst].get("reads_from", []))
+                sent = [(float(x["end"]), int(x["stage"])) for x in by_rank[int(e["peer"])]
+                        if int(x.get("microbatch", -2)) == mb and (
+                            (x.get("kind") == "forward" and int(x["stage"]) in reads)
+                            or (x.get("kind") == "backward" and dst in stages[int(x["stage"])].get("reads_from", [])))
+                        and float(x["end"]) <= end]
+                if sent:
+                    ready, src = max(sent)
+                    takes.append((start, end, ready, float(stages[max(src, dst)].get("recv_bytes", 0))))
+    return takes, posting, count
+
+
+def _receive_costs(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], post_ms: float, latency_ms: float,
+                   per_ms: float) -> tuple[float | None, float | None]:
+    """(receiver's ms per RECV op, wake-up ms) as the simulator charges them (partitioner/simulator.py).
+
+    A message lands at arrival = sender's compute end + its post + latency + bytes / bandwidth.
+    A take reached after that costs its whole length (copying out, Python): with the posting of
+    receive-only batches, shared over the RECV ops, that is the per-RECV cost. A take reached
+    before it blocks: the rank resumes (arrival + wake); wake is the mean of (end - arrival) over
+    those, since every late wake-up on the critical path delays the step by its full length.
+    """
+    takes, posting, count = _takes(plan, steps)
+    receives = sum(1 for p in plan.get("programs", []) for op in p.get("ops", []) if str(op).startswith("RECV"))
+    if not takes or not count:
+        return None, None
+    arrival = [ready + post_ms + latency_ms + nbytes / per_ms for _, _, ready, nbytes in takes]
+    ready_takes = [end - start for (start, end, _, _), a in zip(takes, arrival) if start >= a]
+    woken = [end - a for (start, end, _, _), a in zip(takes, arrival) if start < a]
+    per_take = statistics.fmean(ready_takes) if ready_takes else 0.0
+    recv = (posting / (receives * count) if receives else 0.0) + per_take
+    return recv, (max(0.0, statistics.fmean(woken)) if woken else None)
 
 
 def allreduce_base_ms(plan: Mapping[str, Any], calibration: Calibration, backend: str) -> dict[tuple[int, ...], float]:
@@ -258,11 +293,11 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
     if post is not None:
         made.task_ms["SEND"] = _blend(made.task_ms.get("SEND", 0.0), post, w_old)
     latency, per_ms = made.links.get(backend) or _default_link(backend)
-    measured_latency = _latency_ms(plan, steps, per_ms)
-    if measured_latency is not None and post is not None:  # the simulator charges the post to the sender
-        measured_latency = max(0.0, measured_latency - post)
-    made.links[backend] = [_blend(latency, measured_latency, w_old) if backend in made.links
-                           else (measured_latency if measured_latency is not None else latency), per_ms]
+    made.links[backend] = [latency, per_ms]  # the cached loopback measurement: a blocked receiver's wait is "WAKE"
+    recv, wake = _receive_costs(plan, steps, made.task_ms.get("SEND", 0.0), latency, per_ms)
+    for key, value in (("RECV", recv), ("WAKE", wake)):
+        if value is not None:
+            made.task_ms[key] = _blend(made.task_ms.get(key, 0.0), value, w_old)
     base = sum(allreduce_base_ms(plan, made, backend).values())
     measured_ar = _allreduce_ms(steps)
     if base > 0 and measured_ar is not None:

@@ -39,7 +39,7 @@ from partitioner.fidelity import (
     cuts_from,
     input_dims,
 )
-from partitioner.meta import is_meta, shapes_only
+from partitioner.meta import is_meta, on_meta, shapes_only
 from partitioner.planning import (
     RecomputeChoice,
     ScheduleChoice,
@@ -108,11 +108,22 @@ def plan(
     multi = distributed() if processes is None else processes
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
     cost_model = with_calibration(default_cost(model, cost_model), resolved, processes=multi, given=calibration)
-    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
-                                        input_split_spec)
-    made = _with_update(update, _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved,
-                                        stage_ranks, cost_model, micro_batches, schedule, placement, replicas == "auto",
-                                        multi, cuts_from(split_points, split_spec), recompute), planned=True)
+
+    def planned(shapes: bool) -> DrawablePlan:
+        a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
+        traced, flat, first_chunk = _shaped(model, None, _trace_example, model, a, k, micro_batches,
+                                            input_split_spec, shapes=shapes)
+        return _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks,
+                       cost_model, micro_batches, schedule, placement, replicas == "auto", multi,
+                       cuts_from(split_points, split_spec), recompute, shapes=shapes)
+
+    try:  # GPUs that are not here are priced from shapes: running a large batch for real would take minutes
+        made = planned(shapes=cluster is not None)
+    except PartitionError as exc:
+        if not isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) or cluster is None or is_meta(model):
+            raise
+        made = planned(shapes=False)  # forward needs values (partitioner.meta.shapes_only): run it for real
+    made = _with_update(update, made, planned=True)
     made.gpus_per_host = per_host
     return made
 
@@ -315,9 +326,9 @@ def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
         raise PartitionError(str(exc)) from None
 
 
-def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any) -> _T:
-    """`fn(*args)`; for a model on meta, on meta tensors only (partitioner.meta.shapes_only)."""
-    if not is_meta(model):
+def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any, shapes: bool = False) -> _T:
+    """`fn(*args)`; for a model on meta (or with `shapes`), on meta tensors only (partitioner.meta.shapes_only)."""
+    if not shapes and not is_meta(model):
         return fn(*args)
     with shapes_only(model) as swaps:
         if traced is not None:

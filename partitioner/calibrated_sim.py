@@ -8,6 +8,9 @@ calibration's general parameters (cost_model/run_fit.py fits them from a traced 
               worker slots) of one host compute at once: they share the host's cores
     SEND      the sender posts it (its thread busy for the "SEND" task time), then the message
               takes latency + bytes / bandwidth of the backend's link
+    RECV      the receiver's thread is busy for the "RECV" task time (posting, taking the message);
+              a compute op whose message lands after its rank is ready starts "WAKE" ms after
+              the landing (a blocked thread waits to be woken and get a core back)
     AR        ring all-reduce of the replicated stages' weights over that link (other groups: as
               the programs recorded) x the fitted "allreduce" factor, overlapping later compute
     STEP      + the fixed per-step cost (scatter, gather, loss, optimizer step)
@@ -68,6 +71,8 @@ def simulate_calibrated(
         run = _ProgramRun(plan, programs, message, group)
         run.compute_price = _compute_price(plan, programs, calibration, stretch)
         run.post_ms = calibration.task_ms.get("SEND", 0.0)
+        run.recv_ms = calibration.task_ms.get("RECV", 0.0)
+        run.wake_ms = calibration.task_ms.get("WAKE", 0.0)
         return run.run(), run.times
 
     timeline, times = one_pass()

@@ -277,6 +277,8 @@ class _ProgramRun:
         self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
         self.compute_price: Callable[[int, int, Op], float] | None = None  # (row, op index, op) -> ms
         self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs)
+        self.recv_ms = 0.0  # the receiver's own time per RECV: posting it and taking the message (calibrated)
+        self.wake_ms = 0.0  # a rank blocked on a message resumes this long after it arrives (calibrated)
         # Folded replicas (replica_fold): a rank -> the simulated rank standing for it.
         self.stand_for = {m: rep for rep, ms in (members or {}).items() for m in ms}
         self.row = {p.rank: k for k, p in enumerate(self.programs)}
@@ -333,6 +335,7 @@ class _ProgramRun:
                 self.times[k][i] = self.transfers[key]
             else:
                 self.waiting[key] = (k, i)
+            self.clock[k] += self.recv_ms
             return True
         if op.kind == "AR":
             return self._allreduce(k, i, op)
@@ -360,6 +363,8 @@ class _ProgramRun:
             return False
         stage = self.plan.stages[s]
         start = max([self.clock[k], *(t for t in needs if t is not None)])
+        if self.wake_ms > 0 and op.kind != "W" and self._arrival(k, op) > self.clock[k]:
+            start = max(start, self._arrival(k, op) + self.wake_ms)  # blocked: woken after the message lands
         if self.compute_price is not None:
             end = start + self.compute_price(k, i, op)
         else:
@@ -368,6 +373,13 @@ class _ProgramRun:
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
         self.times[k][i] = (start, end)
         return True
+
+    def _arrival(self, k: int, op: Op) -> float:
+        """When the last message from another row that compute op `op` on row k reads lands (0: none)."""
+        peers = self.producers[op.stage] if op.kind == "F" else self.consumers[op.stage]
+        return max([self.transfers[(f, op.stage, op.microbatch)][1] for f in peers
+                    if self.row.get(self.rank_of(f, op.microbatch)) != k
+                    and (f, op.stage, op.microbatch) in self.transfers], default=0.0)
 
     def _send(self, k: int, i: int, op: Op) -> bool:
         ready = self.finished.get(("F" if op.src < op.dst else "B", op.src, op.microbatch))

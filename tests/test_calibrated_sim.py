@@ -74,6 +74,41 @@ def test_replicas_deal_micro_batches_in_turn_and_the_allreduce_overlaps_backward
     assert simulate(plan, calibration=calibration).makespan_ms == pytest.approx(9.5)
 
 
+def test_receiver_pays_its_receive_and_a_wake_up_when_it_blocked() -> None:
+    # The GPipe step above, + 0.25 ms per RECV on the receiver's thread and a 0.5 ms wake-up after a
+    # message it blocked on: rank 1 RECV 0..0.25, F0 0..2, msg 2..3.25, F1 3.75..5.75, B1 5.75..9.25,
+    # msg 9.25..10.5; rank 0 RECV 2..2.25 then blocks: B0 11..14.5; + 3 = 17.5
+    plan = Plan([StagePlan(0, "cuda:0", [], forward_ms=1.0, backward_ms=2.0, ranks=[0]),
+                 StagePlan(1, "cuda:1", [], forward_ms=1.0, backward_ms=2.0, ranks=[1], reads_from=[0],
+                           recv_bytes=1000)], micro_batches=1)  # fmt: skip
+    plan.programs = plan_programs(plan)
+    calibration = Calibration(sums={"cuda:0": [1.5, 1.0], "cuda:1": [1.5, 1.0]},
+                              task_ms={"F": 0.5, "B": 0.5, "RECV": 0.25, "WAKE": 0.5},
+                              links={"gloo": [0.25, 1000.0]}, step_ms=3.0)
+    timeline = simulate(plan, calibration=calibration)
+    computes = sorted((e.start, e.end) for row in timeline.devices for e in row.events if e.kind.startswith("compute"))
+    assert computes == [(0.0, 2.0), (3.75, 5.75), (5.75, 9.25), (11.0, 14.5)]
+    assert timeline.makespan_ms == pytest.approx(17.5)
+
+
+def test_a_message_that_landed_while_its_receiver_computed_costs_no_wake_up() -> None:
+    # rank 0: F0 0..1, message 1..2 (0.5 ms + 500 bytes at 1000 bytes/ms); rank 1 first computes stage 2
+    # for `first` ms, posts its RECV (0.25 ms), then F1 (1 ms) reads the message.
+    def f1_start(first: float) -> float:
+        plan = Plan([StagePlan(0, "cpu", [], forward_ms=1.0, ranks=[0]),
+                     StagePlan(1, "cpu", [], forward_ms=1.0, ranks=[1], reads_from=[0], recv_bytes=500),
+                     StagePlan(2, "cpu", [], forward_ms=first, ranks=[1])], micro_batches=1)  # fmt: skip
+        plan.programs = [Program(0, "cpu", [Op.parse("F s0 mb0 t0"), Op.parse("SEND s0->s1 mb0 r1 t0"), Op("STEP")]),
+                         Program(1, "cpu", [Op.parse("F s2 mb0 t0"), Op.parse("RECV s0->s1 mb0 r0 t0"),
+                                            Op.parse("F s1 mb0 t1"), Op("STEP")])]  # fmt: skip
+        calibration = Calibration(task_ms={"RECV": 0.25, "WAKE": 0.5}, links={"gloo": [0.5, 1000.0]})
+        timeline = simulate(plan, calibration=calibration)
+        return next(e.start for e in timeline.devices[1].events if e.kind == "compute-forward" and e.stage == 1)
+
+    assert f1_start(4.0) == pytest.approx(4.25)  # landed at 2, long before: no wake-up
+    assert f1_start(0.5) == pytest.approx(2.5)  # ready at 0.75, blocked until 2, woken 0.5 ms later
+
+
 def synthetic_run() -> tuple[dict[str, Any], dict[str, Any], float]:
     """A 2-stage step traced with known parameters: factor 1.5, 0.2 ms gaps, latency 0.5 ms, 3 ms fixed."""
     plan = {"stages": [{"index": 0, "device": "cpu", "forward_ms": 2.0, "backward_ms": 4.0, "reads_from": [],
@@ -100,7 +135,10 @@ def test_fit_recovers_known_parameters_from_a_synthetic_trace() -> None:
     assert fitted.task_ms["F"] == pytest.approx(0.8 / 4)  # two 0.2 ms gaps on each rank, two ops each
     assert fitted.step_ms == pytest.approx(3.0)
     refined = fit_calibration(plan, trace, step_ms=step_ms, cores=2.0, previous=previous)
-    assert refined.links["gloo"] == pytest.approx([0.5, 1000.0])  # previous had no runs: the measured latency
+    assert refined.links["gloo"] == pytest.approx([0.1, 1000.0])  # the link is the loopback measurement's
+    # both receivers blocked and resumed 0.5 ms after ready + 1 ms: with a 0.1 ms link latency, 0.4 ms to wake
+    assert refined.task_ms["WAKE"] == pytest.approx(0.4)
+    assert refined.task_ms["RECV"] == pytest.approx(0.0)  # no take found its message landed, nothing posted
     assert fitted.runs == 1.0
 
 

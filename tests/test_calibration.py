@@ -103,3 +103,35 @@ def test_measured_stage_times_from_a_runtime_trace_feed_calibration() -> None:
     calibration.update(stage_records([{"device": "cpu", "compute_ms": 1.5}, {"device": "cpu", "compute_ms": 3.0}],
                                      [measured[0], measured[1]]))
     assert calibration.factor("cpu") == pytest.approx(2.0)
+
+
+def test_fit_recovers_a_known_wake_up_and_receive_cost_from_a_synthetic_trace() -> None:
+    # Rank 0 computes stage 0 and posts each message in 0.2 ms; the link: 0.5 ms + 1000 bytes at 1000
+    # bytes/ms, so a message lands at sender's compute end + 0.2 + 1.5. Rank 1 posts a receive (0.3 ms,
+    # then 0.1 ms), blocks on micro-batch 0 (lands at 2 + 1.7 = 3.7) and resumes at 4.4: woken 0.7 ms late;
+    # micro-batch 1 landed at 5.9, before its take at 6.5, which costs 0.1 ms.
+    # Per RECV op: posting (0.3 + 0.1) / 2 receives + 0.1 per take of a landed message = 0.3 ms.
+    from cost_model.calibration import fit_calibration
+
+    plan = {"stages": [{"index": 0, "device": "cpu", "forward_ms": 2.0, "backward_ms": 0.0, "reads_from": [],
+                        "recv_bytes": 0, "ranks": [0]},
+                       {"index": 1, "device": "cpu", "forward_ms": 2.0, "backward_ms": 0.0, "reads_from": [0],
+                        "recv_bytes": 1000, "ranks": [1]}],
+            "programs": [{"rank": 0, "device": "cpu", "ops": ["F s0 mb0 t0", "SEND s0->s1 mb0 r1 t0", "F s0 mb1 t1",
+                                                               "SEND s0->s1 mb1 r1 t1", "STEP"]},
+                         {"rank": 1, "device": "cpu", "ops": ["RECV s0->s1 mb0 r0 t0", "F s1 mb0 t1",
+                                                               "RECV s0->s1 mb1 r0 t1", "F s1 mb1 t2", "STEP"]}]}
+
+    def ev(kind: str, stage: int, mb: int, start: float, end: float, peer: int = -1) -> dict[str, Any]:
+        return {"kind": kind, "stage": stage, "microbatch": mb, "start": start, "end": end, "peer": peer}
+
+    rank0 = [ev("forward", 0, 0, 0.0, 2.0), ev("send", 0, 0, 2.0, 2.2, 1), ev("forward", 0, 1, 2.2, 4.2),
+             ev("send", 0, 1, 4.2, 4.4, 1)]
+    rank1 = [ev("recv", 0, 0, 0.0, 0.3, 0), ev("recv", 1, 0, 0.3, 4.4, 0), ev("forward", 1, 0, 4.4, 6.4),
+             ev("recv", 0, 1, 6.4, 6.5, 0), ev("recv", 1, 1, 6.5, 6.6, 0), ev("forward", 1, 1, 6.6, 8.6)]
+    trace = {"devices": [{"device": "cpu (rank 0)", "events": rank0}, {"device": "cpu (rank 1)", "events": rank1}]}
+    fitted = fit_calibration(plan, trace, step_ms=9.0, cores=2.0, previous=Calibration(links={"gloo": [0.5, 1000.0]}))
+    assert fitted.task_ms["SEND"] == pytest.approx(0.2)
+    assert fitted.task_ms["WAKE"] == pytest.approx(0.7)
+    assert fitted.task_ms["RECV"] == pytest.approx(0.3)
+    assert fitted.links["gloo"] == pytest.approx([0.5, 1000.0])

@@ -243,3 +243,23 @@ def test_recompute_auto_searches_with_full_recomputation_only_when_nothing_fits_
         plan_hybrid(graph, order, devices, cost, headroom=headroom, **pin)  # type: ignore[arg-type]
     front = plan_hybrid(graph, order, devices, cost, headroom=headroom, recompute="auto", **pin)  # type: ignore[arg-type]
     assert all(s.recompute == "full" for s in front.stages)
+
+
+def test_a_cluster_is_planned_from_shapes_and_equals_the_plan_from_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    import partitioner.api as api
+    from partitioner.errors import PartitionError
+
+    model, x = small_gpt(256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = {"example_inputs": (x,), "micro_batches": 16, "replicas": "auto", "schedule": "1f1b"}
+    shapes = make_plan(model, cluster="2x4xH100", **args)  # type: ignore[arg-type]
+
+    def needs_values(value: object) -> object:  # as shapes_only reports a forward that reads values
+        raise PartitionError("planning a model on meta ... failed") from RuntimeError("needs values")
+
+    monkeypatch.setattr(api, "on_meta", needs_values)
+    values = make_plan(model, cluster="2x4xH100", **args)  # type: ignore[arg-type]
+    assert [(s.nodes, s.ranks, s.memory_bytes) for s in shapes.stages] == [
+        (s.nodes, s.ranks, s.memory_bytes) for s in values.stages]
+    assert shapes.predicted_step_ms == pytest.approx(values.predicted_step_ms, rel=1e-9)
+    assert all(torch.equal(before[k], v) and not v.is_meta for k, v in model.state_dict().items())

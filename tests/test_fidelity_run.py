@@ -27,6 +27,7 @@ def test_a_traced_two_rank_run_is_fitted_and_simulated(tmp_path: Path) -> None:
     fitted = fit_calibration(plan, {"steps": steps}, step_ms=sorted(result["traced_ms"])[len(steps) // 2])
     assert fitted.compute_factor("cpu", "F") > 0 and fitted.compute_factor("cpu", "B") > 0
     assert fitted.task_ms["F"] >= 0 and fitted.task_ms["SEND"] > 0 and fitted.step_ms >= 0
+    assert fitted.task_ms["RECV"] > 0 and fitted.task_ms["WAKE"] >= 0  # every rank took messages
     assert "gloo" in fitted.links and fitted.factor("allreduce") > 0  # the tied embedding's all-reduce was seen
     timeline = simulate(plan, calibration=fitted)
     assert timeline.makespan_ms > 0 and len(timeline.devices) == 2

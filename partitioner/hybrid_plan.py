@@ -188,7 +188,7 @@ def plan_hybrid(
     On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
     (partitioner/cluster_plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
     up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
-    plan with the smaller objective is kept, so small clusters get today's exact optimum or better.
+    plan simulated faster is kept.
     """
     from partitioner.cluster_plan import cluster_of, plan_on_cluster  # it builds on this module's helpers
 
@@ -214,8 +214,6 @@ def plan_hybrid(
         if counted is None:
             raise
         return counted[0]
-    if counted is not None and counted[1] < sol.step_s:
-        return counted[0]
     names, m = problem.names or [str(d) for d in devices], sol.micro_batches
     starts = np.cumsum([0, *sol.replicas])
     ranks = [list(range(int(a), int(b))) for a, b in zip(starts, starts[1:])]
@@ -228,6 +226,8 @@ def plan_hybrid(
     )
     if cluster is not None:
         _local_names(plan, cluster.gpus_per_host)
+    if counted is not None and counted[0].predicted_step_ms < plan.predicted_step_ms:
+        return counted[0]  # both simulated: their objectives count a replicated pipeline's fill differently
     return plan
 
 

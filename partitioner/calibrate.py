@@ -18,7 +18,6 @@ measured times are the slowest rank's (an all-reduce), so every rank takes the s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -33,8 +32,7 @@ from cost_model.calibration import Calibration
 from partitioner.calibrate_run import CalibrationReport, Candidate, Measurement, Snapshot, default_step, measure_steps
 from partitioner.calibration_store import (
     CalibrationArg,
-    calibrated_cost,
-    calibrated_plan,
+    calibrated_step_ms,
     calibration_path,
     find_calibration,
     fit,
@@ -147,12 +145,10 @@ def _decide(pipe: Any, setup: Setup, ran: Measurement, path: Path) -> dict[str, 
     current = running_name(setup, pipe.plan, names)
     cands: dict[str, Candidate] = {}
     after: dict[str, Plan] = {}
-    calibrated = True
     for name, options in names.items():
         try:
             before_plan = _plan_with(setup, options, base)
-            after[name], after_ms, calibrated = calibrated_plan(
-                functools.partial(_plan_with, setup, options), base, before_plan, cal)
+            after[name], after_ms = before_plan, calibrated_step_ms(before_plan, cal)
         except PartitionError as exc:  # this combination cannot run here
             logger.info("calibrate: %s cannot be planned (%s)", name, exc)
             continue
@@ -178,7 +174,6 @@ def _decide(pipe: Any, setup: Setup, ran: Measurement, path: Path) -> dict[str, 
     fitted = {name: getattr(cal, name) for name in ("task_ms", "links", "step_ms", "cores") if hasattr(cal, name)}
     return {"cands": cands, "current": current, "challenger": challenger, "error": error, "factors": factors,
             "plan": after[challenger].to_json() if challenger is not None else None, "calibration": cal.to_dict(),
-            "calibrated": calibrated,
             "fitted": fitted}
 
 
@@ -253,10 +248,8 @@ def calibrate(
         snap.restore()
     final = pipe.plan
     setup.current = chosen
-    if chosen != current:  # the plan now running was planned with these costs
-        base = setup.cost_model if setup.cost_model is not None else _default_cost()
-        cal = Calibration.from_dict(decided["calibration"])
-        setup.planned_with = calibrated_cost(base, cal) if decided["calibrated"] else base
+    if chosen != current:  # plans carry base costs; the calibration prices them in the simulator
+        setup.planned_with = setup.cost_model if setup.cost_model is not None else _default_cost()
     after_ms = {n: c.predicted_after_ms for n, c in cands.items()}
     predicted_switch = challenger is not None and after_ms[challenger] < after_ms[current]
     report = CalibrationReport(

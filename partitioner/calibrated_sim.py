@@ -73,6 +73,7 @@ def simulate_calibrated(
         run.post_ms = calibration.task_ms.get("SEND", 0.0)
         run.recv_ms = calibration.task_ms.get("RECV", 0.0)
         run.wake_ms = calibration.task_ms.get("WAKE", 0.0)
+        run.couple_batches()
         return run.run(), run.times
 
     timeline, times = one_pass()

@@ -4,33 +4,29 @@ A calibration is saved as JSON in the per-machine cache (cost_model.cache), one 
 set of devices and process layout, so that later `plan`/`partition` calls on this machine for
 the same devices price with it automatically; an explicit `calibration=` path overrides that.
 
-`fit` is the only place that turns a measured run into a Calibration, and `calibrated_cost`
-the only place that applies one: swap cost_model.calibration's fit in there and nothing else
-changes.
+`fit` is the only place that turns a measured run into a Calibration; `calibrated_step_ms`
+prices a plan with one (the simulator), and `calibrated_cost` scales a cost model by its factors
+for later plans on this machine.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from cost_model import calibration as calibration_module
 from cost_model.analytic import CostModel
 from cost_model.cache import cache_dir, cache_key
-from cost_model.calibration import CalibratedCostModel, Calibration, measured_stage_ms, stage_records
+from cost_model.calibration import CalibratedCostModel, Calibration, fit_calibration
 from partitioner.errors import PartitionError
 from runtime.plan import Plan
 
 __all__ = [
-    "calibrated_cost", "calibrated_plan", "calibration_path", "find_calibration", "fit", "load_calibration",
+    "calibrated_cost", "calibrated_step_ms", "calibration_path", "find_calibration", "fit", "load_calibration",
     "save_calibration", "with_calibration",
 ]
 
 CalibrationArg = Calibration | str | os.PathLike[str] | None
-# The swap point: True once cost_model.calibration.fit_calibration (per-device compute factors,
-# per-link latency and bandwidth, per-task overhead) is in; False folds per-device factors only.
-USE_COST_MODEL_FIT = True
 
 
 def calibration_path(devices: Sequence[Any], *, processes: bool, override: CalibrationArg = None) -> Path:
@@ -83,37 +79,18 @@ def save_calibration(calibration: Calibration, path: Path) -> Path:
 
 def fit(plan: Plan, trace: Mapping[str, Any], *, step_ms: float, previous: Calibration | None,
         priced_with: Calibration | None = None) -> Calibration:
-    """The calibration after one measured step of `plan`: `trace` is that step's gathered runtime trace.
-
-    Uses cost_model.calibration.fit_calibration when USE_COST_MODEL_FIT is set; else folds each
-    stage's measured compute into the per-device factors of `previous` (a fresh copy).
-    `priced_with`: the calibration the plan's numbers already carry (they are divided by its
-    factors first, so factors always scale the base cost model).
-    """
-    fitter = getattr(calibration_module, "fit_calibration", None)
-    if USE_COST_MODEL_FIT and callable(fitter):
-        fitted: Calibration = fitter(plan, trace, step_ms=step_ms, previous=previous, priced_with=priced_with)
-        return fitted
-    made = Calibration.from_dict(previous.to_dict()) if previous is not None else Calibration()
-    measured = measured_stage_ms(trace)
-    stages = [s for s in plan.stages if s.index in measured and s.compute_ms > 0]
-    scale = [priced_with.factor(s.device) if priced_with is not None else 1.0 for s in stages]
-    made.update([{**r, "predicted_ms": r["predicted_ms"] / f} for r, f in
-                 zip(stage_records(stages, [measured[s.index] for s in stages]), scale)])
-    return made
+    """The calibration after one measured step of `plan` (`trace`: that step's gathered runtime trace), by
+    cost_model.calibration.fit_calibration. `priced_with`: the calibration the plan's numbers already carry
+    (divided out first, so factors always scale the base cost model)."""
+    return fit_calibration(plan, trace, step_ms=step_ms, previous=previous, priced_with=priced_with)
 
 
-def calibrated_plan(replan: Callable[[CostModel], Plan], base: CostModel, before: Plan,
-                    calibration: Calibration) -> tuple[Plan, float, bool]:
-    """What one option of an "auto" choice becomes under `calibration`: the plan, its calibrated step (ms),
-    and whether that plan was made with calibrated costs (else with `base`: `before`, priced by the simulator
-    with the calibration, which scales the plan's base stage times itself)."""
-    if USE_COST_MODEL_FIT:
-        from partitioner.simulator import simulate
+def calibrated_step_ms(plan: Plan, calibration: Calibration) -> float:
+    """What one option of an "auto" choice takes per step under `calibration`: its plan (made with base
+    costs) simulated with the calibration's prices (partitioner.calibrated_sim)."""
+    from partitioner.simulator import simulate
 
-        return before, float(simulate(before, calibration=calibration).makespan_ms), False
-    made = replan(calibrated_cost(base, calibration))
-    return made, made.predicted_step_ms, True
+    return float(simulate(plan, calibration=calibration).makespan_ms)
 
 
 def calibrated_cost(base: CostModel, calibration: Calibration | None) -> CostModel:

@@ -279,6 +279,8 @@ class _ProgramRun:
         self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs)
         self.recv_ms = 0.0  # the receiver's own time per RECV: posting it and taking the message (calibrated)
         self.wake_ms = 0.0  # a rank blocked on a message resumes this long after it arrives (calibrated)
+        self.coupled: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # see couple_batches
+        self.receives_posted: dict[tuple[int, int, int], float] = {}  # RECV key -> when its rank posted it
         # Folded replicas (replica_fold): a rank -> the simulated rank standing for it.
         self.stand_for = {m: rep for rep, ms in (members or {}).items() for m in ms}
         self.row = {p.rank: k for k, p in enumerate(self.programs)}
@@ -335,6 +337,7 @@ class _ProgramRun:
                 self.times[k][i] = self.transfers[key]
             else:
                 self.waiting[key] = (k, i)
+            self.receives_posted[key] = self.clock[k] if key in self.coupled else 0.0  # receive-only: early
             self.clock[k] += self.recv_ms
             return True
         if op.kind == "AR":
@@ -345,11 +348,39 @@ class _ProgramRun:
         self.times[k][i] = (end, end)
         return True
 
+    def couple_batches(self) -> None:
+        """Price what runtime/transport_p2p.py does: a take waits for its whole batch (one tick's
+        consecutive SEND/RECV ops), so a message whose batch holds sends is taken only once each
+        of those sends has landed and its receiver posted the matching receive (a batch with
+        sends is posted in program order; a receive-only batch early, at no wait)."""
+        for program in self.programs:
+            batch: list[Op] = []
+            for op in [*program.ops, Op("STEP")]:
+                if op.is_p2p and (not batch or batch[-1].tick == op.tick):
+                    batch.append(op)
+                    continue
+                sends = [o.key() for o in batch if o.kind == "SEND"]
+                for o in batch:
+                    if o.kind == "RECV" and sends:
+                        self.coupled[o.key()] = sends
+                batch = [op] if op.is_p2p else []
+
+    def _landed(self, key: tuple[int, int, int]) -> float | None:
+        """When message `key` can be taken on its receiving row (its batch complete), or None if not known yet."""
+        if key not in self.transfers:
+            return None
+        landed = self.transfers[key][1]
+        for send in self.coupled.get(key, []):
+            if send not in self.transfers or send not in self.receives_posted:
+                return None
+            landed = max(landed, self.transfers[send][1], self.receives_posted[send])
+        return landed
+
     def _input(self, k: int, stage: int, kind: str, frm: int, mb: int) -> float | None:
         """When stage `frm`'s output (kind F) or gradient (kind B) for `mb` is on row k, or None."""
         if self.row.get(self.rank_of(frm, mb)) == k:
             return self.finished.get((kind, frm, mb))
-        return self.transfers.get((frm, stage, mb), (None, None))[1]
+        return self._landed((frm, stage, mb))
 
     def _compute(self, k: int, i: int, op: Op) -> bool:
         s, mb = op.stage, op.microbatch
@@ -377,9 +408,8 @@ class _ProgramRun:
     def _arrival(self, k: int, op: Op) -> float:
         """When the last message from another row that compute op `op` on row k reads lands (0: none)."""
         peers = self.producers[op.stage] if op.kind == "F" else self.consumers[op.stage]
-        return max([self.transfers[(f, op.stage, op.microbatch)][1] for f in peers
-                    if self.row.get(self.rank_of(f, op.microbatch)) != k
-                    and (f, op.stage, op.microbatch) in self.transfers], default=0.0)
+        return max([self._landed((f, op.stage, op.microbatch)) or 0.0 for f in peers
+                    if self.row.get(self.rank_of(f, op.microbatch)) != k], default=0.0)
 
     def _send(self, k: int, i: int, op: Op) -> bool:
         ready = self.finished.get(("F" if op.src < op.dst else "B", op.src, op.microbatch))

@@ -109,6 +109,27 @@ def test_a_message_that_landed_while_its_receiver_computed_costs_no_wake_up() ->
     assert f1_start(0.5) == pytest.approx(2.5)  # ready at 0.75, blocked until 2, woken 0.5 ms later
 
 
+def test_a_take_waits_for_the_sends_of_its_batch() -> None:
+    # Free messages. Rank 1 posts [SEND s2->s3, RECV s0->s1] as one batch at 1; the data of s0->s1 is there
+    # at 1, but the batch completes only when rank 0 posts its receive of s2->s3, which sits in rank 0's
+    # batch with a send after its 5 ms F4: at 6. So F1 runs 6..7 (not 1..2), and F5 7..8.
+    plan = Plan([StagePlan(0, "cpu", [], forward_ms=1.0, ranks=[0]),
+                 StagePlan(1, "cpu", [], forward_ms=1.0, ranks=[1], reads_from=[0]),
+                 StagePlan(2, "cpu", [], forward_ms=1.0, ranks=[1]),
+                 StagePlan(3, "cpu", [], forward_ms=1.0, ranks=[0], reads_from=[2]),
+                 StagePlan(4, "cpu", [], forward_ms=5.0, ranks=[0]),
+                 StagePlan(5, "cpu", [], forward_ms=1.0, ranks=[1], reads_from=[4])], micro_batches=1)  # fmt: skip
+    ops = [["F s0 mb0 t0", "SEND s0->s1 mb0 r1 t0", "F s4 mb0 t1", "RECV s2->s3 mb0 r1 t2", "SEND s4->s5 mb0 r1 t2",
+            "F s3 mb0 t3"],
+           ["F s2 mb0 t0", "SEND s2->s3 mb0 r0 t0", "RECV s0->s1 mb0 r0 t0", "F s1 mb0 t1", "RECV s4->s5 mb0 r0 t2",
+            "F s5 mb0 t3"]]  # fmt: skip
+    plan.programs = [Program(r, "cpu", [*map(Op.parse, ops[r]), Op("STEP")]) for r in range(2)]
+    timeline = simulate(plan, calibration=Calibration(links={"gloo": [0.0, 1000.0]}))
+    starts = {e.stage: e.start for row in timeline.devices for e in row.events if e.kind == "compute-forward"}
+    assert starts == {0: 0.0, 4: 1.0, 3: 6.0, 2: 0.0, 1: 6.0, 5: 7.0}
+    assert timeline.makespan_ms == pytest.approx(8.0)
+
+
 def synthetic_run() -> tuple[dict[str, Any], dict[str, Any], float]:
     """A 2-stage step traced with known parameters: factor 1.5, 0.2 ms gaps, latency 0.5 ms, 3 ms fixed."""
     plan = {"stages": [{"index": 0, "device": "cpu", "forward_ms": 2.0, "backward_ms": 4.0, "reads_from": [],

@@ -24,16 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
 from cost_model.memory import optimizer_states, saved_activation_bytes, usable_bytes  # noqa: E402
 from cost_model.ops import classify  # noqa: E402
 from cost_model.recompute_cost import graph_nodes  # noqa: E402
 from examples.resnet50 import resnet50  # noqa: E402
 from partitioner.hybrid import solve_hybrid  # noqa: E402
-from partitioner.hybrid_plan import hybrid_problem  # noqa: E402
 from partitioner.meta import shapes_only  # noqa: E402
-from tests.test_saved_memory import autograd_saved_bytes, cases, traced_graph  # noqa: E402
+from tests.test_saved_memory import autograd_saved_bytes, cases, resnet50_on_v100s, traced_graph  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -79,15 +77,8 @@ def main() -> None:
 def plans() -> None:
     """The hybrid planner on 8 V100 16 GB (2 hosts x 4) for 1,024 images (128 per GPU), SGD with momentum:
     its choice with saved bytes as autograd saves them, and with the old bound (every output)."""
-    with torch.device("meta"):
-        model = resnet50()
-    x = torch.empty(1024, 3, 224, 224, device="meta")
-    with shapes_only(model):
-        graph, order = traced_graph(model, x)
-    cost = AnalyticCostModel(Cluster.parse("2x4xV100").device_set())
     counts = [8, 16, 32]
-    problem = hybrid_problem(graph, order, [f"cuda:{i}" for i in range(8)], cost, optimizer="sgd_momentum",
-                             micro_batches=counts)
+    graph, order, problem = resnet50_on_v100s(counts)
     print(f"\nhybrid planner, ResNet-50 fp32, 1,024 images on 2x4 V100 16 GB (usable {problem.capacity[0] / GIB:.1f} "
           "GiB each), SGD momentum:")
     old = np.array([float(old_bound([n])) for n in graph_nodes(graph, order)])

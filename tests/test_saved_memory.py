@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import networkx as nx
 import numpy as np
@@ -93,11 +93,10 @@ def test_one_formula_for_stages_and_the_hybrid_planner() -> None:
 
 
 
-def test_resnet50_at_128_images_fits_a_16_gb_v100_as_published_runs_do() -> None:
-    # fp32 ResNet-50, 1,024 images data-parallel on 8 V100 16 GB (128 per GPU, one pass, SGD momentum): the
-    # hybrid planner's memory for that plan fits now; counting every output as saved (the old bound), it did not.
+def resnet50_on_v100s(micro_batches: list[int]) -> tuple[Any, list[str], Any]:
+    """fp32 ResNet-50 at 1,024 images, traced on meta, and the hybrid planner's problem on 2 x 4 V100 16 GB
+    with SGD momentum: (graph, order, problem). benchmarks/saved_memory.py plans it too."""
     from cost_model.cluster_shape import Cluster
-    from partitioner.hybrid import evaluate
     from partitioner.meta import shapes_only
 
     with torch.device("meta"):
@@ -107,7 +106,16 @@ def test_resnet50_at_128_images_fits_a_16_gb_v100_as_published_runs_do() -> None
         graph, order = traced_graph(model, x)
     cost = AnalyticCostModel(Cluster.parse("2x4xV100").device_set())
     problem = hybrid_problem(graph, order, [f"cuda:{i}" for i in range(8)], cost, optimizer="sgd_momentum",
-                             micro_batches=[8])
+                             micro_batches=micro_batches)
+    return graph, order, problem
+
+
+def test_resnet50_at_128_images_fits_a_16_gb_v100_as_published_runs_do() -> None:
+    # fp32 ResNet-50, 1,024 images data-parallel on 8 V100 16 GB (128 per GPU, one pass, SGD momentum): the
+    # hybrid planner's memory for that plan fits now; counting every output as saved (the old bound), it did not.
+    from partitioner.hybrid import evaluate
+
+    graph, order, problem = resnet50_on_v100s([8])
     data_parallel = ([0, len(order)], [8], 8, "gpipe")
     assert max(evaluate(problem, *data_parallel)[2]) <= problem.capacity.min()
     nodes = graph_nodes(graph, order)

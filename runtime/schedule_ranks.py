@@ -98,7 +98,9 @@ def rank_schedule(
                 )
             mine = range(j, micro_batches, len(ranks))
             if generate is not None and len(mine):
-                order = orders.setdefault(len(mine), generate(len(mine), p))
+                if len(mine) not in orders:  # one generator call per micro-batch count, not per rank
+                    orders[len(mine)] = generate(len(mine), p)
+                order = orders[len(mine)]
                 by_replica[j] = [Action(s, a.kind, mine[a.microbatch]) for a in order[s]]
             lists[r] += by_replica[j]
     return lists

@@ -46,6 +46,7 @@ from partitioner.timeline import (
     fill_idle,
 )
 from runtime.plan import Plan, StagePlan
+from runtime.program import action_deps, stage_readers
 from runtime.schedule import Action
 
 __all__ = [
@@ -80,25 +81,13 @@ def _producers(stages: int, producers: Producers) -> list[list[int]]:
     return [list(p) for p in producers]
 
 
-def _deps(a: Action, stages: int, producers: Producers = None) -> list[Action]:
-    prods = _producers(stages, producers)
-    if a.kind == "W":
-        return [Action(a.stage, "B", a.microbatch)]
-    if a.kind == "F":
-        return [Action(p, "F", a.microbatch) for p in prods[a.stage]]
-    return [Action(a.stage, "F", a.microbatch)] + [
-        Action(c, "B", a.microbatch) for c in range(stages) if a.stage in prods[c]
-    ]
-
-
-def _consumers(a: Action, stages: int, producers: Producers = None) -> list[Action]:
+def _consumers(a: Action, producers: Sequence[Sequence[int]], readers: Sequence[Sequence[int]]) -> list[Action]:
     """Actions on other stages that read `a`'s output (activations forward, gradients backward; W: none)."""
-    prods = _producers(stages, producers)
     if a.kind == "W":
         return []
     if a.kind == "F":
-        return [Action(c, "F", a.microbatch) for c in range(stages) if a.stage in prods[c]]
-    return [Action(p, "B", a.microbatch) for p in prods[a.stage]]
+        return [Action(c, "F", a.microbatch) for c in readers[a.stage]]
+    return [Action(p, "B", a.microbatch) for p in producers[a.stage]]
 
 
 def check_schedule(
@@ -157,13 +146,16 @@ def check_schedule(
     done: set[Action] = set()
     pointer = [0] * len(schedule)
     ticks = 0
+    prods = _producers(stages, producers)
+    readers = stage_readers(prods)
     while len(done) < len(expected):
         ready = [
             d for d, actions in enumerate(schedule)
-            if pointer[d] < len(actions) and all(dep in done for dep in _deps(actions[pointer[d]], stages, producers))
+            if pointer[d] < len(actions)
+            and all(dep in done for dep in action_deps(actions[pointer[d]], prods, readers))
         ]
         if not ready:
-            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, stages, producers))
+            raise ScheduleError(_deadlock_message(schedule, pointer, done, where, prods, readers))
         for d in ready:
             done.add(schedule[d][pointer[d]])
             pointer[d] += 1
@@ -180,8 +172,8 @@ def _deadlock_message(
     pointer: list[int],
     done: set[Action],
     where: Mapping[Action, tuple[int, int]],
-    stages: int,
-    producers: Producers = None,
+    producers: Sequence[Sequence[int]],
+    readers: Sequence[Sequence[int]],
 ) -> str:
     lines = ["schedule deadlocks; every unfinished device waits on an action that cannot run yet:"]
     for d, actions in enumerate(schedule):
@@ -190,7 +182,7 @@ def _deadlock_message(
         a = actions[pointer[d]]
         waits = ", ".join(
             f"{dep} (device {where[dep][0]} position {where[dep][1]})"
-            for dep in _deps(a, stages, producers) if dep not in done
+            for dep in action_deps(a, producers, readers) if dep not in done
         )
         lines.append(f"- device {d} position {pointer[d]}: {a} needs {waits}")
     lines.append("Fix: order each list so an action's inputs (F of the stage before, B of the stage after, a W's "
@@ -311,6 +303,7 @@ class _Run:
         producers: Producers = None,
     ) -> None:
         self.producers = _producers(len(plan.stages), producers)
+        self.readers = stage_readers(self.producers)
         self.plan, self.device_of, self.transfer, self.reduce_ms = plan, device_of, transfer, reduce_ms
         self.stages = len(plan.stages)
         self.timelines = [
@@ -329,12 +322,12 @@ class _Run:
         self.split = _split(schedule)
 
     def ready(self, a: Action) -> bool:
-        return all(dep in self.finished for dep in _deps(a, self.stages, self.producers))
+        return all(dep in self.finished for dep in action_deps(a, self.producers, self.readers))
 
     def execute(self, d: int, a: Action) -> None:
         """Run `a` on device d as early as its inputs allow, then send its output on."""
         inputs = [
-            self.arrival.get((x, d), self.finished[x]) for x in _deps(a, self.stages, self.producers)
+            self.arrival.get((x, d), self.finished[x]) for x in action_deps(a, self.producers, self.readers)
         ]
         start = max([self.free[d], *inputs])
         stage = self.plan.stages[a.stage]
@@ -343,7 +336,7 @@ class _Run:
         kind = compute_kind(a.kind)
         self.timelines[d].events.append(Event(kind, a.stage, a.microbatch, start, end))
         self.free[d] = self.finished[a] = end
-        for consumer in _consumers(a, self.stages, self.producers):
+        for consumer in _consumers(a, self.producers, self.readers):
             peer = self.device_of[consumer.stage]
             if peer != d and (a, peer) not in self.arrival:
                 self._send(d, peer, a, consumer, end)

@@ -37,7 +37,8 @@ from runtime.schedule_ranks import rank_schedule
 if TYPE_CHECKING:
     from runtime.plan import Plan
 
-__all__ = ["Op", "OpKind", "Program", "format_program", "lower", "parse_program", "plan_programs"]
+__all__ = ["Op", "OpKind", "Program", "action_deps", "format_program", "lower", "parse_program", "plan_programs",
+           "stage_readers"]
 
 OpKind = Literal["F", "B", "W", "SEND", "RECV", "AR", "STEP"]
 _COMPUTE = ("F", "B", "W")
@@ -154,9 +155,18 @@ def parse_program(text: str) -> list[Op]:
     return [Op.parse(line) for raw in text.splitlines() if (line := raw.split("#", 1)[0].strip())]
 
 
-def _deps(a: Action, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]]) -> list[Action]:
+def stage_readers(producers: Sequence[Sequence[int]]) -> list[list[int]]:
+    """For each stage, the stages that read its values (`producers` inverted), in stage order."""
+    readers: list[list[int]] = [[] for _ in producers]
+    for s, ps in enumerate(producers):
+        for p in ps:
+            readers[p].append(s)
+    return readers
+
+
+def action_deps(a: Action, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]]) -> list[Action]:
     """What `a` waits for: a forward, its producers' forwards; a backward, its forward and consumers'
-    backwards; a W, its own B (W moves nothing between stages)."""
+    (`stage_readers`) backwards; a W, its own B (W moves nothing between stages)."""
     if a.kind == "F":
         return [Action(p, "F", a.microbatch) for p in producers[a.stage]]
     if a.kind == "W":
@@ -191,11 +201,7 @@ def lower(
             listed twice, or a schedule whose lists wait on each other forever (named, with
             what each waits on).
     """
-    stages = len(producers)
-    consumers: list[list[int]] = [[] for _ in range(stages)]
-    for s, ps in enumerate(producers):
-        for p in ps:
-            consumers[p].append(s)
+    consumers = stage_readers(producers)
     lists = [[a for a in actions if not (forward_only and a.kind != "F")] for actions in schedule]
 
     def rank_of(stage: int, mb: int) -> int:
@@ -219,7 +225,7 @@ def lower(
         ready = [
             r for r, actions in enumerate(lists)
             if pointer[r] < len(actions)
-            and all(d in tick_of for d in _deps(actions[pointer[r]], producers, consumers)
+            and all(d in tick_of for d in action_deps(actions[pointer[r]], producers, consumers)
                     if not (forward_only and d.kind == "B"))
         ]
         if not ready:

@@ -12,8 +12,8 @@ EAGER_RANKS ranks and EAGER_WORK micro-batches x stages are lowered and simulate
 (partitioner/simulator.py). Larger plans keep `programs` empty and are lowered where they run
 (runtime/distributed.py lowers a plan without programs; `simulate(plan)` lowers one replica of each
 stage: replica_fold.py), so a 16,384-rank plan is a few hundred KB; their predicted step is replica
-0's chain of stages in the runtime's order (`chain_step_s`, equal to the simulator's on chains:
-tests/test_cluster_search.py), which takes milliseconds where lowering takes tens of seconds.
+0's chain of stages as the runtime orders it, simulated on stage times (`replica_step`, equal to the
+program simulator's: tests/test_cluster_search.py), which takes far less than lowering every rank.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ from partitioner.errors import PartitionError
 from partitioner.hybrid import SCHEDULES, HybridProblem, InfeasibleError
 from partitioner.hybrid_plan import batch_size, graph_values, node_times, per_micro_batch
 from partitioner.planner import boundary_bytes
-from partitioner.simulator import in_flight, replica_groups, simulate
-from runtime.plan import Plan, RecomputeMode
-from runtime.schedule import Action, one_f_one_b
+from partitioner.schedule_sim import simulate_schedule
+from partitioner.simulator import replica_groups, simulate
+from runtime.plan import Plan, RecomputeMode, StagePlan
+from runtime.schedule_ranks import rank_schedule
 
 __all__ = [
-    "EAGER_RANKS", "EAGER_WORK", "chain_step_s", "cluster_of", "cluster_problem", "forward_share", "local_device",
-    "plan_on_cluster", "replica_lists", "runtime_step_s", "second_look", "solution_plan",
+    "EAGER_RANKS", "EAGER_WORK", "cluster_of", "cluster_problem", "forward_share", "local_device",
+    "plan_on_cluster", "replica_step", "runtime_step_s", "second_look", "solution_plan",
 ]
 
 EAGER_RANKS = 512  # plans on more ranks keep `programs` empty (lowered where they run)
@@ -230,65 +231,23 @@ def runtime_step_s(problem: HybridProblem, cluster: Cluster, candidate: Candidat
         reduce.append(ring[0] + ring[1] * params if ring is not None and params > 0 else 0.0)
         if link is not None and recv[s] > 0:
             message[s] = link[0] + link[1] * recv[s] / m  # between stage s - 1 and s, either way
-    return chain_step_s(replica_lists(schedule, m, p, d), forward, backward, message, reduce)
+    return replica_step(schedule, m, d, forward, backward, message, reduce)
 
 
-def replica_lists(schedule: str, m: int, p: int, d: int) -> list[list[Action]]:
-    """Replica 0's actions per stage, as runtime/schedule_ranks.py's rank_schedule gives them: under 1F1B the
-    replica's own 1F1B over its micro-batches 0, d, 2d, ... ([Note: a replica runs its own 1F1B]); under
-    GPipe the stage's forwards then backwards reversed, micro-batch i on replica i mod d; made without
-    listing the other replicas' actions (tests compare with rank_schedule)."""
-    out = []
-    mine = range(0, m, d)
-    own = one_f_one_b(len(mine), p) if schedule == "1f1b" else None
-    for s in range(p):
-        if own is not None:
-            out.append([Action(s, a.kind, mine[a.microbatch]) for a in own[s]])
-            continue
-        order = [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-        out.append([Action(s, kind, i) for kind, i in order if i % d == 0])  # type: ignore[arg-type]
-    return out
-
-
-def chain_step_s(lists: Sequence[Sequence[Action]], forward: Sequence[float], backward: Sequence[float],
+def replica_step(schedule: str, m: int, d: int, forward: Sequence[float], backward: Sequence[float],
                  message: Sequence[float], reduce: Sequence[float]) -> float:
-    """Makespan of a chain of stages, one device each, running `lists` in order (F after the previous stage's F
-    and its message, B after its own F and the next stage's B and its message), then each stage's all-reduce."""
-    p = len(lists)
-    done: dict[tuple[str, int, int], float] = {}
-    free, at = [0.0] * p, [0] * p
-    left = sum(len(x) for x in lists)
-    while left:
-        moved = False
-        for s in range(p):
-            while at[s] < len(lists[s]):
-                act = lists[s][at[s]]
-                i = act.microbatch
-                if act.kind == "F":
-                    ready = 0.0 if s == 0 else done.get(("F", s - 1, i), -1.0) + message[s]
-                    if s > 0 and ("F", s - 1, i) not in done:
-                        break
-                    length = forward[s]
-                else:
-                    if ("F", s, i) not in done or (s + 1 < p and ("B", s + 1, i) not in done):
-                        break
-                    ready = done[("F", s, i)] if s + 1 == p else max(done[("F", s, i)],
-                                                                     done[("B", s + 1, i)] + message[s + 1])
-                    length = backward[s]
-                free[s] = done[(act.kind, s, i)] = max(free[s], ready) + length
-                at[s], left, moved = at[s] + 1, left - 1, True
-        if not moved:
-            raise PartitionError("the replica's schedule deadlocks (a bug: runtime.schedule lists are complete)")
-    return max(f + r for f, r in zip(free, reduce))
-
-
-def _peak(actions: Sequence[Action]) -> int:
-    """The most micro-batches forwarded and not yet backwarded in one stage's list."""
-    live = most = 0
-    for a in actions:
-        live += 1 if a.kind == "F" else -1 if a.kind == "B" else 0
-        most = max(most, live)
-    return most
+    """One step of p stages with d equal replicas each over m micro-batches, as the runtime runs it: d
+    pipelines of m / d micro-batches ([Note: a replica runs its own 1F1B] in runtime/schedule_ranks.py), so
+    replica 0's chain is simulated (partitioner/schedule_sim.py) on its stage times; `message[s]` is a message
+    between stages s - 1 and s, either way, and `reduce[s]` stage s's all-reduce after its last backward."""
+    p, n = len(forward), m // d
+    chain = [[s - 1] if s else [] for s in range(p)]
+    stages = [StagePlan(index=s, device=f"stage {s}", nodes=[], forward_ms=forward[s], backward_ms=backward[s],
+                        reads_from=chain[s]) for s in range(p)]
+    lists = rank_schedule(schedule, n, [[s] for s in range(p)], chain)
+    return simulate_schedule(Plan(stages=stages, micro_batches=n), lists,
+                             transfer_ms=lambda src, dst, nbytes: message[max(src, dst)],
+                             allreduce_ms=lambda stage: reduce[stage]).makespan_ms
 
 
 def _boundary_bytes(problem: HybridProblem, bounds: Sequence[int]) -> list[float]:
@@ -314,15 +273,7 @@ def solution_plan(
                     schedule=solution.schedule,  # type: ignore[arg-type]
                     stage_ranks=[[s] for s in range(p)], placement="hybrid", groups=[], optimizer=optimizer,
                     capacity_bytes=[cap] * p, recompute=[recompute] * p)
-    ranks = solution.ranks
-    # Each replica holds what runtime/schedule.py's order keeps in flight (second_look), not what one
-    # pipeline of m / d micro-batches would: scale the activations held (as assemble.finish does without a graph).
-    held = [_peak(actions) for actions in replica_lists(solution.schedule, m, p, d)]
-    for stage, was, now in zip(plan.stages, in_flight(plan.programs, p), held):
-        if was > 0 and now != was:
-            grown = stage.activation_bytes // was * now - stage.activation_bytes
-            stage.activation_bytes += grown
-            stage.memory_bytes += grown
+    ranks = solution.ranks  # one pipeline of m / d micro-batches holds what each replica holds in flight
     message: dict[tuple[int, int], float] = {}
     for (a, b), nbytes in stage_edges(graph_mb, stage_nodes).items():
         if nbytes > 0:
@@ -340,10 +291,9 @@ def solution_plan(
     plan.micro_batches, plan.gpus_per_host, plan.programs = m, cluster.gpus_per_host, []
     plan.alternatives = {name: 1e3 * s for name, s in sorted(solution.tried.items(), key=lambda kv: kv[1])[:8]}
     if cluster.size > EAGER_RANKS or m * p > EAGER_WORK:  # replica 0's pipeline in the runtime's order
-        plan.predicted_step_ms = chain_step_s(
-            replica_lists(plan.schedule, m, p, d), [s.forward_ms for s in plan.stages],
-            [s.backward_ms for s in plan.stages], [message.get((s - 1, s), 0.0) for s in range(p)],
-            [s.allreduce_ms for s in plan.stages])
+        plan.predicted_step_ms = replica_step(
+            plan.schedule, m, d, [s.forward_ms for s in plan.stages], [s.backward_ms for s in plan.stages],
+            [message.get((s - 1, s), 0.0) for s in range(p)], [s.allreduce_ms for s in plan.stages])
         return plan
     devices = {r: local_device(cluster, r) for rs in ranks for r in rs}
     plan.programs = lower_plan(plan, replica_groups(plan), devices)

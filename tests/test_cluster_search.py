@@ -16,7 +16,7 @@ from cost_model.cluster_shape import Cluster
 from examples.models import GPT, GPTConfig
 from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
-from partitioner.cluster_plan import chain_step_s, cluster_problem, plan_on_cluster, replica_lists
+from partitioner.cluster_plan import cluster_problem, plan_on_cluster, replica_step
 from partitioner.cluster_search import affine, block_cuts, layout, search_cluster, windows
 from partitioner.graph import build_graph, compute_nodes
 from partitioner.hybrid import InfeasibleError, evaluate, solve_hybrid
@@ -25,7 +25,6 @@ from partitioner.simulator import simulate
 from partitioner.trace import trace
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs
-from runtime.schedule_ranks import rank_schedule
 
 ROUND = {"intra": {"kind": "nvswitch", "gb_per_s": 100, "latency_us": 10},
          "inter": {"kind": "infiniband", "gb_per_s": 10, "latency_us": 20}}
@@ -175,11 +174,9 @@ def test_too_little_memory_names_the_memory_per_gpu() -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("p,d,m", [(2, 1, 2), (2, 2, 4), (4, 2, 8), (4, 4, 12), (3, 2, 6), (8, 8, 64)])
 def test_replica_chain_is_the_simulators_step_in_the_runtimes_order(schedule: str, p: int, d: int, m: int) -> None:
-    # the fast estimate for plans over EAGER_RANKS against the reference: runtime.schedule's lists for every
-    # rank, lowered and simulated by partitioner.simulator
+    # the estimate for plans over EAGER_RANKS against the reference: rank_schedule's lists for every rank,
+    # lowered into programs and simulated by partitioner.simulator
     ranks = layout(p, d, "replicas-together")
-    lists = rank_schedule(schedule, m, ranks, [[s - 1] if s else [] for s in range(p)])
-    assert replica_lists(schedule, m, p, d) == [lists[ranks[s][0]] for s in range(p)]
     forward, backward = [1.0 + 0.25 * s for s in range(p)], [2.0 + 0.5 * (s % 2) for s in range(p)]
     stages = [StagePlan(index=s, device=f"cuda:{s}", nodes=[f"n{s}"], ranks=ranks[s], reads_from=[s - 1] if s else [],
                         forward_ms=forward[s], backward_ms=backward[s], compute_ms=forward[s] + backward[s],
@@ -187,7 +184,7 @@ def test_replica_chain_is_the_simulators_step_in_the_runtimes_order(schedule: st
     plan = Plan(stages=stages, micro_batches=m, schedule=schedule)  # type: ignore[arg-type]
     reference = simulate(plan, transfer_ms=lambda src, dst, nbytes: 0.0,
                          group_ms=lambda group: 0.5 if len(group) > 1 else 0.0).makespan_ms
-    assert chain_step_s(replica_lists(schedule, m, p, d), forward, backward, [0.0] * p,
+    assert replica_step(schedule, m, d, forward, backward, [0.0] * p,
                         [0.5 if d > 1 else 0.0] * p) == pytest.approx(reference)
 
 

@@ -49,8 +49,8 @@ from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedu
 from runtime.program import Program, plan_programs
 
 __all__ = [
-    "Groups", "allreduce_seconds", "assemble", "device_key", "finish", "lower_plan", "merge_groups", "recompute_memory",
-    "price_update", "recount", "stage_edges",
+    "Groups", "allreduce_seconds", "assemble", "device_key", "finish", "lower_plan", "merge_groups", "predict",
+    "recompute_memory", "price_update", "recount", "stage_edges",
 ]
 
 Groups = Sequence[tuple[Sequence[int], Sequence[int]]]  # (ranks, stages) of weights held by several ranks
@@ -122,7 +122,7 @@ def assemble(
         costs = _mode_costs(graph, stage.nodes, [torch.device(stage.device)], cost, timed=False)
         memory = _stage_memory(graph, plan, stage, costs[stage.recompute], flight, optimizer)
         stage.activation_bytes, stage.memory_bytes = memory.activations, memory.total
-    _predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0), group_price(plan, [], reduce_ms, None))
+    predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0), group_price(plan, [], reduce_ms, None))
     return plan
 
 
@@ -281,7 +281,7 @@ def finish(
                 grown = stage.activation_bytes // was * now - stage.activation_bytes
                 stage.activation_bytes += grown
                 stage.memory_bytes += grown if stage.memory_bytes else 0
-    return _predict(plan, lambda src, dst, nbytes: message(src, dst), price)
+    return predict(plan, lambda src, dst, nbytes: message(src, dst), price)
 
 
 def stage_edges(graph: nx.DiGraph, stage_nodes: Sequence[Sequence[str]]) -> dict[tuple[int, int], int]:
@@ -433,7 +433,7 @@ def lower_plan(plan: Plan, groups: Groups, devices: Mapping[int, str] | None = N
         raise PartitionError(f"the plan cannot run its schedule {plan.schedule!r}: {exc}") from None
 
 
-def _predict(
+def predict(
     plan: Plan, transfer_ms: Callable[[int, int, int], float], group_ms: Callable[[tuple[int, ...]], float]
 ) -> Timeline:
     """Simulate the plan's programs; store each op's (start, end) and the step's length in the plan."""

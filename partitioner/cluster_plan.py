@@ -28,7 +28,7 @@ import torch
 from cost_model.cluster_shape import Cluster, ClusterDeviceSet
 from cost_model.interface import CostModel, forward_time
 from cost_model.memory import optimizer_states
-from partitioner.assemble import assemble, lower_plan, stage_edges
+from partitioner.assemble import assemble, lower_plan, predict, stage_edges
 from partitioner.cluster_search import (
     Candidate,
     ClusterSolution,
@@ -47,7 +47,7 @@ from partitioner.hybrid import SCHEDULES, HybridProblem, InfeasibleError
 from partitioner.hybrid_plan import batch_size, graph_values, node_times, per_micro_batch
 from partitioner.planner import boundary_bytes
 from partitioner.schedule_sim import simulate_schedule
-from partitioner.simulator import replica_groups, simulate
+from partitioner.simulator import replica_groups
 from runtime.plan import Plan, RecomputeMode, StagePlan
 from runtime.schedule_ranks import rank_schedule
 
@@ -297,9 +297,6 @@ def solution_plan(
         return plan
     devices = {r: local_device(cluster, r) for rs in ranks for r in rs}
     plan.programs = lower_plan(plan, replica_groups(plan), devices)
-    timeline = simulate(plan, transfer_ms=lambda src, dst, nbytes: message.get((src, dst), 0.0),
-                        group_ms=lambda group: reduce.get(tuple(sorted(group)), 0.0))
-    for program, times in zip(plan.programs, timeline.predicted):
-        program.predicted = list(times)
-    plan.predicted_step_ms = timeline.makespan_ms
+    predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0),
+            lambda group: reduce.get(tuple(sorted(group)), 0.0))
     return plan

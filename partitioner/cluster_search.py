@@ -32,7 +32,16 @@ import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
-from partitioner.hybrid import SCHEDULES, HybridProblem, InfeasibleError, Window, _Grid, _in_flight, _stage_parts
+from partitioner.hybrid import (
+    SCHEDULES,
+    HybridProblem,
+    InfeasibleError,
+    Window,
+    _cuts,
+    _Grid,
+    _in_flight,
+    _stage_parts,
+)
 
 __all__ = [
     "RANK_ORDERS", "TOP", "Candidate", "ClusterSolution", "RankOrder", "affine", "block_cuts", "default_micro_batches",
@@ -191,17 +200,6 @@ def _dp(values: Sequence[np.ndarray]) -> tuple[float, list[int]]:
     return float(f[K - 1]), idx[::-1]
 
 
-def _even_cuts(problem: HybridProblem, size: int) -> np.ndarray:
-    """About `size` candidates at equal node counts and equal times (every position of a small graph)."""
-    n = problem.n
-    if n + 1 <= size:
-        return np.arange(n + 1)
-    cum = np.concatenate([[0.0], np.cumsum(problem.fixed_times.mean(0) + problem.batch_times.mean(0))])
-    by_time = np.searchsorted(cum, np.linspace(0, cum[-1], size // 2), side="right") - 1
-    parts = [np.linspace(0, n, size - size // 2).round().astype(int), by_time, np.array([0, n])]
-    return np.unique(np.clip(np.concatenate(parts), 0, n)).astype(np.int64)
-
-
 def block_cuts(modules: Sequence[str]) -> np.ndarray | None:
     """Cut candidates of a model with repeated blocks: the first node of each block, and every position
     outside them. `modules[i]` is node i's owning module path ("blocks.3.attn"); a block is the path up
@@ -271,8 +269,7 @@ def search_cluster(
         raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(SCHEDULES)}")
     mode = "1f1b" if "1f1b" in schedules else "gpipe"
     capacity = float(problem.capacity.min())
-    coarse = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else _even_cuts(problem,
-                                                                                                           COARSE)
+    coarse = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else _cuts(problem, COARSE)
     pricer = _Pricer(problem, coarse)
     states = 2 + problem.optimizer_states
     total_params = float(problem.param_bytes.sum())

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import InceptionNet  # noqa: E402
 
 from partitioner import partition  # noqa: E402
-from partitioner.calibrate import same_plan  # noqa: E402
+from partitioner.calibrate.decide import same_plan  # noqa: E402
 
 
 def step_ms(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:

@@ -25,9 +25,9 @@ from rank_timing import timed  # noqa: E402
 
 from cost_model import default_cost_model  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.graph import build_graph, compute_nodes  # noqa: E402
-from partitioner.planner import plan_pipeline  # noqa: E402
-from partitioner.trace import trace  # noqa: E402
+from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
+from partitioner.capture.trace import trace  # noqa: E402
+from partitioner.place.chain import plan_pipeline  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 
 

@@ -39,7 +39,7 @@ from cost_model import AnalyticCostModel, ProfiledCostModel, fit_link, measure_d
 from cost_model.timing import Clock, make_timer, materialize, steady_host_allocator  # noqa: E402
 from examples.models import GPT, GPTConfig, InceptionNet  # noqa: E402
 from partitioner import partition  # noqa: E402
-from partitioner.trace import trace  # noqa: E402
+from partitioner.capture.trace import trace  # noqa: E402
 from runtime.microbatch import scatter  # noqa: E402
 from tests import zoo  # noqa: E402
 

@@ -45,7 +45,7 @@ from fidelity_worker import CONFIGS  # noqa: E402
 
 from cost_model.calibration import Calibration, fit_calibration  # noqa: E402
 from cost_model.links import loopback_link  # noqa: E402
-from partitioner.simulator import simulate  # noqa: E402
+from partitioner.predict.simulator import simulate  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 
 TIMEOUT_S = 240

@@ -8,7 +8,7 @@ Three model families, each on two GPU types (at least), at the precision the pub
 
 How a prediction is made: the model is built from torch.nn with random weights on the meta
 device (no download, no memory), at the published per-GPU batch and dtype; torch.fx traces it,
-`partitioner.graph.build_graph` records shapes, bytes and FLOPs per node (FlopCounterMode), and
+`partitioner.capture.graph.build_graph` records shapes, bytes and FLOPs per node (FlopCounterMode), and
 `AnalyticCostModel` prices every node's forward + backward on a one-GPU `Cluster`
 (cost_model/cluster_shape.py). Throughput = batch / the sum. Ignored: the optimizer step
 (amortized over gradient accumulation in the BERT runs, < 1% elsewhere), data loading, and the
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cost_model.analytic import DEFAULT_GPU_EFFICIENCY, AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
-from partitioner.graph import build_graph  # noqa: E402
+from partitioner.capture.graph import build_graph  # noqa: E402
 
 MAMF = {"A100-SXM4-80GB": 0.859, "H100-SXM": 0.801}  # measured best-shape bf16 matmul / peak (ml-engineering)
 EFFICIENCY_SCALE = DEFAULT_GPU_EFFICIENCY / MAMF["A100-SXM4-80GB"]

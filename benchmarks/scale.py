@@ -2,7 +2,7 @@
 
 For each cluster (hosts x 8 H100, bf16, global batch 1536 sequences of 2048 tokens: the
 GPT-3 paper's batch, divisible by every power of two up to 512), prints the plan time and the
-plan the cluster search (partitioner/cluster_search.py) chooses: stages, replicas, micro-batches,
+plan the cluster search (partitioner/place/cluster_search.py) chooses: stages, replicas, micro-batches,
 schedule, recomputation (searched with none first, then full: GPT-3's activations at 1F1B's depth
 do not fit 80 GB otherwise), rank placement, memory per GPU, predicted step (simulated), samples/s
 and MFU. Clusters that cannot hold the weights print the InfeasibleError, which names the memory
@@ -36,13 +36,13 @@ from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partitioner.arguments import cluster_devices  # noqa: E402
-from partitioner.cluster_plan import cluster_problem, plan_on_cluster  # noqa: E402
-from partitioner.cluster_search import fill, search_cluster  # noqa: E402
-from partitioner.graph import build_graph, compute_nodes  # noqa: E402
-from partitioner.hybrid import InfeasibleError, solve_hybrid  # noqa: E402
-from partitioner.hybrid_plan import hybrid_problem  # noqa: E402
-from partitioner.meta import shapes_only  # noqa: E402
-from partitioner.trace import trace  # noqa: E402
+from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
+from partitioner.capture.meta import shapes_only  # noqa: E402
+from partitioner.capture.trace import trace  # noqa: E402
+from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster  # noqa: E402
+from partitioner.place.cluster_search import fill, search_cluster  # noqa: E402
+from partitioner.place.hybrid import InfeasibleError, solve_hybrid  # noqa: E402
+from partitioner.place.hybrid_plan import hybrid_problem  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
 GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)

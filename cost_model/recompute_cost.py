@@ -76,7 +76,7 @@ def recompute_costs(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu"
     """Each mode's ModeCost for a stage (see the module docstring).
 
     Args:
-        nodes: the stage's graph nodes in order, each a dict of the graph (`partitioner.graph`:
+        nodes: the stage's graph nodes in order, each a dict of the graph (`partitioner.capture.graph`:
             op, target, out_bytes, shapes, dtypes, flops; `kind`, the module class or function
             name, where known) with two more keys: `inputs`, the (producer name, out_bytes) of
             each value the node reads, and `forward_s`, its forward time on the stage's device.

@@ -77,7 +77,7 @@ def _rows(step: Mapping[str, Any]) -> list[tuple[int, list[Mapping[str, Any]]]]:
 
 
 def predicted_op_ms(stage: Mapping[str, Any], kind: str, split: bool) -> float:
-    """The plan's price of one op, as the simulator prices it (see partitioner.schedule_sim.compute_ms)."""
+    """The plan's price of one op, as the simulator prices it (see partitioner.predict.schedule_sim.compute_ms)."""
     if kind == "F":
         return float(stage.get("forward_ms", 0.0))
     backward = float(stage.get("backward_ms", 0.0))
@@ -191,7 +191,7 @@ def _takes(plan: Mapping[str, Any], steps: Iterable[Mapping[str, Any]],
 
 def _receive_costs(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], post_ms: float, latency_ms: float,
                    per_ms: float) -> tuple[float | None, float | None]:
-    """(receiver's ms per RECV op, wake-up ms) as the simulator charges them (partitioner/simulator.py).
+    """(receiver's ms per RECV op, wake-up ms) as the simulator charges them (partitioner/predict/simulator.py).
 
     A message lands at arrival = sender's compute end + its post + latency + bytes / bandwidth.
     A take reached after that costs its whole length (copying out, Python): with the posting of

@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from partitioner import partition  # noqa: E402
-from partitioner.visualizer import visualize  # noqa: E402
+from partitioner.show.visualizer import visualize  # noqa: E402
 
 
 @dataclass

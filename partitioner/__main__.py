@@ -1,8 +1,8 @@
-"""`python -m partitioner`: the command line (see partitioner/cli.py)."""
+"""`python -m partitioner`: the command line (see partitioner/cli/main.py)."""
 
 import sys
 
-from partitioner.cli import main
+from partitioner.cli.main import main
 
 __all__: list[str] = []
 

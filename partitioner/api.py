@@ -23,12 +23,10 @@ from partitioner.arguments import (
     materializer,
     plan_target,
 )
-from partitioner.assemble import price_update
-from partitioner.calibrate import Setup, attach
-from partitioner.calibration_store import CalibrationArg, with_calibration
-from partitioner.describe import describe_model
-from partitioner.errors import PartitionError
-from partitioner.fidelity import (
+from partitioner.calibrate.decide import Setup, attach
+from partitioner.calibrate.store import CalibrationArg, with_calibration
+from partitioner.capture.describe import describe_model
+from partitioner.capture.fidelity import (
     Cuts,
     InputSplitSpec,
     OutputMergeSpec,
@@ -39,8 +37,10 @@ from partitioner.fidelity import (
     cuts_from,
     input_dims,
 )
-from partitioner.meta import is_meta, on_meta, shapes_only
-from partitioner.planning import (
+from partitioner.capture.meta import is_meta, on_meta, shapes_only
+from partitioner.capture.trace import Traced, trace
+from partitioner.errors import PartitionError
+from partitioner.place.planning import (
     RecomputeChoice,
     ScheduleChoice,
     finish_plan,
@@ -48,8 +48,8 @@ from partitioner.planning import (
     same_cuts,
     stage_ranks_for,
 )
-from partitioner.trace import Traced, trace
-from partitioner.visualizer import Plan as DrawablePlan
+from partitioner.predict.assemble import price_update
+from partitioner.show.visualizer import Plan as DrawablePlan
 from runtime.async_updates import check_async_plan
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed, init_process_group, joined_devices
@@ -122,7 +122,7 @@ def plan(
     except PartitionError as exc:
         if not isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) or cluster is None or is_meta(model):
             raise
-        made = planned(shapes=False)  # forward needs values (partitioner.meta.shapes_only): run it for real
+        made = planned(shapes=False)  # forward needs values (partitioner.capture.meta.shapes_only): run it for real
     made = _with_update(update, made, planned=True)
     made.gpus_per_host = per_host
     return made
@@ -217,7 +217,7 @@ def partition(
             `staleness` steps those weights get no gradient, so the optimizer leaves them). 0 (the
             default) is the synchronous all-reduce. Call `pipe.wait_gradients()` on every rank
             before destroy_process_group. See [Note: bounded staleness] in runtime.staleness.
-        calibrate: run `pipe.calibrate(steps=calibrate)` once built (partitioner.calibrate; 0: not now);
+        calibrate: run `pipe.calibrate(steps=calibrate)` once built (partitioner.calibrate.decide; 0: not now);
             its report is `pipe.calibration_report`.
         calibration: a calibration (or its JSON path) to price with, where `pipe.calibrate` saves; default:
             the one saved on this machine for these devices (not applied over a given `cost_model`).
@@ -305,7 +305,7 @@ def partition(
 
 def _with_update(update: Update, made: _T, *, planned: bool) -> _T:
     """Give the plan of `made` (a Plan or a pipeline) its update rule, check it can run, and price it
-    (partitioner.assemble.price_update) where the plan was made here (a given plan was priced already)."""
+    (partitioner.predict.assemble.price_update) where the plan was made here (a given plan was priced already)."""
     plan = made if isinstance(made, Plan) else made.plan  # type: ignore[attr-defined]
     if update != "sync":
         plan.update = update
@@ -327,7 +327,7 @@ def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
 
 
 def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any, shapes: bool = False) -> _T:
-    """`fn(*args)`; for a model on meta (or with `shapes`), on meta tensors only (partitioner.meta.shapes_only)."""
+    """`fn(*args)`; for a model on meta (or with `shapes`), on meta tensors only (capture.meta.shapes_only)."""
     if not shapes and not is_meta(model):
         return fn(*args)
     with shapes_only(model) as swaps:

@@ -15,10 +15,10 @@ from cost_model.analytic import AnalyticCostModel, CostModel
 from cost_model.cluster import DeviceSet
 from cost_model.cluster_shape import Cluster, ClusterDeviceSet, ClusterError, as_cluster
 from cost_model.devices import DeviceLike, resolve_devices
+from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
-from partitioner.meta import is_meta, on_meta
-from partitioner.planning import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
-from partitioner.visualizer import Plan as DrawablePlan
+from partitioner.place.planning import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
+from partitioner.show.visualizer import Plan as DrawablePlan
 from runtime.launch import distributed, job_devices
 from runtime.materialize import Init, Materializer
 from runtime.microbatch import to_device
@@ -44,7 +44,7 @@ def cluster_devices(cluster: ClusterLike) -> tuple[Cluster, list[torch.device], 
     Up to 128 GPUs, rank r is cuda:r (priced by rank: cost_model.ClusterDeviceSet). Above, torch
     device names run out (an index is below 128), so rank r is its GPU on its host,
     cuda:{r % gpus_per_host}, and the prices hold one host's names (node times; the cluster
-    planner prices links and all-reduces by rank: partitioner/cluster_plan.py).
+    planner prices links and all-reduces by rank: partitioner/place/cluster_plan.py).
 
     Raises:
         PartitionError: a bad shape or file (cost_model.cluster_shape names the fix).
@@ -168,7 +168,7 @@ def check_arguments(
     home = model_device(model)  # tracing runs the model as it is: the example goes where its weights are
     if home is not None:
         args, kwargs = to_device(args, home), to_device(kwargs, home)
-    elif is_meta(model):  # planned from shapes: see partitioner.meta
+    elif is_meta(model):  # planned from shapes: see partitioner.capture.meta
         args, kwargs = on_meta(args), on_meta(kwargs)
     if placement != "pipeline" and (replicas is not None or schedule not in ("gpipe", "auto")):
         raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")

@@ -3,7 +3,7 @@
 Calibration fits the cost model to measured runs and may re-plan: that is the partitioner's
 job, and the runtime never imports the partitioner (design.md, one-way data flow). So the
 runtime only holds a hook typed by `CalibrationHook`; `partitioner.partition` installs
-`partitioner.calibrate.calibrate` there with what it needs to plan again. A pipeline built
+`partitioner.calibrate.decide.calibrate` there with what it needs to plan again. A pipeline built
 by hand has no hook, and `calibrate` says how to get one.
 
 `Calibratable` is the small mixin both `Pipeline` and `DistributedPipeline` take: it records
@@ -68,7 +68,7 @@ class Calibratable:
         else the example inputs given to `partition` with the mean of the outputs as the
         loss. The weights, their gradients, BatchNorm statistics and the random state are
         restored afterwards; the optimizer is never stepped. Under torchrun every rank calls
-        it with the same arguments. Returns a `partitioner.calibrate.CalibrationReport`.
+        it with the same arguments. Returns a `partitioner.calibrate.decide.CalibrationReport`.
 
         Raises:
             PartitionError: the pipeline was not built by `partitioner.partition`, or steps < 1.
@@ -76,7 +76,7 @@ class Calibratable:
         hook = self._calibrator
         if hook is None:
             raise PartitionError("this pipeline has no calibration routine: build it with partitioner.partition(...) "
-                                 "(which installs one), or call partitioner.calibrate.calibrate(pipe, ...) yourself")
+                                 "(which installs one), or call partitioner.calibrate.decide.calibrate(pipe, ...)")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise PartitionError(f"steps={steps!r}; calibrate needs an integer number of steps >= 1")
         step = None

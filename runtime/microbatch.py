@@ -15,7 +15,7 @@ __all__ = [
 
 # [Note: merging micro-batches never guesses]
 # An output whose dim 0 is the batch (known from running the graph on two batch sizes, see
-# partitioner.graph.batch_outputs) is concatenated along dim 0. Any other output (a scalar, a
+# partitioner.capture.graph.batch_outputs) is concatenated along dim 0. Any other output (a scalar, a
 # fixed-size tensor, a Python value) is merged by the rule the user gave for it, else returned
 # once if every micro-batch gave the same value, else refused with an error naming the output
 # and the `output_merge_spec` to pass. "mean" weights micro-batches by their sizes, so a

@@ -88,7 +88,7 @@ class Plan:
     # The model graph for drawing, as plain node-link data (JSON-ready), or None:
     # {"nodes": [{name, op, module, stage, shapes, out_bytes, param_bytes, flops, time}, ...],
     #  "edges": [{src, dst, bytes}, ...], "capacity": {device: bytes or None}};
-    # filled by partitioner.visualizer.attach_graph.
+    # filled by partitioner.show.visualizer.attach_graph.
     graph: dict[str, Any] | None = None
 
     @property

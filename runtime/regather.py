@@ -1,7 +1,7 @@
 """Give every rank the whole model's weights again, before the job is rebuilt from another plan.
 
 Under torchrun a rank keeps only the weights its stages read; the others are emptied
-(runtime.stage.build_stages). A re-plan (partitioner.calibrate) may give a rank stages whose
+(runtime.stage.build_stages). A re-plan (partitioner.calibrate.decide) may give a rank stages whose
 weights it dropped, so first every weight is broadcast from the first rank holding it, in
 the model's own order on every rank (one collective each: the same order on every rank, as
 NCCL needs; see design.md). Then building the new plan keeps what each rank needs.

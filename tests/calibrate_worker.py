@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import InceptionNet  # noqa: E402
 
 from partitioner import partition  # noqa: E402
-from partitioner.calibrate import Measurement, hook_of, measure_steps  # noqa: E402
+from partitioner.calibrate.decide import Measurement, hook_of, measure_steps  # noqa: E402
 from runtime.calibration_hook import StepCall  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.analysis import (
+from partitioner.capture.analysis import (
     CriticalPath,
     Cut,
     ForkJoinRegion as R,
@@ -17,8 +17,8 @@ from partitioner.analysis import (
     fork_join_regions,
     iter_regions,
 )
-from partitioner.graph import build_graph
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph
+from partitioner.capture.trace import trace
 from tests.graphs import dag, fork_join_graph
 
 

@@ -265,7 +265,7 @@ def test_autocast_region_prices_products_at_its_dtype() -> None:
 
 
 def test_trace_records_autocast_regions_as_prepare_reads_them() -> None:
-    from partitioner.trace import trace
+    from partitioner.capture.trace import trace
 
     class Mixed(nn.Module):
         def __init__(self) -> None:

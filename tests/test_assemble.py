@@ -10,14 +10,14 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
-from partitioner.assemble import assemble, finish, stage_edges
-from partitioner.branches import plan_branches
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid_plan import per_micro_batch, plan_hybrid
-from partitioner.planner import plan_pipeline
-from partitioner.simulator import ALLREDUCE, simulate
-from partitioner.trace import trace
+from partitioner.place.branches import plan_branches
+from partitioner.place.chain import plan_pipeline
+from partitioner.place.hybrid_plan import per_micro_batch, plan_hybrid
+from partitioner.predict.assemble import assemble, finish, stage_edges
+from partitioner.predict.simulator import ALLREDUCE, simulate
 from runtime.plan import Plan
 from tests import zoo
 

@@ -11,11 +11,11 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
-from partitioner.assemble import stage_edges
-from partitioner.branches import assign_branches, plan_branches
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.simulator import simulate
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.place.branches import assign_branches, plan_branches
+from partitioner.predict.assemble import stage_edges
+from partitioner.predict.simulator import simulate
 from runtime.plan import Plan
 from tests import zoo
 

@@ -18,8 +18,8 @@ from models import InceptionNet  # noqa: E402
 
 from cost_model.calibration import Calibration  # noqa: E402
 from partitioner import partition, plan  # noqa: E402
-from partitioner.calibrate import Measurement, hook_of, measure_steps  # noqa: E402
-from partitioner.visualizer import page_data, visualize  # noqa: E402
+from partitioner.calibrate.decide import Measurement, hook_of, measure_steps  # noqa: E402
+from partitioner.show.visualizer import page_data, visualize  # noqa: E402
 from runtime.calibration_hook import StepCall  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_the_json_is_written_and_reused_by_a_later_plan(tmp_path: Path) -> None:
 
 
 def _auto_pipe(caplog: pytest.LogCaptureFixture) -> tuple[Any, torch.nn.Module, torch.Tensor, torch.Tensor]:
-    caplog.set_level(logging.INFO, logger="partitioner.calibrate")
+    caplog.set_level(logging.INFO, logger="partitioner.calibrate.decide")
     model, x, y = _data()
     pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, placement="auto")
     return pipe, model, x, y
@@ -130,7 +130,7 @@ def test_a_challenger_that_measures_slower_is_not_taken(caplog: pytest.LogCaptur
 
 def test_the_cli_command_calibrates_and_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from partitioner.cli import main
+    from partitioner.cli.main import main
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "cal.json"

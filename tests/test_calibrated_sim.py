@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cost_model.calibration import CALIBRATION_VERSION, Calibration, fit_calibration
-from partitioner.simulator import ALLREDUCE, simulate
+from partitioner.predict.simulator import ALLREDUCE, simulate
 from runtime.plan import Plan, StagePlan
 from runtime.program import Op, Program, plan_programs
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.assemble import finish
-from partitioner.cli import main
-from partitioner.cli_input import UsageError, load_example
-from partitioner.graph import compute_nodes
-from partitioner.trace import trace
-from partitioner.visualizer import Plan
+from partitioner.capture.graph import compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.cli.inputs import UsageError, load_example
+from partitioner.cli.main import main
+from partitioner.predict.assemble import finish
+from partitioner.show.visualizer import Plan
 from tests import zoo
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,13 +16,13 @@ from cost_model.cluster_shape import Cluster
 from examples.models import GPT, GPTConfig
 from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
-from partitioner.cluster_plan import cluster_problem, plan_on_cluster, replica_step
-from partitioner.cluster_search import affine, block_cuts, layout, search_cluster, windows
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid import InfeasibleError, evaluate, solve_hybrid
-from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
-from partitioner.simulator import simulate
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster, replica_step
+from partitioner.place.cluster_search import affine, block_cuts, layout, search_cluster, windows
+from partitioner.place.hybrid import InfeasibleError, evaluate, solve_hybrid
+from partitioner.place.hybrid_plan import hybrid_problem, plan_hybrid
+from partitioner.predict.simulator import simulate
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs
 
@@ -175,7 +175,7 @@ def test_too_little_memory_names_the_memory_per_gpu() -> None:
 @pytest.mark.parametrize("p,d,m", [(2, 1, 2), (2, 2, 4), (4, 2, 8), (4, 4, 12), (3, 2, 6), (8, 8, 64)])
 def test_replica_chain_is_the_simulators_step_in_the_runtimes_order(schedule: str, p: int, d: int, m: int) -> None:
     # the estimate for plans over EAGER_RANKS against the reference: rank_schedule's lists for every rank,
-    # lowered into programs and simulated by partitioner.simulator
+    # lowered into programs and simulated by partitioner.predict.simulator
     ranks = layout(p, d, "replicas-together")
     forward, backward = [1.0 + 0.25 * s for s in range(p)], [2.0 + 0.5 * (s % 2) for s in range(p)]
     stages = [StagePlan(index=s, device=f"cuda:{s}", nodes=[f"n{s}"], ranks=ranks[s], reads_from=[s - 1] if s else [],

@@ -15,9 +15,9 @@ from torch.distributed.pipelining import SplitPoint
 
 from partitioner import partition
 from partitioner.api import plan as make_plan
+from partitioner.capture.graph import owning_module
+from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError, TraceError
-from partitioner.graph import owning_module
-from partitioner.trace import trace
 from tests import zoo
 from tests.test_distributed import check_equivalence
 from tests.zoo import rel
@@ -120,7 +120,7 @@ def test_markers_are_cuts_in_both_tracing_paths(name: str, caplog: pytest.LogCap
     three = make_plan(model, ["cpu"] * 3, example_inputs=(x,))
     assert three.stages[0].nodes == two.stages[0].nodes and three.stages[1].cut_from_marker
     assert not three.stages[2].cut_from_marker  # a further cut by cost
-    with caplog.at_level(logging.INFO, logger="partitioner.fidelity"):
+    with caplog.at_level(logging.INFO, logger="partitioner.capture.fidelity"):
         cost = make_plan(model, ["cpu"] * 2, example_inputs=(x,), split_points="cost")
     assert not any(s.cut_from_marker for s in cost.stages) and "ignoring 1 pipe_split() markers" in caplog.text
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cost_model.calibration import fit_calibration
 from cost_model.run_fit import compute_events
-from partitioner.simulator import simulate
+from partitioner.predict.simulator import simulate
 from runtime.plan import Plan
 from tests.test_distributed import ROOT, torchrun
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
 from tests import zoo
 
 

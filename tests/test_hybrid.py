@@ -12,12 +12,12 @@ import pytest
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from cost_model.memory import in_flight, stage_memory
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid import HybridProblem, InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
-from partitioner.hybrid_plan import hybrid_problem, plan_hybrid
-from partitioner.simulator import simulate
-from partitioner.trace import trace
+from partitioner.place.hybrid import HybridProblem, InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.hybrid_plan import hybrid_problem, plan_hybrid
+from partitioner.predict.simulator import simulate
 from runtime.microbatch import split_sizes
 from runtime.plan import Plan
 from tests import zoo

@@ -11,10 +11,10 @@ from torch import nn
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid import HybridProblem, evaluate, micro_batch_counts, solve_hybrid
-from partitioner.hybrid_plan import at_batch, hybrid_problem, per_micro_batch
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.place.hybrid import HybridProblem, evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.hybrid_plan import at_batch, hybrid_problem, per_micro_batch
 
 pytestmark = pytest.mark.timeout(300)
 

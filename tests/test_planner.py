@@ -12,11 +12,11 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.planner import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
-from partitioner.simulator import simulate
-from partitioner.trace import trace
+from partitioner.place.chain import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
+from partitioner.predict.simulator import simulate
 from tests import zoo
 from tests.values import random_values
 
@@ -233,7 +233,7 @@ def test_auto_schedule_keeps_only_schedules_that_fit_memory() -> None:
 
 
 def test_auto_schedule_leaves_out_layouts_the_job_cannot_run() -> None:
-    from partitioner.planning import schedule_layouts
+    from partitioner.place.planning import schedule_layouts
 
     assert schedule_layouts([[0], [1]], 4) == {
         "1f1b": [[0], [1]], "gpipe": [[0], [1]], "zb1": [[0], [1]],

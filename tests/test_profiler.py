@@ -22,7 +22,7 @@ from cost_model.chunks import node_bytes, plan_chunks
 from cost_model.cluster import DeviceSet
 from cost_model.profiler import ProfiledCostModel, profile_graph
 from cost_model.timing import make_timer, materialize
-from partitioner.graph import build_graph
+from partitioner.capture.graph import build_graph
 
 CPU = torch.device("cpu")
 

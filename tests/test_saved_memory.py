@@ -16,9 +16,9 @@ from cost_model.ops import classify
 from cost_model.recompute_cost import graph_nodes, recompute_costs, saved_bytes_per_node
 from examples.models import GPT, GPTConfig, InceptionNet
 from examples.resnet50 import resnet50
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.hybrid_plan import hybrid_problem
-from partitioner.trace import trace
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.place.hybrid_plan import hybrid_problem
 from tests import zoo
 from tests.test_hybrid import CLUSTER
 
@@ -97,7 +97,7 @@ def resnet50_on_v100s(micro_batches: list[int]) -> tuple[Any, list[str], Any]:
     """fp32 ResNet-50 at 1,024 images, traced on meta, and the hybrid planner's problem on 2 x 4 V100 16 GB
     with SGD momentum: (graph, order, problem). benchmarks/saved_memory.py plans it too."""
     from cost_model.cluster_shape import Cluster
-    from partitioner.meta import shapes_only
+    from partitioner.capture.meta import shapes_only
 
     with torch.device("meta"):
         model = resnet50()
@@ -113,7 +113,7 @@ def resnet50_on_v100s(micro_batches: list[int]) -> tuple[Any, list[str], Any]:
 def test_resnet50_at_128_images_fits_a_16_gb_v100_as_published_runs_do() -> None:
     # fp32 ResNet-50, 1,024 images data-parallel on 8 V100 16 GB (128 per GPU, one pass, SGD momentum): the
     # hybrid planner's memory for that plan fits now; counting every output as saved (the old bound), it did not.
-    from partitioner.hybrid import evaluate
+    from partitioner.place.hybrid import evaluate
 
     graph, order, problem = resnet50_on_v100s([8])
     data_parallel = ([0, len(order)], [8], 8, "gpipe")

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from partitioner.schedule_sim import ScheduleError, check_schedule, simulate_schedule
+from partitioner.predict.schedule_sim import ScheduleError, check_schedule, simulate_schedule
 from runtime.plan import Plan, StagePlan
 from runtime.program import lower
 from runtime.schedule import (

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.simulator import (
+from partitioner.predict.simulator import (
     ALLREDUCE,
     BACKWARD,
     FORWARD,
@@ -235,8 +235,8 @@ def test_weight_gradients_are_their_own_kind_predicted_measured_and_drawn() -> N
     import torch.nn.functional as F
 
     from partitioner import partition, plan as make_plan
-    from partitioner.simulator import WEIGHT, simulate
-    from partitioner.visualizer import timeline_data
+    from partitioner.predict.simulator import WEIGHT, simulate
+    from partitioner.show.visualizer import timeline_data
     from tests import zoo
 
     model, (x,), _ = zoo.tiny_gpt()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import runtime.stage
-from partitioner.graph import compute_nodes
-from partitioner.trace import trace
+from partitioner.capture.graph import compute_nodes
+from partitioner.capture.trace import trace
 from runtime.plan import Plan, StagePlan
 from runtime.stage import build_stages, tensor_stages
 from tests import zoo

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from partitioner.capture.trace import trace
 from partitioner.errors import TraceError
-from partitioner.trace import trace
 from tests import zoo
 
 

@@ -18,14 +18,14 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
-from partitioner.assemble import finish
-from partitioner.graph import build_graph, compute_nodes
-from partitioner.planner import plan_pipeline
-from partitioner.simulator import simulate
-from partitioner.trace import trace
-from partitioner.visual_html import render_html
-from partitioner.visual_layout import NODES, choose_depth, collapse, layout
-from partitioner.visualizer import Plan, attach_graph, color, page_data, timeline_data, visualize, with_graph
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.place.chain import plan_pipeline
+from partitioner.predict.assemble import finish
+from partitioner.predict.simulator import simulate
+from partitioner.show.html import render_html
+from partitioner.show.layout import NODES, choose_depth, collapse, layout
+from partitioner.show.visualizer import Plan, attach_graph, color, page_data, timeline_data, visualize, with_graph
 from runtime import plan as runtime_plan
 from runtime.microbatch import scatter
 from runtime.schedule import gpipe
@@ -320,7 +320,7 @@ def test_html_in_chromium_inception_with_measured_timeline(tmp_path: Path, incep
     check_screenshot(tmp_path, inception_plan, "inception", 1900)
 
 
-# --- rows by host and folded replicas (partitioner/visual_hosts.py) ----------------------------------------
+# --- rows by host and folded replicas (partitioner/show/hosts.py) ----------------------------------------
 def two_stage_replicas(replicas: int, gpus_per_host: int) -> runtime_plan.Plan:
     """2 stages x `replicas` replicas, 2 micro-batches per replica; stage 0 on ranks 0..R-1, stage 1 after."""
     plan = runtime_plan.Plan(
@@ -360,8 +360,8 @@ def test_rows_of_single_ranks_grouped_under_their_host() -> None:
 
 
 def test_unfoldable_rows_are_merged_when_equal_and_capped() -> None:
-    from partitioner.timeline import FORWARD, DeviceTimeline, Event, Timeline
-    from partitioner.visual_hosts import MAX_ROWS, by_host
+    from partitioner.predict.timeline import FORWARD, DeviceTimeline, Event, Timeline
+    from partitioner.show.hosts import MAX_ROWS, by_host
 
     def rows(n: int, same: bool) -> Timeline:
         devices = [DeviceTimeline(f"cuda:{r}", [0], [Event(FORWARD, 0, r, 0.0, 1.0 if same else 1.0 + r)],
@@ -381,8 +381,8 @@ def test_cluster_report_prints_grouped_rows_not_one_per_rank() -> None:
     # stage 1 F 1-3, B 3-7, all-reduce 7-7.7; 23 columns of 0.5 ms
     from rich.console import Console
 
-    from partitioner.cli_cluster import timeline_rows
-    from partitioner.visual_hosts import text_rows
+    from partitioner.cli.cluster import timeline_rows
+    from partitioner.show.hosts import text_rows
 
     plan = two_stage_replicas(8192, 8)
     text = text_rows(simulate(plan), gpus_per_host=8, width=23)

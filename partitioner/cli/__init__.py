@@ -1,0 +1,3 @@
+"""The command line: `python -m partitioner plan|profile|simulate|calibrate MODULE:FACTORY ...`."""
+
+__all__: list[str] = []

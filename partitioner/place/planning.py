@@ -1,0 +1,345 @@
+"""Planning a traced model: choose the placement, give it its exact stage DAG, programs and predictions.
+
+`partitioner.api` traces and checks what the user passed, then calls `plan_traced`; the
+planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
+`partitioner.predict.assemble` turns that into the Plan's numbers, programs and predictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Sequence, cast, get_args
+
+import torch
+from torch import nn
+
+from cost_model import default_cost_model
+from cost_model.analytic import CostModel
+from cost_model.devices import host_memory
+from cost_model.memory import usable_bytes
+from cost_model.processes import BetweenProcesses
+from partitioner.capture.fidelity import Cuts, forced_cuts, shape_graph
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import Traced
+from partitioner.errors import PartitionError
+from partitioner.place.branches import plan_branches
+from partitioner.place.chain import plan_pipeline
+from partitioner.place.hybrid_plan import plan_hybrid
+from partitioner.predict.assemble import finish, recompute_memory, recount
+from partitioner.show.visualizer import Plan as DrawablePlan, with_graph
+from runtime.interpreter import Routes
+from runtime.launch import stage_layout
+from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode, Schedule
+from runtime.recompute import kept_output_writes
+from runtime.schedule import V_SCHEDULES
+from runtime.stage import stage_io, weight_groups
+
+__all__ = [
+    "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "RecomputeChoice", "ScheduleChoice", "choose", "choose_recompute",
+    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "same_cuts", "schedule_layouts",
+    "stage_ranks_for", "within_memory",
+]
+
+# What `partition(recompute=...)` takes: a mode for every stage, or "auto" (see choose_recompute);
+# or a list of these, one per stage.
+RecomputeChoice = Literal["none", "selective", "full", "auto"]
+RECOMPUTE_CHOICES: tuple[str, ...] = (*RECOMPUTE_MODES, "auto")
+# What `partition(schedule=...)` takes: a schedule, or "auto" (the fastest predicted that fits, see
+# plan_traced). A Plan always holds the concrete schedule it runs.
+ScheduleChoice = Schedule | Literal["auto"]
+SCHEDULE_CHOICES: tuple[str, ...] = (*get_args(Schedule), "auto")
+
+
+def stage_ranks_for(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
+    if replicas is not None and not processes:
+        raise PartitionError(
+            "replicas need one process per stage replica: launch with torchrun (or initialize torch.distributed)"
+        )
+    if replicas == "auto":
+        return [[r] for r in range(ranks)]
+    try:
+        return stage_layout(ranks, schedule, replicas, virtual_stages)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def plan_traced(
+    model: nn.Module,
+    traced: Traced,
+    flat: list[Any],
+    first_chunk: list[Any],
+    devices: list[torch.device],
+    layout: list[list[int]],
+    cost_model: CostModel | None,
+    micro_batches: int,
+    schedule: str,
+    placement: str,
+    auto: bool,
+    processes: bool,
+    cuts: Cuts | None = None,
+    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
+) -> DrawablePlan:
+    """The plan for a traced model: chosen, with exact stage DAG, programs and predictions.
+
+    `schedule="auto"` plans every schedule this layout can run (`schedule_layouts`) and keeps
+    the fastest whose ranks hold their stages (`fits_memory`); `plan.alternatives` records each
+    candidate's predicted step ms ("(over memory)" after the name of one that does not fit).
+    """
+    gm = traced.graph_module
+    if micro_batches < max(len(r) for r in layout):
+        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
+                             f"{max(len(r) for r in layout)}")
+    graph = shape_graph(traced, first_chunk)
+    for node in gm.graph.nodes:  # module classes: what each call saves for backward (cost_model.recompute_cost)
+        if node.op == "call_module" and node.name in graph:
+            graph.nodes[node.name]["kind"] = type(gm.get_submodule(str(node.target))).__name__
+    order = [n.name for n in compute_nodes(gm)]
+    forced = forced_cuts(graph, order, cuts or Cuts("markers", {}))
+    if forced and (auto or placement != "pipeline"):
+        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which placement={placement!r}"
+                             f"{' with replicas=auto' if auto else ''} cannot keep; use placement='pipeline', or "
+                             "split_points='cost' to ignore them")
+    cost = prepared(cost_model, gm, first_chunk)
+    if processes:  # every stage replica is a process: ranks on one device still pay for transfers
+        cost = BetweenProcesses(cost)
+
+    def place(name: str, ranks: list[list[int]]) -> Plan:
+        return _place(model, gm, graph, flat, order, forced, devices, ranks, cost, micro_batches, name, placement,
+                      auto, processes, recompute)
+
+    if schedule != "auto":
+        return with_graph(place(schedule, layout), graph, cost)
+    if placement != "pipeline":
+        return with_graph(place("gpipe", layout), graph, cost)  # branches run GPipe only
+    made: dict[str, Plan] = {}
+    refused: list[str] = []
+    for name, ranks in schedule_layouts(layout, micro_batches, hybrid=auto).items():
+        try:
+            made[name] = place(name, ranks)
+        except PartitionError as exc:  # this layout cannot run it (or cannot fit at all): not a candidate
+            refused.append(f"{name}: {exc}")
+    if not made:
+        raise PartitionError("schedule='auto' found no schedule that can run this model here:\n"
+                             + "\n".join(f"- {r}" for r in refused))
+    fits = {name: fits_memory(p, cost) for name, p in made.items()}
+    pool = [name for name in made if fits[name]] or list(made)
+    best = min(pool, key=lambda name: made[name].predicted_step_ms)
+    chosen = made[best]
+    chosen.alternatives = {(name if fits[name] else f"{name} (over memory)"): p.predicted_step_ms
+                           for name, p in made.items()}
+    return with_graph(chosen, graph, cost)
+
+
+def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
+                     hybrid: bool = False) -> dict[str, list[list[int]]]:
+    """The schedules `schedule="auto"` compares, each with the stage ranks it runs on.
+
+    1F1B comes first, so it wins a tie with GPipe (same step, fewer activations held).
+    gpipe, 1f1b and zb1 run `layout` (one stage per rank, or replicated stages); interleaved
+    (2 stages per rank, round robin; micro-batches in rounds of one per rank), zbv (2
+    stages per rank in a V) and dualpipev (zbv's V; a micro-batch per stage or more) need one
+    replica per stage and 2 ranks or more. The hybrid
+    planner (replicas="auto") chooses among gpipe and 1f1b only.
+    """
+    chain = [list(r) for r in layout]
+    if hybrid:
+        return {"1f1b": chain, "gpipe": chain}
+    out = {"1f1b": chain, "gpipe": chain, "zb1": chain}
+    world = 1 + max(r for ranks in layout for r in ranks)
+    if world > 1 and all(len(r) == 1 for r in layout):
+        if micro_batches % world == 0:
+            out["interleaved"] = stage_layout(world, "interleaved", None, 2)
+        out["zbv"] = stage_layout(world, "zbv", None, 2)
+        if micro_batches >= 2 * world:
+            out["dualpipev"] = stage_layout(world, "dualpipev", None, 2)
+    return out
+
+
+def fits_memory(plan: Plan, cost: CostModel) -> bool:
+    """Whether every device holds what its ranks' stages need: `memory_bytes` of each stage a
+    program runs, summed over the programs on the device, within `device_capacity`."""
+    need: dict[tuple[int, str], int] = {}
+    for prog in plan.programs:
+        held = {op.stage for op in prog.ops if op.is_compute}
+        key = (plan.host_of(prog.rank), prog.device)  # a cluster plan names each host's GPUs alike
+        need[key] = need.get(key, 0) + sum(plan.stages[s].memory_bytes for s in held)
+    return all(n <= device_capacity(cost, torch.device(d)) for (_, d), n in need.items())
+
+
+def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[Any], order: list[str],
+           forced: Any, devices: list[torch.device], layout: list[list[int]], cost: CostModel, micro_batches: int,
+           schedule: str, placement: str, auto: bool, processes: bool,
+           recompute: RecomputeChoice | Sequence[RecomputeChoice]) -> Plan:
+    """One schedule's plan on `layout`: placed, recomputation chosen, programs and predictions made."""
+    recomputing = recompute != "none"
+    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
+        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
+                           schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none")
+    elif placement == "pipeline":
+        stage_devices = [devices[r[0]] for r in layout]
+        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, schedule=cast(Schedule, schedule),
+                             stage_ranks=layout, forced=forced)  # the layout's ranks: zbv lowers only on its V
+        for stage, ranks in zip(made.stages, layout):
+            stage.ranks = ranks
+        if not processes and not forced:  # the memory-aware fallback knows no markers
+            if recomputing:  # what recomputation saves may let this split fit
+                choose_recompute(made, graph, gm, cost, recompute)
+            made = within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    else:
+        made = choose(graph, order, devices, cost, micro_batches, placement)
+        if made.placement != "branches":
+            for stage, ranks in zip(made.stages, layout):
+                stage.ranks = ranks
+    made.schedule = schedule  # type: ignore[assignment]
+    made.virtual_stages = virtual_stages_of(made)
+    if recomputing:
+        choose_recompute(made, graph, gm, cost, recompute)
+    finish_plan(made, gm, model, processes=processes, regenerate=True)
+    return made
+
+
+def virtual_stages_of(plan: Plan) -> int:
+    ranks = {r for s in plan.stages for r in s.ranks}
+    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule in ("interleaved", *V_SCHEDULES) else 1
+
+
+def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:
+    """Give `plan` its exact stage DAG (from the traced graph) and all-reduce groups, then its
+    programs and predictions (partitioner.predict.assemble.finish); a given plan keeps its programs
+    when nothing they depend on changed."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    producers = Routes.of(stage_io(gm, plan), output_node).producers()
+    changed = regenerate or not plan.programs
+    for stage, reads in zip(plan.stages, producers):
+        if not stage.ranks:
+            stage.ranks, changed = [stage.index], True
+        if stage.reads_from != reads:
+            stage.reads_from, changed = reads, True
+    if not changed:
+        return
+    stage_ranks = [list(s.ranks) for s in plan.stages]
+    groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
+    finish(plan, [(list(r), st) for r, st in groups])
+
+
+def choose(
+    graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int, placement: str
+) -> Plan:
+    """The plan for `placement`; for "auto", the faster of pipeline and branches as simulated."""
+    if placement == "pipeline":
+        return plan_pipeline(graph, order, devices, cost, micro_batches)
+    min_gain = 0.0 if placement == "branches" else 0.05
+    branches = plan_branches(graph, order, devices, cost, micro_batches, min_gain=min_gain)
+    if placement == "branches":
+        return branches
+    chain = plan_pipeline(graph, order, devices, cost, micro_batches)
+    times = {"pipeline": chain.predicted_step_ms, "branches": branches.predicted_step_ms}
+    best = branches if branches.placement == "branches" and times["branches"] < times["pipeline"] else chain
+    best.alternatives = times
+    return best
+
+
+def choose_recompute(plan: Plan, graph: Any, gm: torch.fx.GraphModule, cost: CostModel,
+                     recompute: RecomputeChoice | Sequence[RecomputeChoice]) -> None:
+    """Give each stage of `plan` its activation recomputation and recount its numbers (assemble.recount).
+
+    `recompute`: one choice for every stage or one per stage; "auto" is per stage the cheapest of
+    "none", "selective" and "full" whose predicted memory fits the stage's share of its device
+    (its `capacity_bytes`, else the device's capacity split among the stages on it), "full"
+    where none fits. Stages that write in place into a product's output never recompute selectively.
+
+    Raises:
+        PartitionError: not one choice per stage, or "selective" asked for a stage that cannot run it.
+    """
+    p = len(plan.stages)
+    modes = [recompute] * p if isinstance(recompute, str) else list(recompute)
+    if len(modes) != p:
+        raise PartitionError(f"recompute lists {len(modes)} modes for a plan of {p} stages; give one per stage, or "
+                             f"one of {', '.join(map(repr, RECOMPUTE_CHOICES))} for all")
+    stage_of = plan.stage_of()
+    blocked = {stage_of[w] for w, k in kept_output_writes(gm) if w in stage_of and stage_of[w] == stage_of.get(k)}
+    refused = sorted(s for s in blocked if modes[s] == "selective")
+    if refused:
+        raise PartitionError(f"stages {refused} write in place into the output of a matmul or convolution, which "
+                             "selective recomputation keeps; use recompute='full' or 'auto' for them, or write out "
+                             "of place in the model (h = h * 2 rather than h.mul_(2))")
+    memory = recompute_memory(plan, graph, cost) if "auto" in modes else []
+    shares = {d: plan.devices.count(d) for d in plan.devices}
+    chosen: list[RecomputeMode] = []
+    for s, (stage, mode) in enumerate(zip(plan.stages, modes)):
+        if mode != "auto":
+            chosen.append(mode)
+            continue
+        limit = stage.capacity_bytes
+        if limit is None:
+            limit = device_capacity(cost, torch.device(stage.device)) // shares[stage.device]
+        fits = [m for m in RECOMPUTE_MODES if memory[s][m] <= limit and not (m == "selective" and s in blocked)]
+        chosen.append(cast(RecomputeMode, fits[0] if fits else "full"))
+    recount(plan, graph, cost, chosen)
+
+
+def device_capacity(cost: CostModel, device: torch.device) -> int:
+    """Bytes a device holds for tensors: the cost model's (possibly hand-described) spec, else what
+    is there; a GPU's CUDA context and allocator headroom come off (cost_model.memory.usable_bytes)."""
+    for model in (cost, getattr(cost, "fallback", None)):
+        spec = getattr(model, "spec", None)
+        if callable(spec):
+            memory = int(spec(device).memory_bytes)
+            if memory > 0:
+                return usable_bytes(memory, device)
+    if device.type == "cuda":
+        return usable_bytes(int(torch.cuda.get_device_properties(device).total_memory), device)
+    return host_memory()[0]
+
+
+def within_memory(
+    plan: Plan, whole_graph: Any, order: list[str], devices: list[torch.device], cost: CostModel, micro_batches: int
+) -> Plan:
+    """`plan` if every device holds its stages (weights, gradients, activations in flight), else a
+    memory-aware split from the hybrid planner; InfeasibleError names what each device would need."""
+    need: dict[str, int] = {}
+    for stage in plan.stages:
+        need[stage.device] = need.get(stage.device, 0) + 2 * stage.param_bytes + stage.activation_bytes
+    capacity = {d: device_capacity(cost, torch.device(d)) for d in need}
+    if all(n <= capacity[d] for d, n in need.items()):
+        return plan
+    shares = {d: sum(1 for x in devices if str(x) == d) for d in need}  # stages sharing one device split it
+    limits = [capacity[str(d)] / shares[str(d)] for d in devices]
+    return plan_hybrid(
+        whole_graph(), order, devices, cost, micro_batches=micro_batches, schedules=("gpipe",),
+        replicate=False, stages=len(devices), memory_bytes=limits, optimizer="sgd",
+    )
+
+
+def prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> CostModel:
+    """The cost model to plan with (profiled where the device is here, by default), shown the graph."""
+    cost = cost_model if cost_model is not None else default_cost_model()
+    prepare = getattr(cost, "prepare", None)  # optional: see cost_model.interface
+    if callable(prepare):
+        prepare(gm, flat_inputs)
+    return cost
+
+
+def same_cuts(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
+    """`plan` for another graph of the same model (the other train/eval mode): nodes it shares stay
+    in their stage; a node of its own joins the stage of its latest input."""
+    stage_of = plan.stage_of()
+    assigned: dict[str, int] = {}
+    for node in compute_nodes(gm):
+        s = stage_of.get(node.name)
+        if s is None:
+            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
+        assigned[node.name] = s
+    stages = [
+        dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
+        for st in plan.stages
+    ]
+    other = dataclasses.replace(plan, stages=stages, programs=[], graph=None)
+    try:
+        stage_io(gm, other)
+    except ValueError as exc:
+        raise PartitionError(f"the model's graph in its other train/eval mode cannot be cut where this one is: {exc}; "
+                             "partition the model in the mode you run it in") from None
+    return other

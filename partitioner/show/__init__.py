@@ -1,0 +1,3 @@
+"""Display: the drawable Plan, its HTML page, static pictures and the cluster view."""
+
+__all__: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from partitioner.arguments import (
 from partitioner.calibrate.decide import Setup, attach
 from partitioner.calibrate.store import CalibrationArg, with_calibration
 from partitioner.capture.describe import describe_model
+from partitioner.capture.example import shaped, trace_example
 from partitioner.capture.fidelity import (
     Cuts,
     InputSplitSpec,
@@ -37,15 +38,14 @@ from partitioner.capture.fidelity import (
     cuts_from,
     input_dims,
 )
-from partitioner.capture.meta import is_meta, on_meta, shapes_only
-from partitioner.capture.trace import Traced, trace
+from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
+from partitioner.make.modes import same_cuts
 from partitioner.place.planning import (
     RecomputeChoice,
     ScheduleChoice,
     finish_plan,
     plan_traced,
-    same_cuts,
     stage_ranks_for,
 )
 from partitioner.predict.assemble import price_update
@@ -54,7 +54,6 @@ from runtime.async_updates import check_async_plan
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed, init_process_group, joined_devices
 from runtime.materialize import Init, Materializer
-from runtime.microbatch import batch_size, scatter
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan, Update
 from runtime.stage import build_stages, stage_io, weight_groups
@@ -111,9 +110,9 @@ def plan(
 
     def planned(shapes: bool) -> DrawablePlan:
         a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
-        traced, flat, first_chunk = _shaped(model, None, _trace_example, model, a, k, micro_batches,
+        traced, flat, first_chunk = shaped(model, None, trace_example, model, a, k, micro_batches,
                                             input_split_spec, shapes=shapes)
-        return _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks,
+        return shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks,
                        cost_model, micro_batches, schedule, placement, replicas == "auto", multi,
                        cuts_from(split_points, split_spec), recompute, shapes=shapes)
 
@@ -267,13 +266,13 @@ def partition(
         pipe.staleness = staleness  # recorded in pipe.plan.staleness
         return attach(_with_update(update, pipe, planned=planned), setup)
     stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
-    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
+    traced, flat, first_chunk = shaped(model, None, trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
     gm = traced.graph_module
     dims = input_dims(model, traced, input_split_spec)
-    batched = _shaped(model, traced, batched_outputs, traced, flat, first_chunk, dims, micro_batches)
+    batched = shaped(model, traced, batched_outputs, traced, flat, first_chunk, dims, micro_batches)
     if plan is None:
-        plan = _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks, cost_model,
+        plan = shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks, cost_model,
                        micro_batches, schedule, placement, False, False, cuts_from(split_points, split_spec),
                        recompute)
     elif plan.micro_batches != micro_batches:
@@ -326,33 +325,6 @@ def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
         raise PartitionError(str(exc)) from None
 
 
-def _shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args: Any, shapes: bool = False) -> _T:
-    """`fn(*args)`; for a model on meta (or with `shapes`), on meta tensors only (capture.meta.shapes_only)."""
-    if not shapes and not is_meta(model):
-        return fn(*args)
-    with shapes_only(model) as swaps:
-        if traced is not None:
-            swaps.add(model, [g for g in (traced.graph_module, traced.other_mode) if g is not None])
-        return fn(*args)
-
-
-def _trace_example(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int,
-    input_split_spec: InputSplitSpec | None = None,
-) -> tuple[Traced, list[Any], list[Any]]:
-    """Trace the model; return it, the example's placeholder values and its first micro-batch."""
-    traced = trace(model, args, kwargs)
-    # Shape propagation and profiling run the model: on copies, so the caller's tensors stay as they are.
-    flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
-    dims = input_dims(model, traced, input_split_spec)
-    try:
-        batch_size([v for v, d in zip(flat, dims or ["auto"] * len(flat)) if d == "auto"] or flat)
-        first_chunk = scatter(flat, micro_batches, dims)[0]
-    except ValueError as exc:
-        raise PartitionError(f"example_inputs: {exc}") from None
-    return traced, flat, first_chunk
-
-
 def _graph_io(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[str], dict[str, Any]]:
     """The graph's output node, its placeholder names, and the objects its get_attr nodes name."""
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -384,7 +356,7 @@ def _partition_distributed(
     devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_ranks = stage_ranks_for(world, schedule, replicas, virtual_stages, True) if plan is None else []
-    traced, flat, first_chunk = _shaped(model, None, _trace_example, model, args, kwargs, micro_batches,
+    traced, flat, first_chunk = shaped(model, None, trace_example, model, args, kwargs, micro_batches,
                                         input_split_spec)
     gm = traced.graph_module
     dims = input_dims(model, traced, input_split_spec)
@@ -393,7 +365,7 @@ def _partition_distributed(
         failure: BaseException | None = None
         if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
             try:
-                made = _shaped(model, traced, plan_traced, model, traced, flat, first_chunk, devices, stage_ranks,
+                made = shaped(model, traced, plan_traced, model, traced, flat, first_chunk, devices, stage_ranks,
                                cost_model, micro_batches, schedule, placement, replicas == "auto", True, cuts,
                                recompute)
                 text = [("plan", made.to_json())]

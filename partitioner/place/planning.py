@@ -7,7 +7,6 @@ planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal, Sequence, cast, get_args
 
 import torch
@@ -36,7 +35,7 @@ from runtime.stage import stage_io, weight_groups
 
 __all__ = [
     "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "RecomputeChoice", "ScheduleChoice", "choose", "choose_recompute",
-    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "same_cuts", "schedule_layouts",
+    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "schedule_layouts",
     "stage_ranks_for", "within_memory",
 ]
 
@@ -320,26 +319,3 @@ def prepared(cost_model: CostModel | None, gm: torch.fx.GraphModule, flat_inputs
     if callable(prepare):
         prepare(gm, flat_inputs)
     return cost
-
-
-def same_cuts(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
-    """`plan` for another graph of the same model (the other train/eval mode): nodes it shares stay
-    in their stage; a node of its own joins the stage of its latest input."""
-    stage_of = plan.stage_of()
-    assigned: dict[str, int] = {}
-    for node in compute_nodes(gm):
-        s = stage_of.get(node.name)
-        if s is None:
-            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
-        assigned[node.name] = s
-    stages = [
-        dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
-        for st in plan.stages
-    ]
-    other = dataclasses.replace(plan, stages=stages, programs=[], graph=None)
-    try:
-        stage_io(gm, other)
-    except ValueError as exc:
-        raise PartitionError(f"the model's graph in its other train/eval mode cannot be cut where this one is: {exc}; "
-                             "partition the model in the mode you run it in") from None
-    return other

@@ -8,6 +8,7 @@
                                         gradients: cost_model.recompute_cost, `peak_bytes`); R: inputs
                                         it received, held per micro-batch; f micro-batches in flight:
                                         GPipe f = m, 1F1B f = min(p - s, m) for stage s of p
+                                        (rules.schedules.in_flight: each schedule's closed form)
     buffers      (f + 1) * S            S: the outputs it sends, held per micro-batch until its
                                         backward, and their gradient (received) during it; the last
                  f * S (last stage)     stage's S is the model output it returns, and its loss holds
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from cost_model.recompute_cost import saved_bytes_per_node
+from rules.schedules import in_flight  # the closed form of each registered schedule; cost_model.in_flight
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +40,6 @@ __all__ = ["ALLOCATOR_HEADROOM", "CUDA_CONTEXT_BYTES", "OPTIMIZER_STATES", "Stag
 
 # Tensors of optimizer state per parameter tensor (same size and dtype).
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
-_SCHEDULES = ("gpipe", "1f1b")
 # What a process's CUDA context takes on the GPU before any tensor: the driver's context, the
 # kernels it loads (lazily since CUDA 11.7) and the cuBLAS/cuDNN handles and workspaces; about
 # 300-600 MiB on A100/H100 with CUDA 12 (nvidia-smi of a process that ran one matmul and one conv).
@@ -68,28 +69,6 @@ class StageMemory:
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
-
-
-def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` (0-based) of `stages` holds at its peak.
-
-    GPipe runs every forward before any backward: all m. 1F1B starts p - s forwards, then
-    alternates one backward and one forward: min(p - s, m).
-
-    Raises:
-        ValueError: an unknown schedule, or a stage index outside 0..stages-1.
-    """
-    if stages < 1 or micro_batches < 1 or not 0 <= stage < stages:
-        raise ValueError(
-            f"stage={stage}, stages={stages}, micro_batches={micro_batches}: "
-            "need 0 <= stage < stages and micro_batches >= 1"
-        )
-    name = schedule.lower().replace("-", "").replace("_", "")
-    if name == "gpipe":
-        return micro_batches
-    if name == "1f1b":
-        return min(stages - stage, micro_batches)
-    raise ValueError(f"schedule {schedule!r} is not one of {list(_SCHEDULES)}")
 
 
 def optimizer_states(optimizer: str) -> int:
@@ -133,7 +112,8 @@ def stage_memory(
         activation_bytes: bytes its nodes save for backward, for one micro-batch.
         stage, stages: this stage's index and the pipeline's depth.
         micro_batches: m, micro-batches per step.
-        schedule: "gpipe" or "1f1b".
+        schedule: a schedule with a closed form for micro-batches in flight ("gpipe", "1f1b", "zb1";
+            rules.schedules.in_flight); ignored when `flight` is given.
         optimizer: "sgd", "sgd_momentum" (or "momentum"), "adam" or "adamw".
         recv_bytes, send_bytes: per micro-batch, crossing into and out of the stage (the last
             stage's send_bytes: the model output it returns).

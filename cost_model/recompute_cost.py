@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from cost_model.ops import classify
+from rules.segments import segment_key, segments
 
 __all__ = ["ModeCost", "graph_nodes", "op_name", "recompute_costs", "saved_bytes_per_node", "segment_key"]
 
@@ -186,34 +187,12 @@ class _Walk:
         return best
 
 
-def segment_key(path: str) -> str | None:
-    """'blocks.2.mlp.0' -> 'blocks.2'; a path without an index component -> None.
-
-    The rule of [Note: recomputation segments] in runtime/recompute_segments.py (the runtime
-    cuts stages by it; this module prices the cut): change both together.
-    """
-    parts = path.split(".")
-    for k, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: k + 1])
-    return None
-
-
 def _segments(nodes: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Each node's recomputation segment: consecutive nodes of one segment key (none: the one before); one
     segment for a stage that writes in place (`h.mul_(2)`), which the runtime checkpoints whole."""
     if any(_in_place(n) for n in nodes):
         return {str(n["name"]): 0 for n in nodes}
-    found: dict[str, int] = {}
-    key: str | None = None
-    index = -1
-    for n in nodes:
-        own = segment_key(str(n.get("module") or ""))
-        if index < 0 or (own is not None and own != key):
-            index += 1
-            key = own if own is not None else key
-        found[str(n["name"])] = index
-    return found
+    return segments((str(n["name"]), str(n.get("module") or "")) for n in nodes)
 
 
 def _in_place(node: Mapping[str, Any]) -> bool:

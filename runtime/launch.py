@@ -20,8 +20,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from rules.schedules import stage_ranks
 from runtime.errors import PartitionError
-from runtime.schedule import V_SCHEDULES, v_stage_ranks
 
 __all__ = ["backend_for", "check_ranks", "distributed", "init_process_group", "job_devices", "joined_devices",
            "own_device", "rank_device", "stage_layout", "wire_device"]  # fmt: skip
@@ -191,23 +191,10 @@ def joined_devices(given: Sequence[str | torch.device]) -> list[torch.device]:
 def stage_layout(ranks: int, schedule: str, replicas: Sequence[int] | None, virtual_stages: int) -> list[list[int]]:
     """The ranks of each stage: stage by stage with replicas; round robin for interleaved; a V for zbv and dualpipev.
 
+    The schedule's layout decides (`rules.schedules.stage_ranks`, which registered schedules follow too).
+
     Raises:
-        ValueError: replicas that do not add up to `ranks`, or interleaving (or a V) with replicas.
+        ValueError: an unknown schedule, replicas that do not add up to `ranks`, or interleaving (or a V)
+            with replicas.
     """
-    if schedule in V_SCHEDULES:
-        if replicas is not None and any(r != 1 for r in replicas):
-            raise ValueError(f"schedule={schedule!r} runs one replica per stage; drop replicas or use 'zb1'")
-        if virtual_stages != 2:
-            raise ValueError(f"virtual_stages={virtual_stages}; {schedule} holds exactly 2 stages per rank: pass 2")
-        return v_stage_ranks(ranks)
-    if schedule == "interleaved":
-        if replicas is not None and any(r != 1 for r in replicas):
-            raise ValueError("schedule='interleaved' runs one replica per stage; drop replicas or use '1f1b'")
-        if virtual_stages < 2:
-            raise ValueError(f"virtual_stages={virtual_stages}; interleaving needs 2 or more stages per rank")
-        return [[s % ranks] for s in range(ranks * virtual_stages)]
-    counts = list(replicas) if replicas is not None else [1] * ranks
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in counts) or sum(counts) != ranks:
-        raise ValueError(f"replicas={counts} must be positive integers adding up to the {ranks} ranks of the job")
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    return [list(range(a, a + r)) for a, r in zip(starts, counts)]
+    return stage_ranks(schedule, ranks, replicas, virtual_stages)

@@ -6,12 +6,8 @@ holds everything "none" would keep for it: with 1F1B's last stage (one micro-bat
 recomputation saves nothing at the peak. Cut into segments, the backward of segment j holds
 the values crossing between segments (kept) plus segment j's own recomputation only.
 
-[Note: recomputation segments]
-A node's segment key is the shortest prefix of its owning module path that ends in an index
-('blocks.2.mlp.0' -> 'blocks.2', 'layers.0' -> 'layers.0'); a node without one ('ln', the root's
-own functions) joins the segment before it. Consecutive nodes with one key form a segment. The
-cost model applies the same rule to the graph's `module` attribute (cost_model/recompute_cost.py,
-`segment_key`): change both together.
+Which nodes form a segment is [Note: recomputation segments] in rules/segments.py, the one rule
+this module cuts by and cost_model/recompute_cost.py prices.
 
 A stage is not cut when it writes in place anywhere (a later segment could write into a value an
 earlier one recomputes from) or has only one segment: it is checkpointed whole, as before.
@@ -23,18 +19,10 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from rules.segments import segment_key, segments
 from runtime.mutation import mutated_arg
 
 __all__ = ["segment_key", "segment_of", "split_segments"]
-
-
-def segment_key(path: str) -> str | None:
-    """'blocks.2.mlp.0' -> 'blocks.2'; a path without an index component -> None (see the Note)."""
-    parts = path.split(".")
-    for k, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: k + 1])
-    return None
 
 
 def _path(node: torch.fx.Node) -> str:
@@ -49,19 +37,9 @@ def _path(node: torch.fx.Node) -> str:
 
 
 def segment_of(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Each call node's segment index (0, 1, ...), in graph order, by the rule of the Note."""
-    found: dict[str, int] = {}
-    key: str | None = None
-    index = -1
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        own = segment_key(_path(node))
-        if index < 0 or (own is not None and own != key):
-            index += 1
-            key = own if own is not None else key
-        found[node.name] = index
-    return found
+    """Each call node's segment index (0, 1, ...), in graph order, by [Note: recomputation segments]."""
+    calls = ("call_function", "call_method", "call_module")
+    return segments((node.name, _path(node)) for node in gm.graph.nodes if node.op in calls)
 
 
 def split_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:

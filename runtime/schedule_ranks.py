@@ -1,27 +1,17 @@
 """A schedule's name and a layout of stage replicas into each rank's action list (the one dispatcher).
 
-`runtime/schedule.py` holds the generators, one per schedule; this module picks one for a
-layout (chain, DAG, replicas, interleaved, V) and deals its lists to ranks, so a new
-schedule is a generator there and a branch here.
+The schedule's `ScheduleSpec` (rules.schedules: the registry) gives its generator and layout;
+this module checks the layout, calls the generator and deals a chain's lists to the ranks of
+each stage's replicas. A new schedule is a registered spec: nothing here changes.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from runtime.schedule import (
-    V_SCHEDULES,
-    Action,
-    _check_counts,
-    dag_gpipe,
-    dag_levels,
-    dualpipe_v,
-    interleaved_one_f_one_b,
-    one_f_one_b,
-    v_stage_ranks,
-    zero_bubble_h1,
-    zero_bubble_v,
-)
+from rules.actions import Action, check_counts
+from rules.generators import dag_levels
+from rules.schedules import either, layout_ranks, schedule_names, schedule_spec
 
 __all__ = ["rank_schedule"]
 
@@ -34,41 +24,36 @@ def rank_schedule(
 ) -> list[list[Action]]:
     """Each rank's forward and backward (and W) actions, in order, for the named schedule.
 
-    The one place a schedule name becomes action lists: a new schedule is a generator above
-    and a branch here. `stage_ranks[s]` are the ranks of stage s's replicas (micro-batch i on
-    replica i mod r); `producers[s]` the stages s reads.
+    The one place a schedule name becomes action lists. `stage_ranks[s]` are the ranks of
+    stage s's replicas (micro-batch i on replica i mod r); `producers[s]` the stages s reads.
 
     Raises:
-        ValueError: the schedule cannot run this layout (the message says what can).
+        ValueError: an unknown schedule, or one that cannot run this layout or micro-batch
+            count (the message says what can).
     """
+    spec = schedule_spec(schedule)
     p = len(stage_ranks)
-    _check_counts(micro_batches, p)
+    check_counts(micro_batches, p)
     world = 1 + max(r for ranks in stage_ranks for r in ranks)
     levels = dag_levels(producers)
     single = all(len(ranks) == 1 for ranks in stage_ranks)
-    if schedule == "interleaved":
-        if not single or any(ranks[0] != s % world for s, ranks in enumerate(stage_ranks)) or p % world:
-            raise ValueError(
-                f"interleaved runs a chain of stages round robin over the ranks (stage s on rank s % {world}), one "
-                f"replica each; got stage ranks {[list(r) for r in stage_ranks]}"
-            )
-        return interleaved_one_f_one_b(micro_batches, world, p // world)
-    if schedule in V_SCHEDULES:
-        if [list(r) for r in stage_ranks] != v_stage_ranks(world):
-            raise ValueError(
-                f"{schedule} runs 2 x {world} stages in a V over the {world} ranks (stage s on rank s, then "
-                f"2p - 1 - s: {v_stage_ranks(world)}), one replica each; "
-                f"got stage ranks {[list(r) for r in stage_ranks]}"
-            )
-        return zero_bubble_v(micro_batches, world) if schedule == "zbv" else dualpipe_v(micro_batches, world)
-    if schedule not in ("gpipe", "1f1b", "zb1"):
-        raise ValueError(
-            f"unknown schedule {schedule!r}; use 'gpipe', '1f1b', 'interleaved', 'zb1', 'zbv' or 'dualpipev'"
-        )
-    # 1F1B's (and ZB-H1's) per-stage order is built for a chain; stages numbered in topological order
-    # that depend on fewer stages (a cut inside a fork/join region) only wait less, so it stays valid.
-    if schedule == "gpipe" and single:
-        return dag_gpipe(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
+    layout = [list(r) for r in stage_ranks]
+    if spec.layout != "chain":
+        per_rank = max(1, p // world)
+        if layout != layout_ranks(spec.layout, world, per_rank):
+            where = (f"2 x {world} stages in a V over the {world} ranks (stage s on rank s, then 2p - 1 - s: "
+                     f"{layout_ranks('v', world, 2)})" if spec.layout == "v"
+                     else f"a chain of stages round robin over the ranks (stage s on rank s % {world})")
+            raise ValueError(f"{schedule} runs {where}, one replica each; got stage ranks {layout}")
+        _accept(spec.accepts(micro_batches, world, per_rank))
+        return spec.actions(micro_batches, world, per_rank)
+    _accept(spec.accepts(micro_batches, p, 1))
+    # A chain order is built for a chain; stages numbered in topological order that depend on fewer
+    # stages (a cut inside a fork/join region) only wait less, so it stays valid.
+    if spec.dag is not None and single:
+        return spec.dag(micro_batches, levels, [ranks[0] for ranks in stage_ranks])
+    if not single and not spec.replicas:
+        raise ValueError(f"{schedule} runs one replica per stage; got stage ranks {layout}")
     # [Note: a replica runs its own 1F1B] With every stage on r replicas, micro-batch i runs on
     # replica i mod r of every stage: r independent pipelines of m / r micro-batches, as data
     # parallelism over pipelines runs. Replica j then runs micro-batches j, j + r, ... in the
@@ -76,12 +61,9 @@ def rank_schedule(
     # it warms up min(p - s, m / r) forwards. Dealing one list over all m in turn would give it
     # about (p - s) / r and serialize each pipeline. Unequal replica counts keep the dealt list:
     # there a replica's own warm-up can wait on a micro-batch the stage before holds back
-    # (tests/test_schedule.py lowers both). GPipe runs every forward first anyway: always dealt.
-    counts = {len(ranks) for ranks in stage_ranks}
-    generate = {"1f1b": one_f_one_b, "zb1": zero_bubble_h1}.get(schedule) if len(counts) == 1 else None
-    per_stage = {"1f1b": one_f_one_b, "zb1": zero_bubble_h1}.get(schedule)
-    dealt = None if generate is not None else (per_stage(micro_batches, p) if per_stage is not None
-                                                else dag_gpipe(micro_batches, levels, list(range(p))))
+    # (tests/test_schedule.py lowers both). GPipe runs every forward first: dealt or not, the same.
+    equal = len({len(ranks) for ranks in stage_ranks}) == 1
+    dealt = None if equal else spec.actions(micro_batches, p, 1)
     orders: dict[int, list[list[Action]]] = {}
     lists: list[list[Action]] = [[] for _ in range(world)]
     owner: dict[int, int] = {}
@@ -92,15 +74,21 @@ def rank_schedule(
                 by_replica[a.microbatch % len(ranks)].append(a)
         for j, r in enumerate(ranks):
             if owner.setdefault(r, s) != s:
+                several = [n for n in schedule_names() if schedule_spec(n).layout != "chain"]
                 raise ValueError(
                     f"rank {r} runs stages {owner[r]} and {s} under {schedule!r}; give each rank one stage "
-                    "(or use 'interleaved', 'zbv' or 'dualpipev' for several stages per rank)"
+                    f"(or use {either(several)} for several stages per rank)"
                 )
             mine = range(j, micro_batches, len(ranks))
-            if generate is not None and len(mine):
+            if dealt is None and len(mine):
                 if len(mine) not in orders:  # one generator call per micro-batch count, not per rank
-                    orders[len(mine)] = generate(len(mine), p)
-                order = orders[len(mine)]
-                by_replica[j] = [Action(s, a.kind, mine[a.microbatch]) for a in order[s]]
+                    orders[len(mine)] = spec.actions(len(mine), p, 1)
+                by_replica[j] = [Action(s, a.kind, mine[a.microbatch]) for a in orders[len(mine)][s]]
             lists[r] += by_replica[j]
     return lists
+
+
+def _accept(problem: str | None) -> None:
+    """Raise the schedule's own reason for refusing a micro-batch count (`ScheduleSpec.accepts`)."""
+    if problem:
+        raise ValueError(problem)

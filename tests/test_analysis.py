@@ -7,17 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.capture.analysis import (
-    CriticalPath,
-    Cut,
-    ForkJoinRegion as R,
-    critical_path,
-    cut_points,
-    describe,
-    fork_join_regions,
-    iter_regions,
-)
+from partitioner.capture.analysis import CriticalPath, Cut, critical_path, cut_points, describe
 from partitioner.capture.graph import build_graph
+from partitioner.capture.regions import ForkJoinRegion as R, fork_join_regions, iter_regions
 from partitioner.capture.trace import trace
 from tests.graphs import dag, fork_join_graph
 

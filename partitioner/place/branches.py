@@ -22,7 +22,7 @@ import torch
 
 from cost_model.analytic import CostModel
 from cost_model.interface import forward_time
-from partitioner.capture.analysis import fork_join_regions, iter_regions
+from partitioner.capture.regions import fork_join_regions, iter_regions
 from partitioner.predict.assemble import assemble
 from runtime.plan import Plan
 

@@ -10,14 +10,18 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
+from rules.schedules import schedule_names
 from runtime.program import Op, Program
 
 __all__ = ["RECOMPUTE_MODES", "UPDATES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "Update",
            "human_bytes"]
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev"]
+# A schedule's name: a built-in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev") or one
+# registered later (rules.schedules.register), so a string, not a closed Literal; `Plan.check` checks
+# it against the registry when a plan is made or loaded.
+Schedule = str
 Placement = Literal["pipeline", "branches", "hybrid"]
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
+SCHEDULES: tuple[str, ...] = schedule_names()  # the built-ins; schedule_names() also has those registered later
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 # What a stage keeps for backward (runtime.recompute): everything autograd saves ("none"), matmul and
 # convolution outputs ("selective"), or only its inputs ("full"); the rest runs again in backward.
@@ -73,7 +77,7 @@ class Plan:
     schedule: Schedule = "gpipe"
     predicted_step_ms: float = 0.0
     placement: Placement = "pipeline"
-    virtual_stages: int = 1  # interleaved: stages per rank (zbv: 2)
+    virtual_stages: int = 1  # stages per rank of a loop or V layout (interleaved: 2 or more; zbv: 2)
     update: Update = "sync"  # asynchronous updates run the 1F1B stream of runtime.stream, not `programs`
     # Bounded staleness (torchrun, runtime.staleness): the update of step t uses the all-reduced
     # gradients of step t - staleness for weights held by several ranks; 0 is synchronous.
@@ -142,8 +146,8 @@ class Plan:
     def check(self) -> None:
         """Raise ValueError naming every field that holds a value the runtime cannot run."""
         problems = []
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in schedule_names():
+            problems.append(f"schedule={self.schedule!r}; use one of {', '.join(schedule_names())}")
         if self.placement not in PLACEMENTS:
             problems.append(f"placement={self.placement!r}; use one of {', '.join(PLACEMENTS)}")
         if self.update not in UPDATES:

@@ -37,12 +37,15 @@ from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster import DeviceSet  # noqa: E402
 from cost_model.devices import DeviceSpec  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
-from partitioner.capture.analysis import critical_path, cut_points, fork_join_regions, iter_regions  # noqa: E402
+from partitioner.capture.analysis import critical_path, cut_points  # noqa: E402
 from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
+from partitioner.capture.regions import fork_join_regions, iter_regions  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.chain import SplitProblem, plan_pipeline, solve  # noqa: E402
-from partitioner.place.hybrid import HybridProblem, evaluate, solve_hybrid  # noqa: E402
-from partitioner.place.hybrid_plan import hybrid_problem, plan_hybrid  # noqa: E402
+from partitioner.place.graph_costs import hybrid_problem  # noqa: E402
+from partitioner.place.hybrid import evaluate, solve_hybrid  # noqa: E402
+from partitioner.place.hybrid_plan import plan_hybrid  # noqa: E402
+from partitioner.place.hybrid_problem import HybridProblem  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests.graphs import fork_join_graph  # noqa: E402
 

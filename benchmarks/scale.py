@@ -41,8 +41,8 @@ from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster  # noqa: E402
 from partitioner.place.cluster_search import fill, search_cluster  # noqa: E402
+from partitioner.place.graph_costs import hybrid_problem  # noqa: E402
 from partitioner.place.hybrid import InfeasibleError, solve_hybrid  # noqa: E402
-from partitioner.place.hybrid_plan import hybrid_problem  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
 GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)

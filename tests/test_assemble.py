@@ -15,8 +15,10 @@ from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
-from partitioner.place.hybrid_plan import per_micro_batch, plan_hybrid
-from partitioner.predict.assemble import assemble, finish, stage_edges
+from partitioner.place.graph_costs import per_micro_batch
+from partitioner.place.hybrid_plan import plan_hybrid
+from partitioner.predict.assemble import assemble, finish
+from partitioner.predict.counting import stage_edges
 from partitioner.predict.simulator import ALLREDUCE, simulate
 from runtime.plan import Plan
 from tests import zoo

@@ -14,7 +14,7 @@ from cost_model.devices import DeviceSpec
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.place.branches import assign_branches, plan_branches
-from partitioner.predict.assemble import stage_edges
+from partitioner.predict.counting import stage_edges
 from partitioner.predict.simulator import simulate
 from runtime.plan import Plan
 from tests import zoo

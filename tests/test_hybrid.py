@@ -15,8 +15,10 @@ from cost_model.memory import in_flight, stage_memory
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid import HybridProblem, InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
-from partitioner.place.hybrid_plan import hybrid_problem, plan_hybrid
+from partitioner.place.graph_costs import hybrid_problem
+from partitioner.place.hybrid import InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.hybrid_plan import plan_hybrid
+from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.predict.simulator import simulate
 from runtime.microbatch import split_sizes
 from runtime.plan import Plan

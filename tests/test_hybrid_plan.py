@@ -13,8 +13,9 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.hybrid import HybridProblem, evaluate, micro_batch_counts, solve_hybrid
-from partitioner.place.hybrid_plan import at_batch, hybrid_problem, per_micro_batch
+from partitioner.place.graph_costs import at_batch, hybrid_problem, per_micro_batch
+from partitioner.place.hybrid import evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.hybrid_problem import HybridProblem
 
 pytestmark = pytest.mark.timeout(300)
 

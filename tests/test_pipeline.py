@@ -124,7 +124,7 @@ def test_replicas_in_one_process_name_torchrun() -> None:
 def test_zero_bubble_train_step_equals_plain_model_at_1f1b_memory(schedule: str, threads: bool) -> None:
     import dataclasses
 
-    from partitioner.predict.simulator import in_flight
+    from partitioner.predict.program_run import in_flight
     from runtime.program import plan_programs
 
     torch.manual_seed(0)

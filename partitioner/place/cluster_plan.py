@@ -43,11 +43,13 @@ from partitioner.place.cluster_search import (
     solve_candidate,
     windows,
 )
-from partitioner.place.hybrid import SCHEDULES, HybridProblem, InfeasibleError
-from partitioner.place.hybrid_plan import batch_size, graph_values, node_times, per_micro_batch
-from partitioner.predict.assemble import assemble, lower_plan, predict, stage_edges
+from partitioner.place.graph_costs import batch_size, graph_values, node_times, per_micro_batch
+from partitioner.place.hybrid import SCHEDULES, InfeasibleError
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.predict.assemble import assemble, predict
+from partitioner.predict.counting import stage_edges
+from partitioner.predict.lowering import lower_plan, replica_groups
 from partitioner.predict.schedule_sim import simulate_schedule
-from partitioner.predict.simulator import replica_groups
 from runtime.plan import Plan, RecomputeMode, StagePlan
 from runtime.schedule_ranks import rank_schedule
 
@@ -78,7 +80,7 @@ def cluster_problem(
     graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel, micro_batches: Sequence[int],
     *, optimizer: str = "adam", headroom: float = 0.9,
 ) -> HybridProblem:
-    """The node arrays of hybrid.py's HybridProblem for one GPU type (no per-device arrays: the
+    """The node arrays of a HybridProblem (hybrid_problem.py) for one GPU type (no per-device arrays: the
     search prices links by rank), node times asked at each micro-batch size `micro_batches` make."""
     size = batch_size(graph)
     probes: set[int] = set()

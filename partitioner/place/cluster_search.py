@@ -13,8 +13,8 @@ micro-batches m with d | m, schedule), a rank order, and p - 1 cuts:
 W_s (a stage's work per step) and its memory are hybrid.py's; the step is fill(m, p, d) * max W, with
 fill = (m/d + p - 1) / (m/d): d equal replicas of every stage are d pipelines of m/d micro-batches
 (runtime/schedule_ranks.py), each filling in p - 1 micro-batch times (hybrid.py's (m + p - 1) / m at d = 1).
-W and memory come from hybrid.py (`_stage_parts`, `_in_flight`), so where both searches price a layout
-alike (one host, equal replicas) the DP over every cut is exact for each count.
+W and memory come from stage_costs.py (`stage_parts`, `replica_in_flight`), as hybrid.py's do, so where
+both searches price a layout alike (one host, equal replicas) the DP over every cut is exact for each count.
 Micro-batch i runs on `ranks[i % d]` of each stage, so replica j of stage s talks to replica j of
 s + 1; a stage's link is the slowest of those pairs. Cut candidates come from the caller (the
 model's repeated blocks), else every position of a small graph, else equal counts and equal times.
@@ -32,16 +32,10 @@ import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid import (
-    SCHEDULES,
-    HybridProblem,
-    InfeasibleError,
-    Window,
-    _cuts,
-    _Grid,
-    _in_flight,
-    _stage_parts,
-)
+from partitioner.place.hybrid import SCHEDULES, InfeasibleError
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.hybrid_windows import Window
+from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, stage_parts
 
 __all__ = [
     "RANK_ORDERS", "TOP", "Candidate", "ClusterSolution", "RankOrder", "affine", "block_cuts", "default_micro_batches",
@@ -135,7 +129,7 @@ def _link(cluster: Cluster, src: Sequence[int], dst: Sequence[int]) -> tuple[flo
 
 
 def windows(cluster: Cluster, ranks: Sequence[Sequence[int]], capacity: float) -> list[Window]:
-    """hybrid.py's Window of each stage on `ranks`: links to its neighbours and its all-reduce, by where they sit."""
+    """Each stage's Window (hybrid_windows.py) on `ranks`: links to its neighbours, all-reduce, by where they sit."""
     p, out = len(ranks), list[Window]()
     for s, own in enumerate(ranks):
         recv = _link(cluster, ranks[s - 1], own) if s > 0 else None
@@ -149,7 +143,7 @@ class _Pricer:
     """Stage value matrices on one cut grid, cached by window and micro-batches (equal windows, equal costs)."""
 
     def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
-        self.problem, self.grid = problem, _Grid(problem, cuts)
+        self.problem, self.grid = problem, Grid(problem, cuts)
         self.K = len(cuts)
         self._parts: dict[tuple[Window, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -157,7 +151,7 @@ class _Pricer:
         key = (window, m)
         if key not in self._parts:
             full = slice(0, self.K)
-            self._parts[key] = _stage_parts(self.problem, self.grid, window, m, full, full)
+            self._parts[key] = stage_parts(self.problem, self.grid, window, m, full, full)
         return self._parts[key]
 
     def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False) -> list[np.ndarray]:
@@ -165,7 +159,7 @@ class _Pricer:
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
         for s, window in enumerate(wins):
-            count = _in_flight(schedule, p - s, m, window[0])
+            count = replica_in_flight(schedule, p - s, m, window[0])
             if (window, count) not in made:
                 work, static, flight = self.parts(window, m)
                 used = static + count * flight
@@ -269,7 +263,8 @@ def search_cluster(
         raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(SCHEDULES)}")
     mode = "1f1b" if "1f1b" in schedules else "gpipe"
     capacity = float(problem.capacity.min())
-    coarse = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else _cuts(problem, COARSE)
+    given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
+    coarse = given if given is not None else cut_candidates(problem, COARSE)
     pricer = _Pricer(problem, coarse)
     states = 2 + problem.optimizer_states
     total_params = float(problem.param_bytes.sum())
@@ -362,12 +357,12 @@ def evaluate_cluster(
 ) -> tuple[float, list[float], list[float]]:
     """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate)."""
     cuts = np.asarray(bounds, dtype=np.int64)
-    grid, p = _Grid(problem, cuts), len(wins)
+    grid, p = Grid(problem, cuts), len(wins)
     work, memory = [], []
     for s, window in enumerate(wins):
-        wk, static, flight = _stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
+        wk, static, flight = stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
         work.append(float(wk[0, 0]))
-        memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, window[0]) * flight[0, 0]))
+        memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, window[0]) * flight[0, 0]))
     return fill(m, p, wins[0][0]) * max(work), work, memory
 
 

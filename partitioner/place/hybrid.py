@@ -1,6 +1,7 @@
 """Hybrid planning, the numbers: stages, replicas per stage, micro-batches and schedule for D devices.
 
-(partitioner/place/hybrid_plan.py turns a graph and a cost model into these numbers and the result into a Plan.)
+(partitioner/place/graph_costs.py turns a graph and a cost model into these numbers, HybridProblem in hybrid_problem.py;
+partitioner/place/hybrid_plan.py turns the result into a Plan; stage_costs.py prices one stage.)
 
 Devices are an ordered list; a stage with r replicas takes the next r of them (ranks are
 device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has, per step:
@@ -44,7 +45,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partitioner.errors import PartitionError
-from partitioner.place.chain import boundary_bytes
+from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import (
     Classes,
     Window,
@@ -54,9 +55,10 @@ from partitioner.place.hybrid_windows import (
     restrict,
     stage_window,
 )
+from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, stage_parts
 
 __all__ = [
-    "SCHEDULES", "HybridProblem", "HybridSolution", "InfeasibleError", "evaluate", "micro_batch_counts", "solve_hybrid",
+    "SCHEDULES", "HybridSolution", "InfeasibleError", "evaluate", "micro_batch_counts", "solve_hybrid",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -73,47 +75,6 @@ class InfeasibleError(PartitionError):
 
 
 @dataclass
-class HybridProblem:
-    """The numbers the hybrid planner needs, with no torch or graph objects (times s, sizes bytes)."""
-
-    fixed_times: np.ndarray  # [kinds, n] per micro-batch, whatever its size (op overheads)
-    batch_times: np.ndarray  # [kinds, n] of the whole batch, split evenly over the micro-batches
-    device_kind: np.ndarray  # [D] row of each device in the two arrays above
-    producers: np.ndarray  # [v] position of the producing node (-1: a pipeline input)
-    consumers: list[np.ndarray]  # [v] sorted positions reading it (n: the model output)
-    value_bytes: np.ndarray  # [v] whole batch
-    param_bytes: np.ndarray  # [n] parameters first used by node i
-    saved_bytes: np.ndarray  # [n] activations node i keeps for backward, whole batch
-    link: np.ndarray  # [D, D, 2] (latency, seconds per byte) from device i to device j
-    allreduce: np.ndarray  # [D, D + 1, 2] (latency, seconds per byte) of a ring over devices w .. w+r-1
-    capacity: np.ndarray  # [D] usable bytes per device (inf: no limit)
-    optimizer_states: int = 2
-    batch: int | None = None  # samples per step: micro-batch counts above it are skipped
-    names: list[str] | None = None  # device names for messages
-    out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
-    size_times: dict[int, np.ndarray] | None = None  # samples -> [kinds, n] one micro-batch of that many samples
-
-    def micro_batch_times(self, m: int) -> np.ndarray:
-        """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes
-        torch.tensor_split makes, priced at their shapes (`size_times`), else fixed + whole-batch / m."""
-        if self.batch and self.size_times and m <= self.batch:
-            low, extra = divmod(self.batch, m)
-            if low in self.size_times and (not extra or low + 1 in self.size_times):
-                times = self.size_times[low] * ((m - extra) / m)
-                return times + self.size_times[low + 1] * (extra / m) if extra else times
-        out: np.ndarray = self.fixed_times + self.batch_times / m
-        return out
-
-    @property
-    def n(self) -> int:
-        return int(self.fixed_times.shape[1])
-
-    @property
-    def devices(self) -> int:
-        return int(len(self.device_kind))
-
-
-@dataclass
 class HybridSolution:
     """A chosen configuration and its predicted costs."""
 
@@ -126,75 +87,8 @@ class HybridSolution:
     memory: list[float]  # bytes per replica of each stage
 
 
-class _Grid:
-    """Cumulative per-candidate-cut quantities for one set of cut candidates."""
-
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
-        self.cuts = cuts
-        self.recv, self.send = boundary_bytes(
-            problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts
-        )
-        self.problem = problem
-        self.params, self.saved = self._prefix(problem.param_bytes), self._prefix(problem.saved_bytes)
-        self.largest = _range_max(problem.out_bytes, cuts) if problem.out_bytes is not None else None
-        self._compute: dict[int, np.ndarray] = {}
-
-    def _prefix(self, x: np.ndarray) -> np.ndarray:
-        out: np.ndarray = np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)
-        return out[..., self.cuts]
-
-    def compute(self, m: int) -> np.ndarray:
-        """[kinds, cuts] cumulative seconds of one micro-batch of m (see HybridProblem.micro_batch_times)."""
-        if m not in self._compute:
-            self._compute[m] = self._prefix(self.problem.micro_batch_times(m))
-        return self._compute[m]
-
-
-def _range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
-    """[i, j]: the largest of values[cuts[i] : cuts[j]] (0 where empty)."""
-    pieces = np.array([values[a:b].max() if b > a else 0.0 for a, b in zip(cuts[:-1], cuts[1:])])
-    out = np.zeros((len(cuts), len(cuts)))
-    for i in range(len(cuts) - 1):
-        out[i, i + 1 :] = np.maximum.accumulate(pieces[i:])
-    return out
-
-
-def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
-    out: np.ndarray = prefix[..., None, cols] - prefix[..., rows, None]
-    return out
-
-
 # By devices left, per class of the stage before: (replicas, next cut) per (stages, cut).
 Choice = dict[int, tuple[np.ndarray, np.ndarray]]
-
-
-def _stage_parts(
-    p: HybridProblem, g: _Grid, window: Window, m: int, rows: slice, cols: slice
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
-    r, kinds, recv_link, send_link, reduce, _ = window
-    comp = np.max(_diff(g.compute(m)[list(kinds)], rows, cols), axis=0)
-    recv, send = g.recv[rows, cols] / m, g.send[rows, cols] / m
-    t = comp
-    for link, nbytes in ((recv_link, recv), (send_link, send)):
-        if link is not None:
-            t = t + 2 * np.where(nbytes > 0, link[0] + link[1] * nbytes, 0.0)
-    params = _diff(g.params, rows, cols)
-    work = math.ceil(m / r) * t
-    if reduce is not None:
-        work = work + np.where(params > 0, reduce[0] + reduce[1] * params, 0.0)
-    idx = np.arange(len(g.cuts))
-    work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
-    static = (2 + p.optimizer_states) * params + 2 * (recv + send)
-    if g.largest is not None:
-        static = static + 3 * g.largest[rows, cols] / m
-    flight = _diff(g.saved, rows, cols) / m + recv + send
-    return work, static, flight
-
-
-def _in_flight(schedule: str, q: int, m: int, r: int) -> int:
-    """Micro-batches one replica holds: the stage is q-th from the end (q = p - s)."""
-    return math.ceil(m / r) if schedule == "gpipe" else min(q, math.ceil(m / r))  # [Note: a replica runs its own 1F1B]
 
 
 Matrix = Callable[[int, int, int, slice, slice, np.ndarray], np.ndarray]
@@ -233,7 +127,8 @@ def _dp(
                 if not len(qs):
                     continue
                 base = f[rest][after, qs - 1, cols]
-            flight = np.minimum(qs, -(-m // r)) if schedule == "1f1b" else np.full(len(qs), -(-m // r))  # _in_flight
+            # stage_costs.replica_in_flight for every q at once
+            flight = np.minimum(qs, -(-m // r)) if schedule == "1f1b" else np.full(len(qs), -(-m // r))
             for group in groups[r]:  # classes pricing this stage alike share one matrix
                 cand = np.maximum(matrix(D - k, r, reps[group[0]], rows, cols, flight), base[:, None, :])
                 j = cand.argmin(axis=2)
@@ -255,7 +150,7 @@ def _dp(
 
 
 def _pass(
-    problem: HybridProblem, grid: _Grid, windows: Windows, classes: Classes, m: int, qmax: int, rmax: int, mode: str,
+    problem: HybridProblem, grid: Grid, windows: Windows, classes: Classes, m: int, qmax: int, rmax: int, mode: str,
     exact_stages: bool, limit: Callable[[int], float] | None = None, ratio: bool = False,
 ) -> tuple[np.ndarray, Choice]:
     """One DP on `grid` for m micro-batches: max W with memory as a limit, or (ratio) max memory / capacity."""
@@ -265,7 +160,7 @@ def _pass(
         window = windows[w, r, before]
         key = (window, rows.start, cols.start)
         if key not in cache:
-            work, static, flight = _stage_parts(problem, grid, window, m, rows, cols)
+            work, static, flight = stage_parts(problem, grid, window, m, rows, cols)
             fits = not ratio and bool((static + math.ceil(m / r) * flight <= window[-1]).all())
             cache[key] = (work,) if fits else (work, static, flight)
         if len(cache[key]) == 1:
@@ -318,20 +213,6 @@ def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | Non
     return micro_batch_counts(problem.devices, problem.batch, micro_batches)
 
 
-def _cuts(problem: HybridProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1) -> np.ndarray:
-    """About `size` candidates at equal node counts and equal times, plus every `stride`-th position within
-    `width` of `around`."""
-    n = problem.n
-    if n + 1 <= size:
-        return np.arange(n + 1)
-    cum = np.concatenate([[0.0], np.cumsum(problem.fixed_times.mean(0) + problem.batch_times.mean(0))])
-    by_time = np.searchsorted(cum, np.linspace(0, cum[-1], size // 2), side="right") - 1
-    parts: list[np.ndarray] = [np.linspace(0, n, size - size // 2).round().astype(int), by_time, np.array([0, n])]
-    for b in around:
-        parts.append(np.arange(b - width, b + width + 1, stride))
-    return np.unique(np.clip(np.concatenate(parts), 0, n)).astype(np.int64)
-
-
 def _units(windows: Windows, qmax: int, rmax: int) -> int:
     """DP cost of one pass in units of K^2: q values per (devices left, replicas), plus stage matrices (counted
     for a stage after one device, so the grid is that of a DP without classes; the classes add their share)."""
@@ -376,7 +257,7 @@ def solve_hybrid(
             by_rmax[rmax[m]] = restrict(every, rmax[m])
         return by_rmax[rmax[m]]
 
-    def run(m: int, grid: _Grid) -> None:
+    def run(m: int, grid: Grid) -> None:
         nonlocal best
 
         def limit(q: int) -> float:  # a max W at or above this cannot beat the best step so far
@@ -396,7 +277,7 @@ def solve_hybrid(
         m for m in ms if m & (m - 1) == 0 or (problem.batch is not None and problem.batch % m == 0)] or ms
     floor = min(n + 1, max(64, 2 * qmax + 2))
     size = max(floor, int(math.sqrt(budget / sum(_units(windows, qmax, rmax[m]) for m in first))))
-    coarse = _Grid(problem, _cuts(problem, size))
+    coarse = Grid(problem, cut_candidates(problem, size))
     for m in first:
         run(m, coarse)
     if best is not None and first is not ms:
@@ -410,7 +291,7 @@ def solve_hybrid(
         finer = max(1, math.ceil(2 * stride * len(bounds) / max(room, 1)))
         if finer >= stride:
             break
-        run(m, _Grid(problem, _cuts(problem, size, bounds, stride, finer)))
+        run(m, Grid(problem, cut_candidates(problem, size, bounds, stride, finer)))
         stride = finer
     if best is None:
         raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, classes, mode)
@@ -430,19 +311,19 @@ def evaluate(
 ) -> tuple[float, list[float], list[float]]:
     """Predicted step seconds, W per stage and bytes per replica of a given configuration."""
     cuts = np.asarray(bounds, dtype=np.int64)
-    grid, p, w = _Grid(problem, cuts), len(replicas), 0
+    grid, p, w = Grid(problem, cuts), len(replicas), 0
     work, memory = [], []
     for s, r in enumerate(replicas):
         window = stage_window(problem, w, r, replicas[s - 1] if s else 0)
-        wk, static, flight = _stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
+        wk, static, flight = stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
         work.append(float(wk[0, 0]))
-        memory.append(float(static[0, 0] + _in_flight(schedule, p - s, m, r) * flight[0, 0]))
+        memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, r) * flight[0, 0]))
         w += r
     return (m + p - 1) / m * max(work), work, memory
 
 
 def _infeasible(
-    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: _Grid,
+    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: Grid,
     windows: Windows, classes: Callable[[int], Classes], mode: str,
 ) -> InfeasibleError:
     """The error naming the memory each device would need under the split that needs the least."""

@@ -6,7 +6,7 @@ Equal windows, equal costs, so the DP prices each distinct window once.
 
 The receive is priced per sender and receiver: micro-batch i travels from replica i % before of the
 stage before to replica i % r, and a message is priced on the slowest pair of the two stages' devices,
-as the simulator prices a message between two stages (partitioner/predict/assemble.py `_message_ms`).
+as the simulator prices a message between two stages (partitioner/predict/counting.py `_message_ms`).
 The send goes to the next stage's first device (its replicas are not known yet; its receive covers
 every pair). Replica counts of the stage before that price a stage's receive alike form one class,
 so the DP keeps one state per class (one on a host; two or three over hosts), not per count.
@@ -14,12 +14,9 @@ so the DP keeps one state per class (one on a host; two or three over hosts), no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from partitioner.place.hybrid import HybridProblem
+from partitioner.place.hybrid_problem import HybridProblem
 
 __all__: list[str] = []
 

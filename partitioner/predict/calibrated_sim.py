@@ -25,10 +25,13 @@ run is repeated, each op stretched by the average concurrency it saw in the run 
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 from cost_model.calibration import Calibration
 from cost_model.run_fit import sharing
+from partitioner.predict.lowering import default_programs
+from partitioner.predict.prices import GroupMs, group_price, message_price
+from partitioner.predict.program_run import ProgramRun
 from partitioner.predict.schedule_sim import StageMs, TransferMs, compute_ms
 from partitioner.predict.timeline import Timeline
 from runtime.plan import Plan
@@ -46,13 +49,11 @@ def simulate_calibrated(
     *,
     transfer_ms: TransferMs | None = None,
     allreduce_ms: StageMs | None = None,
-    group_ms: Mapping[tuple[int, ...], float] | Callable[[tuple[int, ...]], float] | None = None,
+    group_ms: GroupMs | None = None,
     backend: str = "gloo",
 ) -> Timeline:
     """One step of `plan.programs` (lowered when it has none) priced with `calibration`; one row per rank."""
-    from partitioner.predict.simulator import _lower, _ProgramRun, group_price
-
-    programs = plan.programs or _lower(plan)
+    programs = plan.programs or default_programs(plan)
     message = _message(plan, programs, calibration, transfer_ms, backend)
     fallback = group_price(plan, programs, group_ms, allreduce_ms)
 
@@ -68,7 +69,7 @@ def simulate_calibrated(
     stretch: dict[tuple[int, int], float] = {}
 
     def one_pass() -> tuple[Timeline, list[list[tuple[float, float] | None]]]:
-        run = _ProgramRun(plan, programs, message, group)
+        run = ProgramRun(plan, programs, message, group)
         run.compute_price = _compute_price(plan, programs, calibration, stretch)
         run.post_ms = calibration.task_ms.get("SEND", 0.0)
         run.recv_ms = calibration.task_ms.get("RECV", 0.0)
@@ -90,8 +91,6 @@ def simulate_calibrated(
 
 def _message(plan: Plan, programs: list[Program], calibration: Calibration, transfer_ms: TransferMs | None,
              backend: str) -> Callable[[int, int], float]:
-    from partitioner.predict.simulator import message_price
-
     fallback = message_price(plan, programs, transfer_ms)
     if transfer_ms is not None or backend not in calibration.links:
         return fallback
@@ -105,7 +104,7 @@ def _message(plan: Plan, programs: list[Program], calibration: Calibration, tran
 
 def _compute_price(plan: Plan, programs: list[Program], calibration: Calibration,
                    stretch: dict[tuple[int, int], float]) -> Callable[[int, int, Op], float]:
-    reads = [bool(s.reads_from) for s in plan.stages]  # as simulate's _ProgramRun reads the stage DAG
+    reads = [bool(s.reads_from) for s in plan.stages]  # as ProgramRun reads the stage DAG
 
     def price(row: int, index: int, op: Op) -> float:
         stage = plan.stages[op.stage]

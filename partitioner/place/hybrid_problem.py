@@ -1,0 +1,54 @@
+"""The numbers the hybrid searches take (HybridProblem): node times, values, links and capacities, no torch.
+
+partitioner/place/graph_costs.py makes one from a traced graph and a cost model; hybrid.py
+(device lists) and cluster_search.py (counts) search it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["HybridProblem"]
+
+
+@dataclass
+class HybridProblem:
+    """The numbers the hybrid planner needs, with no torch or graph objects (times s, sizes bytes)."""
+
+    fixed_times: np.ndarray  # [kinds, n] per micro-batch, whatever its size (op overheads)
+    batch_times: np.ndarray  # [kinds, n] of the whole batch, split evenly over the micro-batches
+    device_kind: np.ndarray  # [D] row of each device in the two arrays above
+    producers: np.ndarray  # [v] position of the producing node (-1: a pipeline input)
+    consumers: list[np.ndarray]  # [v] sorted positions reading it (n: the model output)
+    value_bytes: np.ndarray  # [v] whole batch
+    param_bytes: np.ndarray  # [n] parameters first used by node i
+    saved_bytes: np.ndarray  # [n] activations node i keeps for backward, whole batch
+    link: np.ndarray  # [D, D, 2] (latency, seconds per byte) from device i to device j
+    allreduce: np.ndarray  # [D, D + 1, 2] (latency, seconds per byte) of a ring over devices w .. w+r-1
+    capacity: np.ndarray  # [D] usable bytes per device (inf: no limit)
+    optimizer_states: int = 2
+    batch: int | None = None  # samples per step: micro-batch counts above it are skipped
+    names: list[str] | None = None  # device names for messages
+    out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
+    size_times: dict[int, np.ndarray] | None = None  # samples -> [kinds, n] one micro-batch of that many samples
+
+    def micro_batch_times(self, m: int) -> np.ndarray:
+        """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes
+        torch.tensor_split makes, priced at their shapes (`size_times`), else fixed + whole-batch / m."""
+        if self.batch and self.size_times and m <= self.batch:
+            low, extra = divmod(self.batch, m)
+            if low in self.size_times and (not extra or low + 1 in self.size_times):
+                times = self.size_times[low] * ((m - extra) / m)
+                return times + self.size_times[low + 1] * (extra / m) if extra else times
+        out: np.ndarray = self.fixed_times + self.batch_times / m
+        return out
+
+    @property
+    def n(self) -> int:
+        return int(self.fixed_times.shape[1])
+
+    @property
+    def devices(self) -> int:
+        return int(len(self.device_kind))

@@ -2,7 +2,7 @@
 
 from partitioner.api import describe_model, partition, plan
 from partitioner.errors import PartitionError, TraceError
-from partitioner.show.visualizer import Plan
+from partitioner.show.visualizer import DrawablePlan as Plan
 from runtime.pipeline import Pipeline
 from runtime.plan import StagePlan
 

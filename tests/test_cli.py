@@ -14,7 +14,7 @@ from partitioner.capture.trace import trace
 from partitioner.cli.inputs import UsageError, load_example
 from partitioner.cli.main import main
 from partitioner.predict.assemble import finish
-from partitioner.show.visualizer import Plan
+from partitioner.show.visualizer import DrawablePlan
 from tests import zoo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def test_plan_prints_the_table_and_writes_the_picture(tmp_path: Path, capsys: py
     assert int(rows[0][2]) + int(rows[1][2]) == len(compute_nodes(trace(model, args, kwargs).graph_module))
     assert "batch 7 in 2 micro-batches, schedule gpipe, pipeline; bottleneck" in out and "bubble" in out
     assert f"wrote {html}" in out and 'id="plan-data"' in html.read_text()
-    plan = Plan.from_json(saved.read_text())
+    plan = DrawablePlan.from_json(saved.read_text())
     assert plan.graph is not None and [s.device for s in plan.stages] == ["cpu", "cpu"]
 
 
@@ -72,7 +72,7 @@ def test_simulate_a_saved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
     argv = ["simulate", "--plan", str(saved), "--schedule", "1f1b", "--micro-batches", "4", "--width", "40"]
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    plan = Plan.from_json(saved.read_text())
+    plan = DrawablePlan.from_json(saved.read_text())
     plan.micro_batches, plan.schedule = 4, "1f1b"
     expected = finish(plan)  # the plan's programs lowered again, priced as saved
     computes = [str(op) for op in plan.programs[0].ops if op.is_compute]
@@ -270,7 +270,7 @@ def test_plan_for_a_cluster_that_is_not_here(tmp_path: Path, capsys: pytest.Capt
         span = [f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0]) for v in (s.ranks, hosts)]
         assert [str(s.index), span[0], str(len(s.ranks)), span[1]] in [r[:4] for r in rows], out
 
-    loaded = Plan.from_json(saved.read_text())
+    loaded = DrawablePlan.from_json(saved.read_text())
     assert loaded.gpus_per_host == 8 and [s.ranks for s in loaded.stages] == [s.ranks for s in ref.stages]
     assert [s.nodes for s in loaded.stages] == [s.nodes for s in ref.stages]
     assert loaded.predicted_step_ms == pytest.approx(ref.predicted_step_ms)

@@ -236,7 +236,7 @@ def test_weight_gradients_are_their_own_kind_predicted_measured_and_drawn() -> N
 
     from partitioner import partition, plan as make_plan
     from partitioner.predict.simulator import WEIGHT, simulate
-    from partitioner.show.visualizer import timeline_data
+    from partitioner.show.rows import timeline_data
     from tests import zoo
 
     model, (x,), _ = zoo.tiny_gpt()

@@ -22,10 +22,12 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.place.chain import plan_pipeline
 from partitioner.predict.assemble import finish
+from partitioner.predict.graph_data import attach_graph
 from partitioner.predict.simulator import simulate
 from partitioner.show.html import render_html
 from partitioner.show.layout import NODES, choose_depth, collapse, layout
-from partitioner.show.visualizer import Plan, attach_graph, color, page_data, timeline_data, visualize, with_graph
+from partitioner.show.rows import timeline_data
+from partitioner.show.visualizer import DrawablePlan, color, page_data, visualize, with_graph
 from runtime import plan as runtime_plan
 from runtime.microbatch import scatter
 from runtime.schedule import gpipe
@@ -39,7 +41,7 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-def make_plan(factory: Any, stages: int, micro_batches: int) -> Plan:
+def make_plan(factory: Any, stages: int, micro_batches: int) -> DrawablePlan:
     """A deterministic plan (fixed device rates) with its graph attached."""
     model, args, kwargs = factory()
     traced = trace(model, args, kwargs)
@@ -57,12 +59,12 @@ def graph_of(plan: runtime_plan.Plan) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gpt_plan() -> Plan:
+def gpt_plan() -> DrawablePlan:
     return make_plan(zoo.tiny_gpt, 2, 4)
 
 
 @pytest.fixture(scope="module")
-def inception_plan() -> Plan:
+def inception_plan() -> DrawablePlan:
     return make_plan(zoo.inception, 4, 4)
 
 
@@ -101,8 +103,8 @@ def test_attach_graph_is_plain_data_and_round_trips() -> None:
     assert nodes["b"]["param_bytes"] == 24 and nodes["x"]["stage"] == -1 and nodes["add"]["stage"] == 1
     assert sum(nodes[n]["time"] for n in ("a_q", "add", "b")) == pytest.approx(6.0)  # stage compute shared out
     assert {(e["src"], e["dst"], e["bytes"]) for e in plan.graph["edges"]} >= {("x", "add", 40), ("a_q", "add", 80)}
-    loaded = Plan.from_json(plan.to_json())
-    assert isinstance(loaded, Plan) and loaded == Plan.from_plan(plan)
+    loaded = DrawablePlan.from_json(plan.to_json())
+    assert isinstance(loaded, DrawablePlan) and loaded == DrawablePlan.from_plan(plan)
     assert runtime_plan.Plan.from_json(json.dumps({"stages": [], "micro_batches": 3})).graph is None  # old files load
     attach_graph(plan, toy_graph(), node_ms={"a_p": 9.0})
     assert [n["time"] for n in plan.graph["nodes"]][:3] == [0.0, 9.0, 0.0]
@@ -128,7 +130,7 @@ def test_grouping_and_layout_literal() -> None:
     assert keys == ["inputs", "node:a_p", "node:a_q", "node:add", "node:b", "output"]
 
 
-def test_branches_sit_side_by_side(inception_plan: Plan) -> None:
+def test_branches_sit_side_by_side(inception_plan: DrawablePlan) -> None:
     assert inception_plan.graph is not None
     groups, edges = collapse(graph_of(inception_plan), NODES, 4)
     layout(groups, edges)
@@ -142,7 +144,7 @@ def test_branches_sit_side_by_side(inception_plan: Plan) -> None:
             assert all((level, e.lane) not in taken for level in range(src.level + 1, dst.level))
 
 
-def test_default_depth_keeps_a_transformer_readable(gpt_plan: Plan) -> None:
+def test_default_depth_keeps_a_transformer_readable(gpt_plan: DrawablePlan) -> None:
     assert gpt_plan.graph is not None and len(gpt_plan.graph["nodes"]) > 100
     depth = choose_depth(graph_of(gpt_plan), 2)
     assert depth == 2 and len(collapse(graph_of(gpt_plan), depth, 2)[0]) <= 24
@@ -151,7 +153,7 @@ def test_default_depth_keeps_a_transformer_readable(gpt_plan: Plan) -> None:
     assert "blocks [0 … 1]" in labels and "blocks [1 … 2]" in labels  # which blocks each stage holds
 
 
-def test_page_data(gpt_plan: Plan) -> None:
+def test_page_data(gpt_plan: DrawablePlan) -> None:
     data = page_data(gpt_plan)
     assert [s["index"] for s in data["stages"]] == [0, 1] and len({s["color"] for s in data["stages"]}) == 2
     assert data["devices"] == [{"name": "cpu", "stages": [0, 1],
@@ -195,7 +197,7 @@ def test_measured_timeline_formats() -> None:
         timeline_data(3, "bad")
 
 
-def test_html_is_self_contained_and_escaped(gpt_plan: Plan) -> None:
+def test_html_is_self_contained_and_escaped(gpt_plan: DrawablePlan) -> None:
     data = page_data(gpt_plan)
     data["graph"]["nodes"][1]["target"] = "</script><script>alert(1)</script>"
     page = render_html(data)
@@ -205,7 +207,7 @@ def test_html_is_self_contained_and_escaped(gpt_plan: Plan) -> None:
     assert "fetch(" not in page and "XMLHttpRequest" not in page
 
 
-def test_static_pictures_and_dot(tmp_path: Path, inception_plan: Plan) -> None:
+def test_static_pictures_and_dot(tmp_path: Path, inception_plan: DrawablePlan) -> None:
     pytest.importorskip("matplotlib", reason="PNG and SVG need matplotlib (pip install matplotlib)")
     png = visualize(inception_plan, tmp_path / "plan.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,7 +220,7 @@ def test_static_pictures_and_dot(tmp_path: Path, inception_plan: Plan) -> None:
                        timeout=60)
 
 
-def test_bad_arguments(tmp_path: Path, gpt_plan: Plan) -> None:
+def test_bad_arguments(tmp_path: Path, gpt_plan: DrawablePlan) -> None:
     with pytest.raises(ValueError, match=r"cannot write 'plan\.txt': use a name ending in one of \.dot, \.gv, \.htm"):
         gpt_plan.visualize(tmp_path / "plan.txt")
     with pytest.raises(ValueError, match="depth must be an integer >= 1"):
@@ -261,7 +263,7 @@ def chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProce
 
 
 def render_in_browser(
-    tmp_path: Path, plan: Plan, name: str, measured: Any = None, depth: int | None = None
+    tmp_path: Path, plan: DrawablePlan, name: str, measured: Any = None, depth: int | None = None
 ) -> _Elements:
     page = plan.visualize(tmp_path / f"{name}.html", measured=measured, depth=depth)
     result = chromium(tmp_path, page.resolve().as_uri() + "#selftest", "--dump-dom")
@@ -274,7 +276,7 @@ def render_in_browser(
     return dom
 
 
-def check_screenshot(tmp_path: Path, plan: Plan, name: str, height: int) -> Path:
+def check_screenshot(tmp_path: Path, plan: DrawablePlan, name: str, height: int) -> Path:
     shot = tmp_path / f"{name}.png"
     chromium(tmp_path, (tmp_path / f"{name}.html").resolve().as_uri(), f"--screenshot={shot}",
              f"--window-size=1400,{height}")
@@ -288,7 +290,7 @@ def check_screenshot(tmp_path: Path, plan: Plan, name: str, height: int) -> Path
 
 
 @needs_chromium
-def test_html_in_chromium_gpt(tmp_path: Path, gpt_plan: Plan) -> None:
+def test_html_in_chromium_gpt(tmp_path: Path, gpt_plan: DrawablePlan) -> None:
     dom = render_in_browser(tmp_path, gpt_plan, "gpt")
     bands = dom.with_class("stage-band")
     assert [b["data-stage"] for b in bands] == ["0", "1"] and len({b["data-color"] for b in bands}) == 2
@@ -307,7 +309,7 @@ def test_html_in_chromium_gpt(tmp_path: Path, gpt_plan: Plan) -> None:
 
 
 @needs_chromium
-def test_html_in_chromium_inception_with_measured_timeline(tmp_path: Path, inception_plan: Plan) -> None:
+def test_html_in_chromium_inception_with_measured_timeline(tmp_path: Path, inception_plan: DrawablePlan) -> None:
     measured = simulate(inception_plan, gpipe(4, 4))  # stands in for a runtime trace
     dom = render_in_browser(tmp_path, inception_plan, "inception", measured=measured)
     bands = dom.with_class("stage-band")
@@ -402,6 +404,6 @@ def test_cluster_report_prints_grouped_rows_not_one_per_rank() -> None:
 
 @needs_chromium
 def test_html_in_chromium_rows_under_host_headings(tmp_path: Path) -> None:
-    dom = render_in_browser(tmp_path, Plan.from_plan(two_stage_replicas(8192, 8)), "hosts")  # no graph attached
+    dom = render_in_browser(tmp_path, DrawablePlan.from_plan(two_stage_replicas(8192, 8)), "hosts")  # no graph attached
     assert [r["data-device"] for r in dom.with_class("tl-row")] == [
         "hosts 0-1023", "ranks 0-8191 (x8192)", "hosts 1024-2047", "ranks 8192-16383 (x8192)"]

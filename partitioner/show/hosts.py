@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from partitioner.predict.replica_fold import rank_span
+from partitioner.show.rows import timeline_data
 
 __all__ = ["MAX_ROWS", "by_host", "host_label", "row_label", "text_rows"]
 
@@ -43,7 +44,7 @@ def by_host(data: Mapping[str, Any], timeline: Any, *, gpus_per_host: int) -> di
     """`timeline_data` output with rows labelled by the ranks they stand for and grouped under host headings.
 
     Args:
-        data: {"rows": [...], ...} from `partitioner.show.visualizer.timeline_data(timeline, ...)`.
+        data: {"rows": [...], ...} from `partitioner.show.rows.timeline_data(timeline, ...)`.
         timeline: the simulator Timeline it came from (each row's `ranks`); other kinds are
             returned unchanged, as there is no rank to place.
         gpus_per_host: `Plan.gpus_per_host`; 0 (unknown) gives no headings.
@@ -109,8 +110,6 @@ def _with_headings(rows: list[dict[str, Any]], gpus_per_host: int) -> list[dict[
 def text_rows(timeline: Any, *, gpus_per_host: int, width: int = 48) -> str:
     """The grouped rows as text (the CLI's report): host headings, then per row its stages, busy, comm
     and idle ms of one of its ranks and a Gantt strip (F forward, B backward, W weight, ~ comm only)."""
-    from partitioner.show.visualizer import timeline_data
-
     data = by_host(timeline_data(timeline, "predicted"), timeline, gpus_per_host=gpus_per_host)
     span = float(data["makespan"]) or 1.0
     rows = data["rows"]

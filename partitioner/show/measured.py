@@ -18,7 +18,7 @@ _BUSY = ("F", "B", "W")
 
 
 def stage_busy(timeline: dict[str, Any]) -> dict[int, float]:
-    """Busy ms of each stage in a drawn timeline (visualizer.timeline_data)."""
+    """Busy ms of each stage in a drawn timeline (rows.timeline_data)."""
     busy: dict[int, float] = {}
     for row in timeline.get("rows", []):
         for e in row.get("events", []):

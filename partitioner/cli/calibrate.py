@@ -13,6 +13,7 @@ from typing import Any, Callable, ContextManager
 
 from rich.console import Console
 
+from partitioner.api import partition
 from partitioner.cli.inputs import UsageError, load_example
 
 __all__ = ["add_calibrate_parser", "run_calibrate"]
@@ -41,8 +42,6 @@ def add_calibrate_parser(commands: Any, common: Callable[[argparse.ArgumentParse
 def run_calibrate(args: argparse.Namespace, out: Console, err: Console, devices: list[str],
                   step: Callable[[str], ContextManager[None]]) -> int:
     """Calibrate; print factors and predicted vs measured, before and after."""
-    from partitioner.api import partition
-
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: use 1 or more")
     micro = args.micro_batches or 1

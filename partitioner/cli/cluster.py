@@ -26,10 +26,15 @@ from rich.table import Table
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
 from cost_model.gpu_table import precision_of
+from partitioner.api import plan as make_plan
+from partitioner.arguments import cluster_devices
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.errors import PartitionError
 from partitioner.place.cluster_search import reporting
+from partitioner.place.planning import device_capacity
 from partitioner.predict.replica_fold import rank_span
+from partitioner.show.hosts import text_rows
+from partitioner.show.visualizer import simulated_timeline
 from runtime.plan import Plan, human_bytes
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
@@ -138,10 +143,6 @@ class ClusterPlan:
 def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterPlan:
     """The plan `partitioner.plan(model, cluster=...)` makes for the command line's arguments, checked to run:
     micro-batches that divide the global batch and over each stage's replicas, stages within memory per GPU."""
-    from partitioner.api import plan as make_plan
-    from partitioner.arguments import cluster_devices
-    from partitioner.place.planning import device_capacity
-
     if args.devices:
         raise UsageError("--devices with --cluster: the cluster's GPUs are the devices; drop one of them")
     cluster = _cluster(args.cluster)
@@ -284,10 +285,7 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
 
 
 def timeline_rows(out: Console, plan: Plan) -> None:
-    """The simulated step by row: identical replicas folded into one row, rows under their hosts (visual_hosts)."""
-    from partitioner.show.hosts import text_rows
-    from partitioner.show.visualizer import simulated_timeline
-
+    """The simulated step by row: identical replicas folded into one row, rows under their hosts (show/hosts.py)."""
     timeline, note = simulated_timeline(plan)
     text = note if timeline is None else text_rows(timeline, gpus_per_host=plan.gpus_per_host)
     out.print(text, markup=False, soft_wrap=True)

@@ -15,6 +15,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.capture.trace import trace
+from runtime.microbatch import scatter
+
 __all__ = ["Example", "UsageError", "load_example", "load_factory"]
 
 
@@ -35,9 +38,6 @@ class Example:
 
     def trace(self) -> tuple[torch.fx.GraphModule, list[Any]]:
         """The traced graph and the flat inputs of its first micro-batch."""
-        from partitioner.capture.trace import trace
-        from runtime.microbatch import scatter
-
         traced = trace(self.model, self.args, self.kwargs)
         flat = traced.flatten_inputs(self.args, self.kwargs)
         try:

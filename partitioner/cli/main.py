@@ -14,14 +14,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from cost_model.analytic import AnalyticCostModel
+from cost_model.devices import resolve_devices
+from cost_model.profiler import ProfiledCostModel
+from partitioner.api import plan as make_plan
 from partitioner.cli.calibrate import add_calibrate_parser, run_calibrate
 from partitioner.cli.cluster import add_cluster_arguments, cast_example, cluster_report, parse_replicas, plan_cluster
 from partitioner.cli.inputs import Example, UsageError, load_example
+from partitioner.cli.profile import run_profile
 from partitioner.errors import PartitionError, TraceError
+from partitioner.predict.assemble import finish
+from partitioner.predict.simulator import simulate
+from partitioner.show.visualizer import DrawablePlan, simulated_timeline, visualize
 from runtime.plan import RECOMPUTE_MODES, SCHEDULES, UPDATES, human_bytes
 
 __all__ = ["main"]
@@ -145,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(args)
         if args.command == "calibrate":
             return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
-        return {"plan": _plan, "profile": _profile, "simulate": _simulate}[args.command](args, out, err)
+        if args.command == "profile":
+            return run_profile(args, out, lambda text: _step(err, args.quiet, text))
+        return {"plan": _plan, "simulate": _simulate}[args.command](args, out, err)
     except UsageError as exc:
         err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 2
@@ -198,8 +209,6 @@ def _step(err: Console, quiet: bool, text: str) -> Iterator[None]:
 
 def _devices(text: str | None) -> list[str]:
     if not text:
-        import torch
-
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu", "cpu"]
     devices = [d.strip() for d in text.split(",")]
     if any(not d for d in devices):
@@ -209,10 +218,6 @@ def _devices(text: str | None) -> list[str]:
 
 def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batches: int) -> tuple[Any, Example]:
     """The plan `partition` would run, made by its planning step alone (nothing moves), drawable."""
-    from cost_model.devices import resolve_devices
-    from partitioner.api import plan as make_plan
-    from partitioner.show.visualizer import Plan
-
     devices = _devices(args.devices)
     try:
         resolve_devices(devices)
@@ -229,16 +234,12 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
                          cost_model=_cost_model(args), recompute=args.recompute or "none",
                          update=getattr(args, "update", "sync"), replicas=replicas,
                          processes=True if replicas is not None else None)
-    return Plan.from_plan(plan), example
+    return DrawablePlan.from_plan(plan), example
 
 
 def _cost_model(args: argparse.Namespace) -> Any:
     """Measured nodes with --profile (the planner shows it the graph), else the analytic estimate."""
-    from cost_model.analytic import AnalyticCostModel
-
     if getattr(args, "profile", False):
-        from cost_model.profiler import ProfiledCostModel
-
         return ProfiledCostModel(progress=not args.quiet)
     return AnalyticCostModel(tf32={"fp32": False, "tf32": True}.get(getattr(args, "dtype", ""), None))
 
@@ -273,12 +274,10 @@ def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
 
 
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from partitioner.show.visualizer import Plan, simulated_timeline
-
     if args.cluster:
         made = plan_cluster(args, err, lambda text: _step(err, args.quiet, text))
         cluster_report(out, made)
-        return _write(args, out, err, Plan.from_plan(made.plan), None)
+        return _write(args, out, err, DrawablePlan.from_plan(made.plan), None)
     plan, example = _make_plan(args, err, args.schedule, args.micro_batches or 1)
     timeline, note = simulated_timeline(plan)
     out.print(plan_table(plan, f"{example.name}: {len(plan.stages)} stages", out.width))
@@ -305,8 +304,6 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def _write(args: argparse.Namespace, out: Console, err: Console, plan: Any, timeline: Any) -> int:
     """--save PLAN.json and --out PICTURE (a timeline of None: simulated for the picture)."""
-    from partitioner.show.visualizer import simulated_timeline, visualize
-
     if args.save:
         Path(args.save).write_text(plan.to_json(), encoding="utf-8")
         out.print(f"saved the plan to {args.save}", markup=False)
@@ -317,73 +314,10 @@ def _write(args: argparse.Namespace, out: Console, err: Console, plan: Any, time
     return 0
 
 
-def _profile(args: argparse.Namespace, out: Console, err: Console) -> int:
-    import torch
-
-    from partitioner.capture.graph import build_graph, compute_nodes
-
-    with _step(err, args.quiet, f"loading {args.target}"):
-        example = load_example(args.target, args.batch, args.micro_batches or 1)
-    with _step(err, args.quiet, "tracing and measuring the graph"):
-        gm, first = example.trace()
-        graph = build_graph(gm, first)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise UsageError(f"--device {args.device!r}: {exc}") from None
-    names = [n.name for n in compute_nodes(gm)]
-    if args.analytic:
-        from cost_model.analytic import AnalyticCostModel
-        from cost_model.interface import forward_time
-
-        cost = AnalyticCostModel()
-        fwd = {n: forward_time(cost, graph.nodes[n], device) for n in names}
-        total = {n: cost.node_time(graph.nodes[n], device) for n in names}
-        source = f"analytic estimate for {device}"
-    else:
-        from cost_model.profiler import profile_graph
-
-        try:
-            prof = profile_graph(gm, first, device, cache=not args.no_cache, progress=not args.quiet)
-        except ValueError as exc:
-            raise UsageError(f"--device {args.device}: {exc}") from None
-        fwd = dict(prof.forward)
-        total = {n: prof.node_time(n) for n in names}
-        source = f"measured on {device}" + (" (from the cache; --no-cache measures again)" if prof.from_cache else "")
-    rows = sorted(names, key=lambda n: -total.get(n, 0.0)) if args.sort == "time" else names
-    shown = rows if args.top == 0 else rows[: args.top]
-    whole = sum(total.values()) or 1.0
-    table = Table(title=f"{example.name}: per-node cost of one micro-batch, {source}", title_justify="left",
-                  header_style="bold")
-    for name, justify in [("#", "right"), ("node", "left"), ("op", "left"), ("module", "left"), ("output", "left"),
-                          ("FLOPs", "right"), ("out bytes", "right"), ("params", "right"), ("fwd ms", "right"),
-                          ("bwd ms", "right"), ("share", "right")]:  # fmt: skip
-        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    kinds = {n.name: type(gm.get_submodule(str(n.target))).__name__ for n in gm.graph.nodes if n.op == "call_module"}
-    for name in shown:
-        a = graph.nodes[name]
-        f, t = fwd.get(name, 0.0), total.get(name, 0.0)
-        table.add_row(
-            str(a["position"]), name, kinds.get(name, str(a["target"])), a["module"] or "-",
-            " ".join(str(list(s)) for s in a["shapes"]) or "-", f"{a['flops']:,}", human_bytes(a["out_bytes"]),
-            human_bytes(a["param_bytes"]), f"{f * 1e3:.4f}", f"{(t - f) * 1e3:.4f}", f"{t / whole:.1%}",
-        )  # fmt: skip
-    out.print(table)
-    more = f" ({len(rows) - len(shown)} more rows: --top 0 shows all)" if len(shown) < len(rows) else ""
-    out.print(f"{len(names)} nodes, forward {sum(fwd.values()) * 1e3:.3f} ms + backward "
-              f"{(sum(total.values()) - sum(fwd.values())) * 1e3:.3f} ms per micro-batch{more}",
-              markup=False)  # fmt: skip
-    return 0
-
-
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from partitioner.predict.assemble import finish
-    from partitioner.predict.simulator import simulate
-    from partitioner.show.visualizer import Plan, visualize
-
     if args.plan:
         try:
-            plan = Plan.from_json(Path(args.plan).read_text(encoding="utf-8"))
+            plan = DrawablePlan.from_json(Path(args.plan).read_text(encoding="utf-8"))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise UsageError(
                 f"--plan {args.plan}: cannot read a saved plan ({exc}); write one with `plan --save`"

@@ -230,7 +230,7 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
     doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
     with _step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
-                         micro_batches=micro_batches, schedule=schedule, placement=args.placement,  # type: ignore[arg-type]
+                         micro_batches=micro_batches, schedule=schedule, placement=args.placement,
                          cost_model=_cost_model(args), recompute=args.recompute or "none",
                          update=getattr(args, "update", "sync"), replicas=replicas,
                          processes=True if replicas is not None else None)

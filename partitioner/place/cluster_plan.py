@@ -272,7 +272,7 @@ def solution_plan(
     graph_mb = per_micro_batch(graph, m)
     cap = int(capacity) if np.isfinite(capacity) else None
     plan = assemble(graph_mb, stage_nodes, ["cuda:0"] * p, cost, micro_batches=m // d,
-                    schedule=solution.schedule,  # type: ignore[arg-type]
+                    schedule=solution.schedule,
                     stage_ranks=[[s] for s in range(p)], placement="hybrid", groups=[], optimizer=optimizer,
                     capacity_bytes=[cap] * p, recompute=[recompute] * p)
     ranks = solution.ranks  # one pipeline of m / d micro-batches holds what each replica holds in flight

@@ -93,7 +93,7 @@ def plan_hybrid(
     capacity = [float(problem.capacity[r].min()) for r in ranks]
     plan = assemble(
         per_micro_batch(graph, m), [list(order[a:b]) for a, b in zip(sol.bounds, sol.bounds[1:])],
-        [names[r[0]] for r in ranks], cost, micro_batches=m, schedule=sol.schedule,  # type: ignore[arg-type]
+        [names[r[0]] for r in ranks], cost, micro_batches=m, schedule=sol.schedule,
         stage_ranks=ranks, rank_devices=names, placement="hybrid", optimizer=optimizer,
         capacity_bytes=[int(c) if np.isfinite(c) else None for c in capacity],
     )

@@ -14,6 +14,7 @@ from cost_model.calibration import CalibratedCostModel, Calibration, measured_st
 from cost_model.cluster import DeviceDescriptionError, DeviceSet, parse_bytes
 from cost_model.cluster_shape import Cluster, ClusterError, Fabric, as_cluster
 from cost_model.comm import LINK_KINDS, Link, default_link, p2p_time, ring_allreduce_time, slowest
+from cost_model.default import default_cost_model
 from cost_model.devices import DeviceError, DeviceSpec, measure_device, resolve_devices
 from cost_model.discovery import discover_devices
 from cost_model.interface import BACKWARD_FACTOR, CostModel, backward_time, forward_time
@@ -66,11 +67,3 @@ __all__ = [
     "stage_memory",
     "stage_records",
 ]
-
-
-def default_cost_model() -> CostModel:
-    """What `partition()` should use by default: profiled where the device is present, else analytic.
-
-    The caller hands it the traced graph with `prepare(graph_module, flat_inputs)` before planning.
-    """
-    return ProfiledCostModel(fallback=AnalyticCostModel())

@@ -2,66 +2,48 @@
 
 from __future__ import annotations
 
-import operator
 import os
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Literal, Mapping, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from cost_model.analytic import CostModel
+from cost_model.calibration_store import CalibrationArg
 from cost_model.devices import DeviceLike
 from partitioner.arguments import (
     ClusterLike,
-    PlacementChoice,
-    check_arguments,
-    check_staleness_argument,
-    check_update,
-    default_cost,
+    check_model_options,
+    example_call,
     load_plan,
     materializer,
     plan_target,
+    resolve,
 )
 from partitioner.calibrate.decide import Setup, attach
-from partitioner.calibrate.store import CalibrationArg, with_calibration
 from partitioner.capture.describe import describe_model
-from partitioner.capture.example import shaped, trace_example
-from partitioner.capture.fidelity import (
-    Cuts,
-    InputSplitSpec,
-    OutputMergeSpec,
+from partitioner.capture.fidelity import InputSplitSpec, OutputMergeSpec
+from partitioner.errors import PartitionError
+from partitioner.make.pipeline import build_pipeline, traced_call
+from partitioner.make.plan import plan_example, plan_model, plan_on_rank0, planning_cost, with_update
+from partitioner.place.planning import stage_ranks_for
+from partitioner.request import (
+    PlacementChoice,
+    PlanRequest,
+    RecomputeChoice,
+    RunOptions,
+    ScheduleChoice,
     SplitPoint,
     SplitPoints,
-    batched_outputs,
-    check_fidelity_arguments,
-    cuts_from,
-    input_dims,
 )
-from partitioner.capture.meta import is_meta, on_meta
-from partitioner.errors import PartitionError
-from partitioner.make.modes import same_cuts
-from partitioner.place.planning import (
-    RecomputeChoice,
-    ScheduleChoice,
-    finish_plan,
-    plan_traced,
-    stage_ranks_for,
-)
-from partitioner.predict.assemble import price_update
 from partitioner.show.visualizer import Plan as DrawablePlan
-from runtime.async_updates import check_async_plan
 from runtime.distributed import DistributedPipeline
-from runtime.launch import distributed, init_process_group, joined_devices
-from runtime.materialize import Init, Materializer
-from runtime.pipeline import Pipeline, StageGraph
+from runtime.launch import distributed
+from runtime.materialize import Init
+from runtime.pipeline import Pipeline
 from runtime.plan import Plan, Update
-from runtime.stage import build_stages, stage_io, weight_groups
 from runtime.weights import Weights
 
 __all__ = ["describe_model", "partition", "plan"]
-
-_T = TypeVar("_T")
 
 
 def plan(
@@ -100,31 +82,15 @@ def plan(
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
     """
     devices, processes, cost_model, per_host = plan_target(devices, cluster, processes, cost_model)
-    resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
-                                              placement, replicas, virtual_stages, recompute,
-                                              described=cluster is not None)
-    check_fidelity_arguments(model, None, input_split_spec, split_points, split_spec)
-    multi = distributed() if processes is None else processes
-    stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, multi)
-    cost_model = with_calibration(default_cost(model, cost_model), resolved, processes=multi, given=calibration)
-
-    def planned(shapes: bool) -> DrawablePlan:
-        a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
-        traced, flat, first_chunk = shaped(model, None, trace_example, model, a, k, micro_batches,
-                                            input_split_spec, shapes=shapes)
-        return shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks,
-                       cost_model, micro_batches, schedule, placement, replicas == "auto", multi,
-                       cuts_from(split_points, split_spec), recompute, shapes=shapes)
-
-    try:  # GPUs that are not here are priced from shapes: running a large batch for real would take minutes
-        made = planned(shapes=cluster is not None)
-    except PartitionError as exc:
-        if not isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) or cluster is None or is_meta(model):
-            raise
-        made = planned(shapes=False)  # forward needs values (partitioner.capture.meta.shapes_only): run it for real
-    made = _with_update(update, made, planned=True)
-    made.gpus_per_host = per_host
-    return made
+    request = PlanRequest.of(
+        resolve(devices, described=cluster is not None), processes=distributed() if processes is None else processes,
+        micro_batches=micro_batches, schedule=schedule, placement=placement, replicas=replicas,
+        virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
+        split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
+        gpus_per_host=per_host, cluster=cluster is not None)
+    args, kwargs = example_call(model, example_inputs, example_kwargs)
+    check_model_options(model, request)
+    return DrawablePlan.from_plan(plan_model(model, args, kwargs, request))
 
 
 def partition(
@@ -230,181 +196,50 @@ def partition(
         PartitionError: bad devices, micro_batches or inputs, or a model that cannot be traced;
             the model is then left exactly as it was.
     """
-    if plan is not None:
-        plan = load_plan(plan)
-        try:
-            plan.check()
-        except ValueError as exc:
-            raise PartitionError(str(exc)) from None
-        if not (isinstance(recompute, str) and recompute == "none"):
-            raise PartitionError(f"recompute={recompute!r} with a given plan: the plan carries each stage's "
-                                 "recomputation; set plan.stages[s].recompute, or plan again with recompute=...")
-        schedule, virtual_stages = plan.schedule, max(plan.virtual_stages, 2)
-        if micro_batches == 1 and plan.micro_batches != 1:
-            micro_batches = plan.micro_batches
-    planned = check_update(update, plan.schedule if plan is not None else schedule, plan is None)
-    resolved, args, kwargs = check_arguments(model, devices, example_inputs, example_kwargs, micro_batches, schedule,
-                                              placement, replicas, virtual_stages, recompute)
-    check_fidelity_arguments(model, output_merge_spec, input_split_spec, split_points, split_spec)
-    staleness = staleness or (plan.staleness if plan is not None else 0)  # a plan's own
-    if update != "sync" and isinstance(staleness, int) and staleness > 0:
-        raise PartitionError(f"staleness={staleness} delays the all-reduce of weights held by several ranks, and "
-                             f"update={update!r} runs every weight on one rank; drop one of them")
-    staleness = check_staleness_argument(staleness)
+    given = _given_plan(plan, recompute)
+    if given is not None:  # the plan's schedule and micro-batches, unless others are asked for
+        schedule, virtual_stages = given.schedule, max(given.virtual_stages, 2)
+        if micro_batches == 1 and given.micro_batches != 1:
+            micro_batches = given.micro_batches
+        staleness = staleness or given.staleness
+    request = PlanRequest.of(
+        resolve(devices), processes=distributed(), micro_batches=micro_batches, schedule=schedule,
+        placement=placement, replicas=replicas, virtual_stages=virtual_stages, recompute=recompute, update=update,
+        input_split_spec=input_split_spec, split_points=split_points, split_spec=split_spec, cost_model=cost_model,
+        calibration=calibration)
+    run = RunOptions(threads=threads, timeout=timeout, output_merge_spec=output_merge_spec, weights=weights,
+                     init=init, staleness=staleness, calibrate=calibrate)
+    args, kwargs = example_call(model, example_inputs, example_kwargs)
+    check_model_options(model, request, run)
     fill = materializer(model, weights, init)
-    setup = Setup(model, list(devices), args, kwargs, {
-        "micro_batches": micro_batches, "schedule": schedule, "placement": placement, "replicas": replicas,
-        "virtual_stages": virtual_stages, "recompute": recompute}, {
-        "threads": threads, "timeout": timeout, "output_merge_spec": output_merge_spec, "split_points": split_points,
-        "input_split_spec": input_split_spec, "split_spec": split_spec}, cost_model, calibration, steps=calibrate)
-    cost_model = setup.planned_with = with_calibration(default_cost(model, cost_model), resolved,
-                                                       processes=distributed(), given=calibration)
-    if distributed():
-        pipe = _partition_distributed(model, list(devices), resolved, args, kwargs, micro_batches, cost_model, plan,
-                                      schedule, replicas, virtual_stages, timeout, placement,
-                                      cuts_from(split_points, split_spec), input_split_spec, recompute, fill)
-        pipe.staleness = staleness  # recorded in pipe.plan.staleness
-        return attach(_with_update(update, pipe, planned=planned), setup)
-    stage_ranks = stage_ranks_for(len(resolved), schedule, replicas, virtual_stages, False) if plan is None else []
-    traced, flat, first_chunk = shaped(model, None, trace_example, model, args, kwargs, micro_batches,
-                                        input_split_spec)
-    gm = traced.graph_module
-    dims = input_dims(model, traced, input_split_spec)
-    batched = shaped(model, traced, batched_outputs, traced, flat, first_chunk, dims, micro_batches)
+    if given is None:
+        stage_ranks_for(request)  # a layout the schedule cannot run fails here, before the model is traced
+    setup = Setup(model, list(devices), args, kwargs, request, run)
+    cost = setup.planned_with = planning_cost(model, request)
+    request, example = traced_call(model, args, kwargs, request, devices, run.timeout)
+    if given is None:
+        made = plan_on_rank0(model, example, request, cost) if request.processes else \
+            plan_example(model, example, request, cost)
+        given_or_made = DrawablePlan.from_plan(made)
+    else:
+        given_or_made = given
+    pipe = build_pipeline(model, example, given_or_made, request, run, fill)
+    if isinstance(pipe, DistributedPipeline):
+        pipe.staleness = run.staleness  # recorded in pipe.plan.staleness
+    with_update(pipe.plan, request, priced=given is None)
+    return attach(pipe, setup)
+
+
+def _given_plan(plan: Plan | str | os.PathLike[str] | None, recompute: Any) -> DrawablePlan | None:
+    """partition(plan=...): the plan (read from its file), checked; None when none is given."""
     if plan is None:
-        plan = shaped(model, traced, plan_traced, model, traced, flat, first_chunk, resolved, stage_ranks, cost_model,
-                       micro_batches, schedule, placement, False, False, cuts_from(split_points, split_spec),
-                       recompute)
-    elif plan.micro_batches != micro_batches:
-        plan.micro_batches = micro_batches
-        plan.programs = []
-    stages, undo = _build(gm, plan, fill=fill)
-    undos = [undo]
+        return None
+    given = DrawablePlan.from_plan(load_plan(plan))
     try:
-        finish_plan(plan, gm, model, processes=False, regenerate=False)
-        other = None
-        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = same_cuts(traced.other_mode, plan)
-            other_stages, other_undo = _build(traced.other_mode, other_plan, fill=fill)
-            undos.append(other_undo)
-            finish_plan(other_plan, traced.other_mode, model, processes=False, regenerate=False)
-            other_output, _, other_constants = _graph_io(traced.other_mode)
-            other = StageGraph(other_stages, other_output, other_constants, other_plan)
-        output_node, placeholders, constants = _graph_io(gm)
-        made = _with_update(update, Pipeline(
-            model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs, traced.unflatten_outputs,
-            placeholders, threads, traced.mutated_inputs, other, traced.other_mode_error, batched_outputs=batched,
-            output_merge_spec=output_merge_spec, input_dims=dims), planned=planned)
-    except BaseException:
-        for u in reversed(undos):
-            u()
-        raise
-    return attach(made, setup)
-
-
-def _with_update(update: Update, made: _T, *, planned: bool) -> _T:
-    """Give the plan of `made` (a Plan or a pipeline) its update rule, check it can run, and price it
-    (partitioner.predict.assemble.price_update) where the plan was made here (a given plan was priced already)."""
-    plan = made if isinstance(made, Plan) else made.plan  # type: ignore[attr-defined]
-    if update != "sync":
-        plan.update = update
-    problems = check_async_plan(plan)
-    if problems:
-        raise PartitionError("cannot run asynchronous updates:\n" + "\n".join(f"- {p}" for p in problems))
-    if planned:
-        price_update(plan)
-    return made
-
-
-def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
-           device: torch.device | None = None, fill: Materializer | None = None) -> tuple[list[Any], Any]:
-    """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
-    try:
-        return build_stages(gm, plan, local=local, device=device, materialize=fill)
+        given.check()
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-
-
-def _graph_io(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[str], dict[str, Any]]:
-    """The graph's output node, its placeholder names, and the objects its get_attr nodes name."""
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    constants = {n.name: operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes if n.op == "get_attr"}
-    return output_node, placeholders, constants
-
-
-def _partition_distributed(
-    model: nn.Module,
-    given: list[DeviceLike],
-    devices: list[torch.device],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    micro_batches: int,
-    cost_model: CostModel | None,
-    plan: Plan | None,
-    schedule: str,
-    replicas: Any,
-    virtual_stages: int,
-    timeout: float,
-    placement: str = "pipeline",
-    cuts: Cuts | None = None,
-    input_split_spec: InputSplitSpec | None = None,
-    recompute: Any = "none",
-    fill: Materializer | None = None,
-) -> DistributedPipeline:
-    # each rank resolves its own entry ('cuda' is cuda:LOCAL_RANK) and every rank checks all of them
-    devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    stage_ranks = stage_ranks_for(world, schedule, replicas, virtual_stages, True) if plan is None else []
-    traced, flat, first_chunk = shaped(model, None, trace_example, model, args, kwargs, micro_batches,
-                                        input_split_spec)
-    gm = traced.graph_module
-    dims = input_dims(model, traced, input_split_spec)
-    if plan is None:
-        text: list[Any] = [None]
-        failure: BaseException | None = None
-        if rank == 0:  # one rank plans, so every rank runs the same plan whatever its timings
-            try:
-                made = shaped(model, traced, plan_traced, model, traced, flat, first_chunk, devices, stage_ranks,
-                               cost_model, micro_batches, schedule, placement, replicas == "auto", True, cuts,
-                               recompute)
-                text = [("plan", made.to_json())]
-            except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
-                failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]
-        dist.broadcast_object_list(text, src=0)
-        kind, payload = text[0]
-        if kind == "error":
-            if failure is not None:
-                raise failure
-            raise PartitionError(f"rank 0 could not plan: {payload}")
-        plan = DrawablePlan.from_json(payload)
-    elif plan.micro_batches != micro_batches:
-        plan.micro_batches, plan.programs = micro_batches, []
-    finish_plan(plan, gm, model, processes=True, regenerate=False)
-    mine = [s.index for s in plan.stages if rank in s.ranks]
-    if not mine:
-        raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
-    io = stage_io(gm, plan)
-    stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill)
-    undos = [undo]
-    try:
-        _, placeholders, constants = _graph_io(gm)
-        groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
-        other = None
-        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = same_cuts(traced.other_mode, plan)
-            finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
-            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
-                                              fill=fill)
-            undos.append(other_undo)
-            other_output, _, other_constants = _graph_io(traced.other_mode)
-            other = StageGraph(other_stages, other_output, other_constants, other_plan,
-                               stage_io(traced.other_mode, other_plan))
-        return DistributedPipeline(
-            model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
-            timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, dims, rank_devices=devices,
-        )
-    except BaseException:
-        for u in reversed(undos):
-            u()
-        raise
+    if not (isinstance(recompute, str) and recompute == "none"):
+        raise PartitionError(f"recompute={recompute!r} with a given plan: the plan carries each stage's "
+                             "recomputation; set plan.stages[s].recompute, or plan again with recompute=...")
+    return given

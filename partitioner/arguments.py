@@ -1,4 +1,4 @@
-"""Every argument check of plan() and partition(), before anything is traced or moved.
+"""The checks of plan() and partition() that need the model or the machine, before anything is traced or moved.
 
 A bad argument is a PartitionError naming it and the fix; the model is never touched first.
 """
@@ -6,7 +6,7 @@ A bad argument is a PartitionError naming it and the fix; the model is never tou
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,25 +15,22 @@ from cost_model.analytic import AnalyticCostModel, CostModel
 from cost_model.cluster import DeviceSet
 from cost_model.cluster_shape import Cluster, ClusterDeviceSet, ClusterError, as_cluster
 from cost_model.devices import DeviceLike, resolve_devices
+from partitioner.capture.fidelity import check_fidelity_arguments
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
-from partitioner.place.planning import RECOMPUTE_CHOICES, SCHEDULE_CHOICES
+from partitioner.request import PlanRequest, RunOptions
 from partitioner.show.visualizer import Plan as DrawablePlan
 from runtime.launch import distributed, job_devices
 from runtime.materialize import Init, Materializer
 from runtime.microbatch import to_device
-from runtime.plan import UPDATES, Plan
-from runtime.staleness import check_staleness
+from runtime.plan import Plan
 from runtime.weights import Weights, open_weights
 
 __all__ = [
-    "MAX_CLUSTER_GPUS", "PLACEMENTS", "ClusterLike", "PlacementChoice", "check_arguments", "check_staleness_argument",
-    "check_update", "cluster_devices", "default_cost", "load_plan", "materializer", "model_device", "plan_target",
+    "MAX_CLUSTER_GPUS", "ClusterLike", "check_model_options", "cluster_devices", "example_call", "load_plan",
+    "materializer", "model_device", "plan_target", "resolve",
 ]
 
-PlacementChoice = Literal["pipeline", "branches", "auto"]
-PLACEMENTS: tuple[str, ...] = get_args(PlacementChoice)
-_SCHEDULES: tuple[str, ...] = SCHEDULE_CHOICES  # the Plan's Schedule, or "auto"
 ClusterLike = Cluster | str | os.PathLike[str] | Mapping[str, Any]  # cost_model.cluster_shape.as_cluster takes these
 MAX_CLUSTER_GPUS = 128  # up to this many GPUs rank r is cuda:r; above, cuda:{r % gpus_per_host} (cluster_devices)
 
@@ -110,78 +107,53 @@ def load_plan(plan: Plan | str | os.PathLike[str]) -> Plan:
                              "with plan.to_json() or `python -m partitioner plan --save PLAN.json`") from None
 
 
-def check_update(update: str, schedule: str, planned: bool) -> bool:
-    """partition(update=...) before anything moves: a known rule, on the 1F1B schedule it streams."""
-    if update not in UPDATES:
-        raise PartitionError(f"update={update!r}; use one of {', '.join(map(repr, UPDATES))}")
-    if update != "sync" and schedule != "1f1b":
-        raise PartitionError(f"update={update!r} streams 1F1B with no flush between steps; use schedule='1f1b'")
-    return planned
-
-
-def check_arguments(
-    model: nn.Module,
-    devices: Sequence[DeviceLike],
-    example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None,
-    micro_batches: int,
-    schedule: str,
-    placement: str,
-    replicas: Any,
-    virtual_stages: int,
-    recompute: Any = "none",
-    *,
-    described: bool = False,
-) -> tuple[list[torch.device], tuple[Any, ...], dict[str, Any]]:
-    """Every argument check of plan() and partition(), before anything is traced or moved.
-
-    `described`: `devices` are a described cluster's ranks (cluster_devices), taken as they are:
-    they need not be here.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+def resolve(devices: Sequence[DeviceLike], *, described: bool = False) -> list[torch.device]:
+    """The devices as torch devices, checked (under torchrun, every rank's entry); `described`: a described
+    cluster's ranks (cluster_devices), taken as they are: they need not be here."""
     try:
         if described:
-            resolved = [torch.device(d) for d in devices]
-        else:
-            resolved = job_devices(devices) if distributed() else resolve_devices(devices)
+            return [torch.device(d) for d in devices]
+        return job_devices(devices) if distributed() else resolve_devices(devices)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise PartitionError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if placement not in PLACEMENTS:
-        raise PartitionError(f"placement={placement!r}; use one of {', '.join(map(repr, PLACEMENTS))}")
-    if schedule not in _SCHEDULES:
-        raise PartitionError(f"schedule={schedule!r}; use one of {', '.join(map(repr, _SCHEDULES))}")
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise PartitionError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    if isinstance(replicas, str) and replicas != "auto":
-        raise PartitionError(f"replicas={replicas!r}; use 'auto' or a list of counts such as [2, 1]")
-    choices = [recompute] if isinstance(recompute, str) else recompute if isinstance(recompute, (list, tuple)) else None
-    if not choices or any(not isinstance(c, str) or c not in RECOMPUTE_CHOICES for c in choices):
-        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(map(repr, RECOMPUTE_CHOICES))}, "
-                             "or a list of those with one per stage")
+
+
+def example_call(model: nn.Module, example_inputs: Any,
+                 example_kwargs: Mapping[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call's (args, kwargs), where the model's weights are (tracing runs the model as it is),
+    or on meta for a model on meta (planned from shapes: see partitioner.capture.meta)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
         raise PartitionError("example_inputs is empty: pass one batch of inputs, e.g. example_inputs=(x,)")
-    home = model_device(model)  # tracing runs the model as it is: the example goes where its weights are
+    home = model_device(model)
     if home is not None:
-        args, kwargs = to_device(args, home), to_device(kwargs, home)
-    elif is_meta(model):  # planned from shapes: see partitioner.capture.meta
-        args, kwargs = on_meta(args), on_meta(kwargs)
-    if placement != "pipeline" and (replicas is not None or schedule not in ("gpipe", "auto")):
-        raise PartitionError(f"placement={placement!r} runs the GPipe schedule without replicas")
-    if replicas == "auto" and schedule not in ("gpipe", "1f1b", "auto"):
-        raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule 'gpipe' or '1f1b', "
-                             f"not {schedule!r}; pick one of those, or give replicas yourself")
-    return resolved, args, kwargs
+        return to_device(args, home), to_device(kwargs, home)
+    if is_meta(model):
+        return on_meta(args), on_meta(kwargs)
+    return args, kwargs
+
+
+def check_model_options(model: nn.Module, request: PlanRequest, run: RunOptions | None = None) -> None:
+    """The checks of plan()'s and partition()'s options that need the model: forward's argument names,
+    its module paths (capture.fidelity), and staleness, which only replicas across processes have."""
+    check_fidelity_arguments(model, run.output_merge_spec if run is not None else None, request.input_split_spec,
+                             request.split_points, request.split_spec)
+    if run is None or not run.staleness:
+        return
+    if request.update != "sync":
+        raise PartitionError(f"staleness={run.staleness} delays the all-reduce of weights held by several ranks, and "
+                             f"update={request.update!r} runs every weight on one rank; drop one of them")
+    if not request.processes:
+        raise PartitionError(f"staleness={run.staleness} delays the all-reduce between ranks holding one weight, "
+                             "which only torchrun jobs have (one process shares its weights); launch with torchrun, "
+                             "or drop it")
 
 
 def materializer(model: nn.Module, weights: Weights | None, init: Init | None) -> Materializer | None:
     """What fills a meta model's stages (and loads `weights` into a real one); None: nothing to fill."""
-    if init is not None and not callable(init) and init != "reset_parameters":
-        raise PartitionError(f"init={init!r}; pass a callable init(module) or 'reset_parameters'")
     meta = is_meta(model)
     if meta and weights is None and init is None:
         raise PartitionError(
@@ -196,23 +168,6 @@ def materializer(model: nn.Module, weights: Weights | None, init: Init | None) -
         return None
     return Materializer(model, weights=open_weights(weights) if weights is not None else None, init=init,
                         load_real=not meta)
-
-
-def default_cost(model: nn.Module, cost_model: CostModel | None) -> CostModel | None:
-    """The user's cost model; for a model on meta by default the analytic one (profiling needs values)."""
-    return cost_model if cost_model is not None or not is_meta(model) else AnalyticCostModel()
-
-
-def check_staleness_argument(staleness: Any) -> int:
-    """`partition(staleness=...)` checked: an int >= 0, and above 0 only under torchrun (where replicas exchange)."""
-    try:
-        steps = check_staleness(staleness)
-    except ValueError as exc:
-        raise PartitionError(str(exc)) from None
-    if steps and not distributed():
-        raise PartitionError(f"staleness={steps} delays the all-reduce between ranks holding one weight, which only "
-                             "torchrun jobs have (one process shares its weights); launch with torchrun, or drop it")
-    return steps
 
 
 def model_device(model: nn.Module) -> torch.device | None:

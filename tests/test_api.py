@@ -286,7 +286,7 @@ def test_untraceable_model_names_module_and_operation() -> None:
 
 
 def test_failure_after_placement_restores_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    import partitioner.api
+    import partitioner.make.pipeline
 
     model, (x,), _ = zoo.rescnn()
     model.train()
@@ -296,7 +296,7 @@ def test_failure_after_placement_restores_model(monkeypatch: pytest.MonkeyPatch)
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(partitioner.api, "Pipeline", broken)
+    monkeypatch.setattr(partitioner.make.pipeline, "Pipeline", broken)
     with pytest.raises(RuntimeError, match="injected"):
         partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
     assert_untouched(model, before)  # shape propagation ran BatchNorm in train mode: restored

@@ -244,7 +244,7 @@ def test_recompute_auto_searches_with_full_recomputation_only_when_nothing_fits_
 
 
 def test_a_cluster_is_planned_from_shapes_and_equals_the_plan_from_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    import partitioner.api as api
+    import partitioner.make.plan as make_plan_module
     from partitioner.errors import PartitionError
 
     model, x = small_gpt(256)
@@ -255,7 +255,7 @@ def test_a_cluster_is_planned_from_shapes_and_equals_the_plan_from_values(monkey
     def needs_values(value: object) -> object:  # as shapes_only reports a forward that reads values
         raise PartitionError("planning a model on meta ... failed") from RuntimeError("needs values")
 
-    monkeypatch.setattr(api, "on_meta", needs_values)
+    monkeypatch.setattr(make_plan_module, "on_meta", needs_values)
     values = make_plan(model, cluster="2x4xH100", **args)  # type: ignore[arg-type]
     assert [(s.nodes, s.ranks, s.memory_bytes) for s in shapes.stages] == [
         (s.nodes, s.ranks, s.memory_bytes) for s in values.stages]

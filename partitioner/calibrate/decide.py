@@ -1,7 +1,7 @@
 """Calibration from measured runs: `pipe.calibrate(steps=N)`, and auto choices that never lose.
 
     measure N steps of the running plan (the last one traced), weights restored afterwards
-      -> fit (partitioner.calibrate.store.fit) -> save JSON in the per-machine cache
+      -> fit (cost_model.calibration.fit_calibration) -> save JSON in the per-machine cache
       -> plan every option of the "auto" arguments again, before and after calibration
       -> a challenger: the plan now predicted fastest if it is not the running one, else the
          runner-up when its prediction is within the simulator's proven error of the running one
@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_model.analytic import CostModel
-from cost_model.calibration import Calibration
+from cost_model.calibration import Calibration, fit_calibration
+from cost_model.calibration_store import calibration_path, find_calibration, save_calibration
+from cost_model.default import default_cost_model
 from partitioner.calibrate.measure import (
     CalibrationReport,
     Candidate,
@@ -37,15 +39,12 @@ from partitioner.calibrate.measure import (
     default_step,
     measure_steps,
 )
-from partitioner.calibrate.store import (
-    CalibrationArg,
-    calibrated_step_ms,
-    calibration_path,
-    find_calibration,
-    fit,
-    save_calibration,
-)
 from partitioner.errors import PartitionError
+from partitioner.make.pipeline import build_pipeline, traced_call
+from partitioner.make.plan import plan_model, with_update
+from partitioner.place.planning import schedule_layouts
+from partitioner.predict.simulator import simulate
+from partitioner.request import PlanRequest, RunOptions
 from runtime.calibration_hook import Calibratable, StepCall
 from runtime.launch import distributed
 from runtime.plan import Plan
@@ -67,36 +66,26 @@ class Setup:
     """What `partition` was called with: enough to plan again and to rebuild the pipe from a plan."""
 
     model: nn.Module
-    devices: list[Any]
+    devices: list[Any]  # as given (under torchrun, each rank resolves its own entry)
     example_inputs: tuple[Any, ...]
     example_kwargs: dict[str, Any]
-    options: dict[str, Any]  # micro_batches, schedule, placement, replicas, virtual_stages, recompute, ...
-    build: dict[str, Any]  # partition's other keywords (threads, timeout, output_merge_spec, ...)
-    cost_model: CostModel | None = None
-    calibration: CalibrationArg = None
+    request: PlanRequest
+    run: RunOptions
     current: str = ""  # the candidate now running ("" until the first calibration names it)
     planned_with: CostModel | None = None  # the cost model the running plan was priced with
-    steps: int = 0  # partition(calibrate=N): calibrate once built
-
-    def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise PartitionError(f"calibrate={self.steps!r}; give the number of calibration steps (0: none)")
 
 
 def option_sets(setup: Setup) -> dict[str, dict[str, Any]]:
     """Every concrete choice of the "auto" arguments (their product), by name; the user's if none is auto."""
     axes: list[list[tuple[str, dict[str, Any]]]] = []
-    opts = setup.options
-    if opts.get("placement") == "auto":
+    request = setup.request
+    if request.placement == "auto":
         axes.append([("pipeline", {"placement": "pipeline"}), ("branches", {"placement": "branches"})])
-    if opts.get("schedule") == "auto":
-        from partitioner.place.planning import schedule_layouts
-
-        world = len(setup.devices)
-        names = schedule_layouts([[r] for r in range(world)], int(opts.get("micro_batches", 1)),
-                                 hybrid=opts.get("replicas") == "auto")
+    if request.schedule == "auto":
+        names = schedule_layouts([[r] for r in range(request.world)], request.micro_batches,
+                                 hybrid=request.replicas == "auto")
         axes.append([(n, {"schedule": n}) for n in names])
-    if opts.get("replicas") == "auto":
+    if request.replicas == "auto":
         axes.append([("replicas=auto", {"replicas": "auto"}), ("replicas=1", {"replicas": None})])
     if not axes:
         return {"as asked": {}}
@@ -114,7 +103,7 @@ def running_name(setup: Setup, plan: Plan, names: Mapping[str, dict[str, Any]]) 
             continue
         if "schedule" in o and o["schedule"] != plan.schedule:
             continue
-        if "replicas" in o and (o["replicas"] == "auto") != (replicated or setup.options.get("replicas") == "auto"):
+        if "replicas" in o and (o["replicas"] == "auto") != (replicated or setup.request.replicas == "auto"):
             continue
         return name
     return next(iter(names))
@@ -127,27 +116,23 @@ def same_plan(a: Plan, b: Plan) -> bool:
 
 
 def _plan_with(setup: Setup, options: dict[str, Any], cost: CostModel) -> Plan:
-    from partitioner.api import plan as make_plan
-
-    kw = {**setup.options, **options}
-    if kw.get("placement") != "pipeline" and kw.get("schedule") == "auto":
-        kw["schedule"] = "gpipe"
-    return make_plan(setup.model, setup.devices, example_inputs=setup.example_inputs,
-                     example_kwargs=setup.example_kwargs, cost_model=cost, processes=distributed(), **kw)
+    """The plan of one candidate: the running request with `options` changed, priced by `cost`."""
+    request = setup.request.but(**options, cost_model=cost, processes=distributed())
+    if request.placement != "pipeline" and request.schedule == "auto":
+        request = request.but(schedule="gpipe")
+    return plan_model(setup.model, setup.example_inputs, setup.example_kwargs, request)
 
 
 def _decide(pipe: Any, setup: Setup, ran: Measurement, path: Path) -> dict[str, Any]:
     """Rank 0's part: fit, save, plan every candidate before and after; the challenger to measure, if any."""
-    from cost_model import default_cost_model
-
     if ran.trace is None:
         raise PartitionError("calibrate: no trace was gathered on rank 0")
     previous = find_calibration(setup.devices, processes=distributed(), given=path if path.is_file() else None)
     priced = getattr(setup.planned_with, "calibration", None)
-    cal = fit(pipe.plan, ran.trace, step_ms=ran.step_ms, previous=previous,
+    cal = fit_calibration(pipe.plan, ran.trace, step_ms=ran.step_ms, previous=previous,
               priced_with=priced if isinstance(priced, Calibration) else None)
     save_calibration(cal, path)
-    base = setup.cost_model if setup.cost_model is not None else default_cost_model()
+    base = setup.request.cost_model if setup.request.cost_model is not None else default_cost_model()
     names = option_sets(setup)
     current = running_name(setup, pipe.plan, names)
     cands: dict[str, Candidate] = {}
@@ -155,7 +140,7 @@ def _decide(pipe: Any, setup: Setup, ran: Measurement, path: Path) -> dict[str, 
     for name, options in names.items():
         try:
             before_plan = _plan_with(setup, options, base)
-            after[name], after_ms = before_plan, calibrated_step_ms(before_plan, cal)
+            after[name], after_ms = before_plan, float(simulate(before_plan, calibration=cal).makespan_ms)
         except PartitionError as exc:  # this combination cannot run here
             logger.info("calibrate: %s cannot be planned (%s)", name, exc)
             continue
@@ -208,7 +193,7 @@ def calibrate(
         raise PartitionError(f"calibrate runs synchronous steps; this plan has update={pipe.plan.update!r}: "
                              "calibrate a partition(..., update='sync') of the model, then plan with it")
     call = step or pipe.last_step or default_step(setup.example_inputs, setup.example_kwargs)
-    given = path if path is not None else setup.calibration
+    given = path if path is not None else setup.request.calibration
     where = calibration_path(setup.devices, processes=distributed(),
                              override=given if isinstance(given, (str, Path)) else None)
     build = rebuild or _rebuild
@@ -234,9 +219,7 @@ def calibrate(
         current, challenger = decided["current"], decided["challenger"]
         chosen, trace = current, ran.trace
         if challenger is not None:
-            from partitioner.show.visualizer import Plan as DrawablePlan
-
-            other = build(setup, DrawablePlan.from_json(decided["plan"]), pipe)
+            other = build(setup, type(pipe.plan).from_json(decided["plan"]), pipe)  # drawable where the pipe's is
             got = measure(other, steps, call)
             snap.restore()
             cands[challenger].measured_ms = got.step_ms
@@ -256,7 +239,7 @@ def calibrate(
     final = pipe.plan
     setup.current = chosen
     if chosen != current:  # plans carry base costs; the calibration prices them in the simulator
-        setup.planned_with = setup.cost_model if setup.cost_model is not None else _default_cost()
+        setup.planned_with = setup.request.cost_model if setup.request.cost_model is not None else default_cost_model()
     after_ms = {n: c.predicted_after_ms for n, c in cands.items()}
     predicted_switch = challenger is not None and after_ms[challenger] < after_ms[current]
     report = CalibrationReport(
@@ -271,12 +254,6 @@ def calibrate(
         if c.measured_ms is not None:
             final.alternatives[f"{c.name} measured"] = c.measured_ms
     return report
-
-
-def _default_cost() -> CostModel:
-    from cost_model import default_cost_model
-
-    return default_cost_model()
 
 
 def _log(current: Candidate, challenger: Candidate, error: float, margin: float, winner: Candidate) -> None:
@@ -295,18 +272,17 @@ def _regather(running: Any, setup: Setup) -> None:
 
 
 def _rebuild(setup: Setup, plan: Plan, running: Any) -> Any:
-    """A pipeline of the same model (same weights) running `plan`: partition(model, devices, plan=plan).
+    """A pipeline of the same model (same weights) running `plan`, as partition(model, devices, plan=plan) builds it.
 
     Under torchrun every rank must hold the whole model first (`_regather`): the new plan may give
     it stages the running one (`running`) did not.
     """
-    from partitioner.api import partition
-
-    kw = {k: v for k, v in setup.options.items() if k == "micro_batches"}
-    made = partition(setup.model, setup.devices, example_inputs=setup.example_inputs,
-                     example_kwargs=setup.example_kwargs, plan=dataclasses.replace(plan), cost_model=setup.cost_model,
-                     **kw, **setup.build)
-    made.set_calibrator(None)
+    request = setup.request.but(schedule=plan.schedule, virtual_stages=max(plan.virtual_stages, 2))
+    run = dataclasses.replace(setup.run, weights=None, init=None, calibrate=0, staleness=plan.staleness)
+    request, example = traced_call(setup.model, setup.example_inputs, setup.example_kwargs, request, setup.devices,
+                                   run.timeout)
+    made = build_pipeline(setup.model, example, dataclasses.replace(plan), request, run, None)
+    with_update(made.plan, request, priced=False)
     return made
 
 
@@ -330,8 +306,8 @@ def hook_of(pipe: Any) -> Hook:
 
 
 def attach(pipe: _P, setup: Setup) -> _P:
-    """Install a `Hook` as `pipe`'s calibration routine (runtime.calibration_hook); with setup.steps, calibrate now."""
+    """Install a `Hook` as `pipe`'s calibration routine (runtime.calibration_hook); with `calibrate=N`, run it now."""
     pipe.set_calibrator(Hook(setup))
-    if setup.steps:
-        pipe.calibration_report = pipe.calibrate(setup.steps)  # type: ignore[attr-defined]
+    if setup.run.calibrate:
+        pipe.calibration_report = pipe.calibrate(setup.run.calibrate)  # type: ignore[attr-defined]
     return pipe

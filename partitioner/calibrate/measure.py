@@ -69,11 +69,11 @@ class CalibrationReport:
 
     def visualize(self, path: str | Path) -> Path:
         """The plan page with the predicted and the measured timeline of one step, one above the other."""
-        from partitioner.show.visualizer import Plan as DrawablePlan
-
-        if self.plan is None:
-            raise ValueError("this report has no plan to draw")
-        return DrawablePlan.from_plan(self.plan).visualize(path, measured=self.trace)
+        draw = getattr(self.plan, "visualize", None)  # the pipe's plan is a partitioner.Plan, which draws itself
+        if draw is None:
+            raise ValueError("this report has no plan to draw; draw one with "
+                             "partitioner.Plan.from_plan(plan).visualize(path, measured=report.trace)")
+        return Path(draw(path, measured=self.trace))
 
     def __str__(self) -> str:
         lines = [f"calibration: {self.steps} steps, saved to {self.path}",

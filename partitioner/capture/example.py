@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -13,7 +14,7 @@ from partitioner.capture.trace import Traced, trace
 from partitioner.errors import PartitionError
 from runtime.microbatch import batch_size, scatter
 
-__all__ = ["shaped", "trace_example"]
+__all__ = ["Example", "shaped", "trace_example"]
 
 _T = TypeVar("_T")
 
@@ -28,14 +29,32 @@ def shaped(model: nn.Module, traced: Traced | None, fn: Callable[..., _T], *args
         return fn(*args)
 
 
+@dataclass
+class Example:
+    """The model traced on its example: the trace, the example's placeholder values (copies: shape
+    propagation and profiling run the model, and the caller's tensors stay as they are), the first
+    micro-batch of them, and each placeholder's split dim (None: the defaults)."""
+
+    traced: Traced
+    flat: list[Any]
+    first_chunk: list[Any]
+    dims: list[Any] | None
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.traced.graph_module
+
 
 def trace_example(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int,
     input_split_spec: InputSplitSpec | None = None,
-) -> tuple[Traced, list[Any], list[Any]]:
-    """Trace the model; return it, the example's placeholder values and its first micro-batch."""
+) -> Example:
+    """Trace the model on its example inputs (see `Example`).
+
+    Raises:
+        PartitionError: the model cannot be traced, or the example cannot be split into `micro_batches`.
+    """
     traced = trace(model, args, kwargs)
-    # Shape propagation and profiling run the model: on copies, so the caller's tensors stay as they are.
     flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
     dims = input_dims(model, traced, input_split_spec)
     try:
@@ -43,6 +62,4 @@ def trace_example(
         first_chunk = scatter(flat, micro_batches, dims)[0]
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None
-    return traced, flat, first_chunk
-
-
+    return Example(traced, flat, first_chunk, dims)

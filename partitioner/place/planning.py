@@ -7,7 +7,8 @@ planners (planner.py, branches.py, hybrid_plan.py) choose where nodes go, and
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence, cast, get_args
+from dataclasses import dataclass
+from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
@@ -17,15 +18,16 @@ from cost_model.analytic import CostModel
 from cost_model.devices import host_memory
 from cost_model.memory import usable_bytes
 from cost_model.processes import BetweenProcesses
+from partitioner.capture.example import Example
 from partitioner.capture.fidelity import Cuts, forced_cuts, shape_graph
 from partitioner.capture.graph import build_graph, compute_nodes
-from partitioner.capture.trace import Traced
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
 from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
-from partitioner.show.visualizer import Plan as DrawablePlan, with_graph
+from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
+from partitioner.show.visualizer import with_graph
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
 from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode, Schedule
@@ -34,87 +36,77 @@ from runtime.schedule import V_SCHEDULES
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
-    "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "RecomputeChoice", "ScheduleChoice", "choose", "choose_recompute",
+    "choose", "choose_recompute",
     "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "schedule_layouts",
     "stage_ranks_for", "within_memory",
 ]
 
-# What `partition(recompute=...)` takes: a mode for every stage, or "auto" (see choose_recompute);
-# or a list of these, one per stage.
-RecomputeChoice = Literal["none", "selective", "full", "auto"]
-RECOMPUTE_CHOICES: tuple[str, ...] = (*RECOMPUTE_MODES, "auto")
-# What `partition(schedule=...)` takes: a schedule, or "auto" (the fastest predicted that fits, see
-# plan_traced). A Plan always holds the concrete schedule it runs.
-ScheduleChoice = Schedule | Literal["auto"]
-SCHEDULE_CHOICES: tuple[str, ...] = (*get_args(Schedule), "auto")
-
-
-def stage_ranks_for(ranks: int, schedule: str, replicas: Any, virtual_stages: int, processes: bool) -> list[list[int]]:
-    if replicas is not None and not processes:
-        raise PartitionError(
-            "replicas need one process per stage replica: launch with torchrun (or initialize torch.distributed)"
-        )
-    if replicas == "auto":
-        return [[r] for r in range(ranks)]
+def stage_ranks_for(request: PlanRequest) -> list[list[int]]:
+    """The ranks of each stage the request's schedule and replicas lay out (replicas="auto": one per rank,
+    the hybrid planner chooses)."""
+    if request.replicas == "auto":
+        return [[r] for r in range(request.world)]
+    schedule = "gpipe" if request.schedule == "auto" else request.schedule
     try:
-        return stage_layout(ranks, schedule, replicas, virtual_stages)
+        return stage_layout(request.world, schedule, request.replicas, request.virtual_stages)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 
 
-def plan_traced(
-    model: nn.Module,
-    traced: Traced,
-    flat: list[Any],
-    first_chunk: list[Any],
-    devices: list[torch.device],
-    layout: list[list[int]],
-    cost_model: CostModel | None,
-    micro_batches: int,
-    schedule: str,
-    placement: str,
-    auto: bool,
-    processes: bool,
-    cuts: Cuts | None = None,
-    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
-) -> DrawablePlan:
+@dataclass
+class _Placing:
+    """What every candidate placement of one traced model shares (`plan_traced` makes it once)."""
+
+    model: nn.Module
+    example: Example
+    graph: Any  # the shape graph of the first micro-batch (capture.fidelity.shape_graph)
+    order: list[str]
+    forced: list[int]
+    cost: CostModel
+    request: PlanRequest
+
+    @property
+    def gm(self) -> torch.fx.GraphModule:
+        return self.example.graph_module
+
+
+def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_model: CostModel | None) -> Plan:
     """The plan for a traced model: chosen, with exact stage DAG, programs and predictions.
 
+    `cost_model`: what prices it (the request's, calibrated; None: the default profiled one).
     `schedule="auto"` plans every schedule this layout can run (`schedule_layouts`) and keeps
     the fastest whose ranks hold their stages (`fits_memory`); `plan.alternatives` records each
     candidate's predicted step ms ("(over memory)" after the name of one that does not fit).
     """
-    gm = traced.graph_module
-    if micro_batches < max(len(r) for r in layout):
-        raise PartitionError(f"micro_batches={micro_batches} leaves a replica idle; use at least "
+    layout = stage_ranks_for(request)
+    auto = request.replicas == "auto"
+    gm = example.graph_module
+    if request.micro_batches < max(len(r) for r in layout):
+        raise PartitionError(f"micro_batches={request.micro_batches} leaves a replica idle; use at least "
                              f"{max(len(r) for r in layout)}")
-    graph = shape_graph(traced, first_chunk)
+    graph = shape_graph(example.traced, example.first_chunk)
     for node in gm.graph.nodes:  # module classes: what each call saves for backward (cost_model.recompute_cost)
         if node.op == "call_module" and node.name in graph:
             graph.nodes[node.name]["kind"] = type(gm.get_submodule(str(node.target))).__name__
     order = [n.name for n in compute_nodes(gm)]
-    forced = forced_cuts(graph, order, cuts or Cuts("markers", {}))
-    if forced and (auto or placement != "pipeline"):
-        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which placement={placement!r}"
-                             f"{' with replicas=auto' if auto else ''} cannot keep; use placement='pipeline', or "
-                             "split_points='cost' to ignore them")
-    cost = prepared(cost_model, gm, first_chunk)
-    if processes:  # every stage replica is a process: ranks on one device still pay for transfers
+    forced = forced_cuts(graph, order, Cuts(request.split_points, dict(request.split_spec or {})))
+    if forced and (auto or request.placement != "pipeline"):
+        raise PartitionError(f"the model has pipe_split() markers (or a split_spec), which "
+                             f"placement={request.placement!r}{' with replicas=auto' if auto else ''} cannot keep; "
+                             "use placement='pipeline', or split_points='cost' to ignore them")
+    cost = prepared(cost_model, gm, example.first_chunk)
+    if request.processes:  # every stage replica is a process: ranks on one device still pay for transfers
         cost = BetweenProcesses(cost)
-
-    def place(name: str, ranks: list[list[int]]) -> Plan:
-        return _place(model, gm, graph, flat, order, forced, devices, ranks, cost, micro_batches, name, placement,
-                      auto, processes, recompute)
-
-    if schedule != "auto":
-        return with_graph(place(schedule, layout), graph, cost)
-    if placement != "pipeline":
-        return with_graph(place("gpipe", layout), graph, cost)  # branches run GPipe only
+    placing = _Placing(model, example, graph, order, forced, cost, request)
+    if request.schedule != "auto":
+        return with_graph(_place(placing, request.schedule, layout), graph, cost)
+    if request.placement != "pipeline":
+        return with_graph(_place(placing, "gpipe", layout), graph, cost)  # branches run GPipe only
     made: dict[str, Plan] = {}
     refused: list[str] = []
-    for name, ranks in schedule_layouts(layout, micro_batches, hybrid=auto).items():
+    for name, ranks in schedule_layouts(layout, request.micro_batches, hybrid=auto).items():
         try:
-            made[name] = place(name, ranks)
+            made[name] = _place(placing, name, ranks)
         except PartitionError as exc:  # this layout cannot run it (or cannot fit at all): not a candidate
             refused.append(f"{name}: {exc}")
     if not made:
@@ -165,29 +157,30 @@ def fits_memory(plan: Plan, cost: CostModel) -> bool:
     return all(n <= device_capacity(cost, torch.device(d)) for (_, d), n in need.items())
 
 
-def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[Any], order: list[str],
-           forced: Any, devices: list[torch.device], layout: list[list[int]], cost: CostModel, micro_batches: int,
-           schedule: str, placement: str, auto: bool, processes: bool,
-           recompute: RecomputeChoice | Sequence[RecomputeChoice]) -> Plan:
+def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
     """One schedule's plan on `layout`: placed, recomputation chosen, programs and predictions made."""
+    request, graph, gm, cost = placing.request, placing.graph, placing.gm, placing.cost
+    devices, micro_batches, recompute = list(request.devices), request.micro_batches, request.recompute
     recomputing = recompute != "none"
-    if auto:  # the hybrid planner wants the whole batch's shapes and chooses the layout
-        made = plan_hybrid(build_graph(gm, flat), order, devices, cost, micro_batches=micro_batches,
+    whole_graph = lambda: build_graph(gm, placing.example.flat)  # noqa: E731 - the whole batch's shapes, on demand
+    if request.replicas == "auto":  # the hybrid planner wants the whole batch's shapes and chooses the layout
+        made = plan_hybrid(whole_graph(), placing.order, devices, cost, micro_batches=micro_batches,
                            schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none")
-    elif placement == "pipeline":
+    elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
-        made = plan_pipeline(graph, order, stage_devices, cost, micro_batches, schedule=cast(Schedule, schedule),
-                             stage_ranks=layout, forced=forced)  # the layout's ranks: zbv lowers only on its V
+        made = plan_pipeline(graph, placing.order, stage_devices, cost, micro_batches,
+                             schedule=cast(Schedule, schedule), stage_ranks=layout,
+                             forced=placing.forced)  # the layout's ranks: zbv lowers only on its V
         for stage, ranks in zip(made.stages, layout):
             stage.ranks = ranks
-        if not processes and not forced:  # the memory-aware fallback knows no markers
+        if not request.processes and not placing.forced:  # the memory-aware fallback knows no markers
             if recomputing:  # what recomputation saves may let this split fit
                 choose_recompute(made, graph, gm, cost, recompute)
-            made = within_memory(made, lambda: build_graph(gm, flat), order, devices, cost, micro_batches)
+            made = within_memory(made, whole_graph, placing.order, devices, cost, micro_batches)
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
     else:
-        made = choose(graph, order, devices, cost, micro_batches, placement)
+        made = choose(graph, placing.order, devices, cost, micro_batches, request.placement)
         if made.placement != "branches":
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
@@ -195,7 +188,7 @@ def _place(model: nn.Module, gm: torch.fx.GraphModule, graph: Any, flat: list[An
     made.virtual_stages = virtual_stages_of(made)
     if recomputing:
         choose_recompute(made, graph, gm, cost, recompute)
-    finish_plan(made, gm, model, processes=processes, regenerate=True)
+    finish_plan(made, gm, placing.model, processes=request.processes, regenerate=True)
     return made
 
 

@@ -1,28 +1,23 @@
-"""Where calibrations live and how one is fitted and applied: the one seam to the cost model's fit.
+"""Where calibrations live: one JSON per set of devices in the per-machine cache, found and applied to a cost model.
 
-A calibration is saved as JSON in the per-machine cache (cost_model.cache), one file per
-set of devices and process layout, so that later `plan`/`partition` calls on this machine for
-the same devices price with it automatically; an explicit `calibration=` path overrides that.
-
-`fit` is the only place that turns a measured run into a Calibration; `calibrated_step_ms`
-prices a plan with one (the simulator), and `calibrated_cost` scales a cost model by its factors
-for later plans on this machine.
+A calibration is saved in the per-machine cache (cost_model.cache), one file per set of devices
+and process layout, so that later `plan`/`partition` calls on this machine for the same devices
+price with it automatically; an explicit `calibration=` path overrides that.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from cost_model.analytic import CostModel
 from cost_model.cache import cache_dir, cache_key
-from cost_model.calibration import CalibratedCostModel, Calibration, fit_calibration
-from partitioner.errors import PartitionError
-from runtime.plan import Plan
+from cost_model.calibration import CalibratedCostModel, Calibration
+from cost_model.default import default_cost_model
+from cost_model.interface import CostModel
 
 __all__ = [
-    "calibrated_cost", "calibrated_step_ms", "calibration_path", "find_calibration", "fit", "load_calibration",
+    "CalibrationArg", "calibrated_cost", "calibration_path", "find_calibration", "load_calibration",
     "save_calibration", "with_calibration",
 ]
 
@@ -41,13 +36,13 @@ def load_calibration(path: str | os.PathLike[str]) -> Calibration:
     """A saved calibration.
 
     Raises:
-        PartitionError: the file is missing or is not a saved calibration.
+        ValueError: the file is missing or is not a saved calibration (the message names the fix).
     """
     try:
         return Calibration.load(path)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise PartitionError(f"calibration={os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc}); give "
-                             "a file written by pipe.calibrate() or `python -m partitioner calibrate --out`") from None
+        raise ValueError(f"calibration={os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc}); give "
+                         "a file written by pipe.calibrate() or `python -m partitioner calibrate --out`") from None
 
 
 def find_calibration(devices: Sequence[Any], *, processes: bool, given: CalibrationArg = None) -> Calibration | None:
@@ -77,22 +72,6 @@ def save_calibration(calibration: Calibration, path: Path) -> Path:
     return path
 
 
-def fit(plan: Plan, trace: Mapping[str, Any], *, step_ms: float, previous: Calibration | None,
-        priced_with: Calibration | None = None) -> Calibration:
-    """The calibration after one measured step of `plan` (`trace`: that step's gathered runtime trace), by
-    cost_model.calibration.fit_calibration. `priced_with`: the calibration the plan's numbers already carry
-    (divided out first, so factors always scale the base cost model)."""
-    return fit_calibration(plan, trace, step_ms=step_ms, previous=previous, priced_with=priced_with)
-
-
-def calibrated_step_ms(plan: Plan, calibration: Calibration) -> float:
-    """What one option of an "auto" choice takes per step under `calibration`: its plan (made with base
-    costs) simulated with the calibration's prices (partitioner.predict.calibrated_sim)."""
-    from partitioner.predict.simulator import simulate
-
-    return float(simulate(plan, calibration=calibration).makespan_ms)
-
-
 def calibrated_cost(base: CostModel, calibration: Calibration | None) -> CostModel:
     """`base` priced with `calibration` (as it is where there is none)."""
     if calibration is None:
@@ -109,8 +88,4 @@ def with_calibration(cost_model: CostModel | None, devices: Sequence[Any], *, pr
     found = find_calibration(devices, processes=processes, given=given)
     if found is None:
         return cost_model
-    if cost_model is None:
-        from cost_model import default_cost_model
-
-        cost_model = default_cost_model()
-    return calibrated_cost(cost_model, found)
+    return calibrated_cost(cost_model if cost_model is not None else default_cost_model(), found)

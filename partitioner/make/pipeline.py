@@ -1,0 +1,146 @@
+"""A Plan into a running pipeline: stage modules cut from the traced graph, the other train/eval mode, the runtime.
+
+    traced_call(model, args, kwargs, request, devices, timeout)  -> the job joined, the example traced
+    build_pipeline(model, example, plan, request, run, fill)
+      one process -> runtime.pipeline.Pipeline            (every stage here, threads or not)
+      torchrun    -> runtime.distributed.DistributedPipeline (this rank's stages only)
+
+Building moves (or materializes) weights; if anything fails after that, every move is undone, so
+the model is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_model.devices import DeviceLike
+from partitioner.capture.example import Example, shaped, trace_example
+from partitioner.capture.fidelity import batched_outputs
+from partitioner.errors import PartitionError
+from partitioner.make.modes import same_cuts
+from partitioner.place.planning import finish_plan
+from partitioner.request import PlanRequest, RunOptions
+from runtime.distributed import DistributedPipeline
+from runtime.launch import init_process_group, joined_devices
+from runtime.materialize import Materializer
+from runtime.pipeline import Pipeline, StageGraph
+from runtime.plan import Plan
+from runtime.stage import Stage, build_stages, stage_io, weight_groups
+
+__all__ = ["build_pipeline", "traced_call"]
+
+
+def traced_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest,
+                given: Sequence[DeviceLike], timeout: float) -> tuple[PlanRequest, Example]:
+    """The job joined and the model traced on its example. Under torchrun each rank resolves its own entry of
+    the `given` devices ('cuda' is cuda:LOCAL_RANK) and every rank checks all of them: the request returned
+    holds every rank's device."""
+    if request.processes:
+        devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
+        request = request.but(devices=tuple(devices))
+    example = shaped(model, None, trace_example, model, args, kwargs, request.micro_batches, request.input_split_spec)
+    return request, example
+
+
+def build_pipeline(
+    model: nn.Module, example: Example, plan: Plan, request: PlanRequest, run: RunOptions, fill: Materializer | None,
+) -> Pipeline | DistributedPipeline:
+    """The pipeline that runs `plan` on `model` (traced as `example`): one process, or this rank's part under
+    torchrun (`request.processes`, on the devices the job joined: `traced_call`).
+
+    `fill` materializes a model on meta (and loads `weights=` into a real one) stage by stage.
+
+    Raises:
+        PartitionError: a plan the graph cannot be cut by, or a rank the plan gives no stage.
+    """
+    if plan.micro_batches != request.micro_batches:  # a given plan run with another micro-batch count
+        plan.micro_batches, plan.programs = request.micro_batches, []
+    if request.processes:
+        return _distributed(model, example, plan, run, fill, list(request.devices))
+    return _local(model, example, plan, request, run, fill)
+
+
+def _local(model: nn.Module, example: Example, plan: Plan, request: PlanRequest, run: RunOptions,
+           fill: Materializer | None) -> Pipeline:
+    traced, gm = example.traced, example.graph_module
+    batched = shaped(model, traced, batched_outputs, traced, example.flat, example.first_chunk, example.dims,
+                     request.micro_batches)
+    stages, undo = _build(gm, plan, fill=fill)
+    undos = [undo]
+    try:
+        finish_plan(plan, gm, model, processes=False, regenerate=False)
+        other = None
+        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
+            other_plan = same_cuts(traced.other_mode, plan)
+            other_stages, other_undo = _build(traced.other_mode, other_plan, fill=fill)
+            undos.append(other_undo)
+            finish_plan(other_plan, traced.other_mode, model, processes=False, regenerate=False)
+            other_output, _, other_constants = _graph_io(traced.other_mode)
+            other = StageGraph(other_stages, other_output, other_constants, other_plan)
+        output_node, placeholders, constants = _graph_io(gm)
+        return Pipeline(
+            model, StageGraph(stages, output_node, constants, plan), traced.flatten_inputs, traced.unflatten_outputs,
+            placeholders, run.threads, traced.mutated_inputs, other, traced.other_mode_error, batched_outputs=batched,
+            output_merge_spec=run.output_merge_spec, input_dims=example.dims)
+    except BaseException:
+        for u in reversed(undos):
+            u()
+        raise
+
+
+def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions, fill: Materializer | None,
+                 devices: list[torch.device]) -> DistributedPipeline:
+    traced, gm = example.traced, example.graph_module
+    rank = dist.get_rank()
+    finish_plan(plan, gm, model, processes=True, regenerate=False)
+    mine = [s.index for s in plan.stages if rank in s.ranks]
+    if not mine:
+        raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
+    io = stage_io(gm, plan)
+    stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill)
+    undos = [undo]
+    try:
+        _, placeholders, constants = _graph_io(gm)
+        groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
+        other = None
+        if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
+            other_plan = same_cuts(traced.other_mode, plan)
+            finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
+            other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
+                                              fill=fill)
+            undos.append(other_undo)
+            other_output, _, other_constants = _graph_io(traced.other_mode)
+            other = StageGraph(other_stages, other_output, other_constants, other_plan,
+                               stage_io(traced.other_mode, other_plan))
+        return DistributedPipeline(
+            model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
+            run.timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, example.dims,
+            rank_devices=devices,
+        )
+    except BaseException:
+        for u in reversed(undos):
+            u()
+        raise
+
+
+def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
+           device: torch.device | None = None, fill: Materializer | None = None
+           ) -> tuple[list[Stage], Callable[[], None]]:
+    """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
+    try:
+        return build_stages(gm, plan, local=local, device=device, materialize=fill)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def _graph_io(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, list[str], dict[str, Any]]:
+    """The graph's output node, its placeholder names, and the objects its get_attr nodes name."""
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    constants = {n.name: operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes if n.op == "get_attr"}
+    return output_node, placeholders, constants

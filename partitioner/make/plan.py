@@ -1,0 +1,101 @@
+"""A request into a Plan: trace the example, place it, price its update rule; under torchrun one rank plans for all.
+
+    plan_model(model, args, kwargs, request)        plan(): nothing moves, nothing is built
+    plan_example(model, example, request, cost)     partition(): the example is traced once, for the plan and the build
+    plan_on_rank0(model, example, request, cost)    torchrun: rank 0 plans, every rank runs the same plan
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from cost_model.analytic import AnalyticCostModel, CostModel
+from cost_model.calibration_store import with_calibration
+from partitioner.capture.example import Example, shaped, trace_example
+from partitioner.capture.meta import is_meta, on_meta
+from partitioner.errors import PartitionError
+from partitioner.place.planning import plan_traced
+from partitioner.predict.assemble import price_update
+from partitioner.request import PlanRequest
+from runtime.async_updates import check_async_plan
+from runtime.plan import Plan
+
+__all__ = ["plan_example", "plan_model", "plan_on_rank0", "planning_cost", "with_update"]
+
+
+def planning_cost(model: nn.Module, request: PlanRequest) -> CostModel | None:
+    """What prices the plan: the request's cost model (for a model on meta by default the analytic one:
+    profiling needs values), calibrated by the request's calibration or this machine's saved one."""
+    given = request.cost_model
+    if given is None and is_meta(model):
+        given = AnalyticCostModel()
+    try:
+        return with_calibration(given, request.devices, processes=request.processes, given=request.calibration)
+    except ValueError as exc:  # a calibration file that cannot be read
+        raise PartitionError(str(exc)) from None
+
+
+def plan_example(model: nn.Module, example: Example, request: PlanRequest, cost: CostModel | None,
+                 *, shapes: bool = False) -> Plan:
+    """The plan for a traced example (on meta tensors for a model on meta, or with `shapes`)."""
+    return shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
+
+
+def plan_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest) -> Plan:
+    """plan(): trace, place and price `model` on its example; nothing is moved and nothing is built.
+
+    A described cluster's GPUs are not here, so its plan is made from shapes alone (running a large
+    batch for real would take minutes); a forward that needs values falls back to running it.
+    """
+    cost = planning_cost(model, request)
+
+    def planned(shapes: bool) -> Plan:
+        a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
+        example = shaped(model, None, trace_example, model, a, k, request.micro_batches, request.input_split_spec,
+                         shapes=shapes)
+        return plan_example(model, example, request, cost, shapes=shapes)
+
+    try:
+        made = planned(shapes=request.cluster)
+    except PartitionError as exc:
+        if not isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) or not request.cluster or is_meta(model):
+            raise
+        made = planned(shapes=False)  # forward needs values (partitioner.capture.meta.shapes_only): run it for real
+    made = with_update(made, request, priced=True)
+    made.gpus_per_host = request.gpus_per_host
+    return made
+
+
+def plan_on_rank0(model: nn.Module, example: Example, request: PlanRequest, cost: CostModel | None) -> Plan:
+    """torchrun: rank 0 plans (so every rank runs the same plan, whatever its own timings) and sends it to
+    the others as JSON; a failure on rank 0 is raised on every rank, not waited for."""
+    text: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            text = [("plan", plan_example(model, example, request, cost).to_json())]
+        except Exception as exc:  # noqa: BLE001 - the others must hear of it, not wait for a plan
+            failure, text = exc, [("error", f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(text, src=0)
+    kind, payload = text[0]
+    if kind == "error":
+        if failure is not None:
+            raise failure
+        raise PartitionError(f"rank 0 could not plan: {payload}")
+    return Plan.from_json(payload)
+
+
+def with_update(plan: Plan, request: PlanRequest, *, priced: bool) -> Plan:
+    """`plan` with the request's update rule, checked to run; priced (partitioner.predict.assemble.price_update)
+    where the plan was made here (a given plan was priced already)."""
+    if request.update != "sync":
+        plan.update = request.update
+    problems = check_async_plan(plan)
+    if problems:
+        raise PartitionError("cannot run asynchronous updates:\n" + "\n".join(f"- {p}" for p in problems))
+    if priced:
+        price_update(plan)
+    return plan

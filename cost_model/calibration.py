@@ -23,177 +23,22 @@ Saved as JSON with a `version`.
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from cost_model.interface import CostModel, forward_time
+from cost_model.machine_params import CALIBRATION_VERSION, Calibration, measured_stage_ms, stage_records
+from cost_model.run_fit import fit_run
 
 __all__ = ["CALIBRATION_VERSION", "CalibratedCostModel", "Calibration", "fit_calibration", "measured_stage_ms",
            "stage_records"]
-
-CALIBRATION_VERSION = 2  # 1: factors only (no "version" key); 2: + task_ms, links, step_ms, cores, runs
-
-
-def _get(record: Any, *names: str) -> Any:
-    for name in names:
-        if isinstance(record, Mapping) and name in record:
-            return record[name]
-        if hasattr(record, name):
-            return getattr(record, name)
-    raise ValueError(f"a run record needs one of {names}; got {record!r}")
-
-
-def measured_stage_ms(trace: Mapping[str, Any]) -> dict[int, float]:
-    """Each stage's measured compute per micro-batch (forward + backward, ms) from a runtime trace.
-
-    `trace` is plain data, {"devices": [{"device", "events": [{kind, stage, microbatch,
-    start, end}]}]} in ms, as `Pipeline.measured_timeline()` or
-    `DistributedPipeline.gather_trace()` give it; replicas' micro-batches average together.
-    """
-    per: dict[tuple[int, int], float] = {}
-    for row in trace.get("devices", []):
-        for e in row.get("events", []):
-            if e.get("kind") in ("forward", "backward", "weight", "F", "B", "W") and int(e.get("stage", -1)) >= 0:
-                key = (int(e["stage"]), int(e.get("microbatch", -1)))
-                per[key] = per.get(key, 0.0) + float(e["end"]) - float(e["start"])
-    stages: dict[int, list[float]] = {}
-    for (stage, _), ms in per.items():
-        stages.setdefault(stage, []).append(ms)
-    return {s: sum(v) / len(v) for s, v in sorted(stages.items())}
-
-
-def stage_records(stages: Sequence[Any], measured_ms: Sequence[float]) -> list[dict[str, Any]]:
-    """Records from a plan's stages (device, compute_ms) and the measured ms of each, in order.
-
-    Raises:
-        ValueError: the two lists differ in length.
-    """
-    if len(stages) != len(measured_ms):
-        raise ValueError(f"{len(stages)} stages but {len(measured_ms)} measured times; give one time per stage")
-    return [
-        {
-            "device": str(_get(s, "device")),
-            "predicted_ms": float(_get(s, "compute_ms", "predicted_ms")),
-            "measured_ms": float(m),
-        }
-        for s, m in zip(stages, measured_ms)
-    ]
-
-
-@dataclass
-class Calibration:
-    """Running least-squares factors (measured / predicted) per device and per device pair."""
-
-    decay: float = 1.0  # weight kept by older observations at each new run (1: never forget)
-    sums: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum p*m, sum p*p]
-    task_ms: dict[str, float] = field(default_factory=dict)  # "F"/"B"/"W"/"SEND"/"RECV"/"WAKE" -> ms (see above)
-    links: dict[str, list[float]] = field(default_factory=dict)  # backend -> [latency ms, bytes per ms]
-    step_ms: float = 0.0  # fixed per-step cost outside the traced ops
-    cores: float = 0.0  # cores the ranks of one host share (0: unlimited)
-    runs: float = 0.0  # weight of the fitted runs behind task_ms, links, step_ms and cores
-
-    def factor(self, device: Any) -> float:
-        """measured / predicted for a device ('cuda:0') or a pair ('cpu->cuda:0'); 1 if unseen."""
-        pm, pp = self.sums.get(str(device), (0.0, 0.0))
-        return pm / pp if pp > 0 else 1.0
-
-    def compute_factor(self, device: Any, kind: str) -> float:
-        """measured / predicted of one F, B or W on `device`: its kind's factor, else the device's."""
-        key = f"{device}/{kind}"
-        return self.factor(key) if key in self.sums else self.factor(device)
-
-    def message_ms(self, nbytes: float, backend: str = "gloo") -> float | None:
-        """One message of `nbytes` over `backend`'s fitted link (ms), or None when it has none."""
-        if backend not in self.links or nbytes <= 0:
-            return None if backend not in self.links else 0.0
-        latency, per_ms = self.links[backend]
-        return latency + nbytes / per_ms
-
-    def allreduce_ms(self, nbytes: float, ranks: int, backend: str = "gloo") -> float | None:
-        """A ring all-reduce of `nbytes` over `ranks` on `backend`'s link (ms), or None when it has none."""
-        if backend not in self.links:
-            return None
-        if ranks < 2 or nbytes <= 0:
-            return 0.0
-        latency, per_ms = self.links[backend]
-        steps = 2 * (ranks - 1)
-        return steps * latency + steps / ranks * nbytes / per_ms
-
-    def observe(self, key: str, predicted_s: float, measured_s: float) -> None:
-        """Add one (predicted, measured) pair for `key` (a device or 'src->dst' pair).
-
-        Raises:
-            ValueError: a negative time.
-        """
-        if predicted_s < 0 or measured_s < 0:
-            raise ValueError(f"times must be >= 0, got predicted {predicted_s} and measured {measured_s}")
-        pm, pp = self.sums.setdefault(str(key), [0.0, 0.0])
-        self.sums[str(key)] = [pm + predicted_s * measured_s, pp + predicted_s * predicted_s]
-
-    def update(self, records: Iterable[Any]) -> None:
-        """Fold one measured run in: records with device, predicted_ms and measured_ms.
-
-        Older evidence is first multiplied by `decay`, so with decay < 1 the factors follow
-        a machine whose speed drifts. A record may also name `src` and `dst` (a transfer).
-        """
-        parsed = []
-        for r in records:  # read every record before changing anything
-            predicted = float(_get(r, "predicted_ms", "compute_ms")) / 1e3
-            measured = float(_get(r, "measured_ms")) / 1e3
-            if isinstance(r, Mapping) and "src" in r and "dst" in r:
-                key = f"{torch.device(r['src'])}->{torch.device(r['dst'])}"
-            else:
-                key = str(torch.device(_get(r, "device")))
-            parsed.append((key, predicted, measured))
-        for sums in self.sums.values():
-            sums[0] *= self.decay
-            sums[1] *= self.decay
-        for key, predicted, measured in parsed:
-            self.observe(key, predicted, measured)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": CALIBRATION_VERSION, "decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()},
-                "task_ms": dict(self.task_ms), "links": {k: list(v) for k, v in self.links.items()},
-                "step_ms": self.step_ms, "cores": self.cores, "runs": self.runs}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
-        """Read `to_dict` output (version 1 files: factors only).
-
-        Raises:
-            ValueError: a file from a newer version; re-run the calibration with this version.
-        """
-        version = int(data.get("version", 1))
-        if version > CALIBRATION_VERSION:
-            raise ValueError(f"calibration version {version} is newer than this code's {CALIBRATION_VERSION}; "
-                             "re-run the calibration (pipe.calibrate()) with this version")
-        return cls(
-            float(data.get("decay", 1.0)), {str(k): [float(x) for x in v] for k, v in data.get("sums", {}).items()},
-            {str(k): float(v) for k, v in data.get("task_ms", {}).items()},
-            {str(k): [float(x) for x in v] for k, v in data.get("links", {}).items()},
-            float(data.get("step_ms", 0.0)), float(data.get("cores", 0.0)), float(data.get("runs", 0.0)),
-        )
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Calibration:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
 
 
 def fit_calibration(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float,
                     previous: Calibration | None = None, cores: float | None = None,
                     backend: str = "gloo", priced_with: Calibration | None = None) -> Calibration:
-    """`previous` refined by one traced run of a plan: see cost_model/run_fit.py (imported here on use)."""
-    from cost_model.run_fit import fit_run
-
+    """`previous` refined by one traced run of a plan: see cost_model/run_fit.py."""
     return fit_run(plan_data, trace, step_ms=step_ms, previous=previous, cores=cores, backend=backend,
                    priced_with=priced_with)
 

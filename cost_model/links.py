@@ -15,6 +15,7 @@ parent waits with a deadline and terminates them if they hang, so a measurement 
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import statistics
 import time
@@ -24,7 +25,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from cost_model.comm import Link
+from cost_model.cache import cache_dir, cache_key, read_json, write_json
+from cost_model.comm import LINK_KINDS, Link
+from cost_model.devices import device_present
 
 __all__ = ["fit_link", "loopback_link", "measure_copy_link", "measure_gloo_link", "measure_gloo_p2p"]
 
@@ -141,11 +144,6 @@ def loopback_link(*, measure: bool = True, cache: str | os.PathLike[str] | None 
 
     With `measure=False` a machine never measured gets the typical `LINK_KINDS["loopback"]`.
     """
-    import platform
-
-    from cost_model.cache import cache_dir, cache_key, read_json, write_json
-    from cost_model.comm import LINK_KINDS
-
     path = cache_dir(cache) / "links" / f"{cache_key('gloo-loopback', platform.node(), torch.__version__)}.json"
     saved = read_json(path)
     if isinstance(saved, dict):
@@ -175,8 +173,6 @@ def measure_copy_link(
     Raises:
         ValueError: a device is not present here.
     """
-    from cost_model.devices import device_present
-
     a, b = torch.device(src), torch.device(dst)
     for d in (a, b):
         if not device_present(d):

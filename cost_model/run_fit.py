@@ -36,7 +36,8 @@ import re
 import statistics
 from typing import Any, Iterable, Mapping, Sequence
 
-from cost_model.calibration import Calibration
+from cost_model.links import loopback_link
+from cost_model.machine_params import Calibration
 
 __all__ = ["allreduce_base_ms", "compute_events", "fit_run", "plan_dict", "sharing"]
 
@@ -310,7 +311,5 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
 
 def _default_link(backend: str) -> list[float]:
     """[latency ms, bytes per ms] of `backend`: the cached loopback measurement, else the typical loopback."""
-    from cost_model.links import loopback_link
-
     link = loopback_link(measure=False)
     return [link.latency_s * 1e3, link.bandwidth / 1e3]

@@ -34,6 +34,7 @@ from runtime.hier_allreduce import all_reduce, replica_group
 from runtime.interpreter import Interpreter
 from runtime.launch import wire_device
 from runtime.microbatch import SplitDim
+from runtime.nccl_rules import NcclRulesComm
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
 from runtime.program import Op, plan_programs
@@ -418,8 +419,6 @@ def _signature(envs: list[dict[str, Any]]) -> tuple[Any, ...]:
 
 def _make_comm(timeout_s: float) -> Comm:
     if os.environ.get(NCCL_RULES_ENV) == "1":
-        from runtime.nccl_rules import NcclRulesComm
-
         comm = NcclRulesComm(timeout_s=min(timeout_s, 60.0))
         atexit.register(comm.close)  # its threads must not outlive a hang into process teardown
         return comm

@@ -30,7 +30,7 @@ from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
 from partitioner.show.visualizer import with_graph
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
-from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode, Schedule
+from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode
 from runtime.recompute import kept_output_writes
 from runtime.schedule import V_SCHEDULES
 from runtime.stage import stage_io, weight_groups
@@ -169,7 +169,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
         made = plan_pipeline(graph, placing.order, stage_devices, cost, micro_batches,
-                             schedule=cast(Schedule, schedule), stage_ranks=layout,
+                             schedule=schedule, stage_ranks=layout,
                              forced=placing.forced)  # the layout's ranks: zbv lowers only on its V
         for stage, ranks in zip(made.stages, layout):
             stage.ranks = ranks
@@ -184,7 +184,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
         if made.placement != "branches":
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
-    made.schedule = schedule  # type: ignore[assignment]
+    made.schedule = schedule
     made.virtual_stages = virtual_stages_of(made)
     if recomputing:
         choose_recompute(made, graph, gm, cost, recompute)

@@ -22,12 +22,12 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.place.chain import plan_pipeline
 from partitioner.predict.assemble import finish
-from partitioner.predict.graph_data import attach_graph
+from partitioner.predict.graph_data import attach_graph, store_graph
 from partitioner.predict.simulator import simulate
 from partitioner.show.html import render_html
 from partitioner.show.layout import NODES, choose_depth, collapse, layout
 from partitioner.show.rows import timeline_data
-from partitioner.show.visualizer import DrawablePlan, color, page_data, visualize, with_graph
+from partitioner.show.visualizer import DrawablePlan, color, page_data, visualize
 from runtime import plan as runtime_plan
 from runtime.microbatch import scatter
 from runtime.schedule import gpipe
@@ -50,7 +50,7 @@ def make_plan(factory: Any, stages: int, micro_batches: int) -> DrawablePlan:
     cost = AnalyticCostModel(specs={"cpu": SPEC})
     order = [n.name for n in compute_nodes(traced.graph_module)]
     plan = plan_pipeline(graph, order, [torch.device("cpu")] * stages, cost, micro_batches)
-    return with_graph(plan, graph, cost)
+    return DrawablePlan.from_plan(store_graph(plan, graph, cost))
 
 
 def graph_of(plan: runtime_plan.Plan) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def _bezier_x(pts: Sequence[tuple[float, float]], y: float) -> float:
 
 def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None) -> None:
     """Save the figure: graph on the left; time, memory and timelines on the right."""
-    try:
+    try:  # matplotlib is optional: only the static pictures need it, so it is imported here
         import matplotlib
 
         matplotlib.use("Agg")

@@ -11,6 +11,7 @@ the model is left exactly as it was.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Callable, Sequence
 
@@ -32,7 +33,9 @@ from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan
 from runtime.stage import Stage, build_stages, stage_io, weight_groups
 
-__all__ = ["build_pipeline", "traced_call"]
+__all__ = ["build_pipeline", "on_devices", "traced_call"]
+
+log = logging.getLogger(__name__)
 
 
 def traced_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest,
@@ -60,9 +63,45 @@ def build_pipeline(
     """
     if plan.micro_batches != request.micro_batches:  # a given plan run with another micro-batch count
         plan.micro_batches, plan.programs = request.micro_batches, []
+    on_devices(plan, request.devices)
     if request.processes:
         return _distributed(model, example, plan, run, fill, list(request.devices))
     return _local(model, example, plan, request, run, fill)
+
+
+def on_devices(plan: Plan, devices: Sequence[torch.device]) -> None:
+    """Run `plan` on `devices` (one per rank, as given to partition): a plan made for other devices (say,
+    plan(cluster="1x2xH100") run on ["cpu", "cpu"]) is mapped rank for rank, with a log line; its predicted
+    times stay those of the devices it was planned for.
+
+    Raises:
+        PartitionError: the plan runs on another number of ranks than `devices` names.
+    """
+    planned = _rank_devices(plan)
+    given = [str(d) for d in devices]
+    if len(planned) != len(given):
+        raise PartitionError(f"the plan runs on {len(planned)} ranks ({', '.join(planned)}) but devices= names "
+                             f"{len(given)} ({', '.join(given)}); pass one device per rank of the plan, or plan again "
+                             "for these devices")
+    if planned == given:
+        return
+    log.info("the plan was made for %s and runs on %s as given, rank for rank; its predicted times are those of the "
+             "devices it was planned for", ", ".join(planned), ", ".join(given))
+    for stage in plan.stages:
+        stage.device = given[stage.ranks[0] if stage.ranks else stage.index]
+    for program in plan.programs:
+        program.device = given[program.rank]
+
+
+def _rank_devices(plan: Plan) -> list[str]:
+    """The device of each rank of `plan`: its program's, else that of its first stage."""
+    if plan.programs:
+        return [p.device for p in sorted(plan.programs, key=lambda p: p.rank)]
+    found: dict[int, str] = {}
+    for stage in plan.stages:
+        for r in stage.ranks or [stage.index]:
+            found.setdefault(r, stage.device)
+    return [found[r] for r in sorted(found)]
 
 
 def _local(model: nn.Module, example: Example, plan: Plan, request: PlanRequest, run: RunOptions,
@@ -76,7 +115,7 @@ def _local(model: nn.Module, example: Example, plan: Plan, request: PlanRequest,
         finish_plan(plan, gm, model, processes=False, regenerate=False)
         other = None
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = same_cuts(traced.other_mode, plan)
+            other_plan = same_cuts(traced.other_mode, plan, gm)
             other_stages, other_undo = _build(traced.other_mode, other_plan, fill=fill)
             undos.append(other_undo)
             finish_plan(other_plan, traced.other_mode, model, processes=False, regenerate=False)
@@ -109,7 +148,7 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
         groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         other = None
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
-            other_plan = same_cuts(traced.other_mode, plan)
+            other_plan = same_cuts(traced.other_mode, plan, gm)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
             other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
                                               fill=fill)

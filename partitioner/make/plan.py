@@ -21,6 +21,7 @@ from partitioner.place.planning import plan_traced
 from partitioner.predict.assemble import price_update
 from partitioner.request import PlanRequest
 from runtime.async_updates import check_async_plan
+from runtime.microbatch import batch_size
 from runtime.plan import Plan
 
 __all__ = ["plan_example", "plan_model", "plan_on_rank0", "planning_cost", "with_update"]
@@ -40,8 +41,25 @@ def planning_cost(model: nn.Module, request: PlanRequest) -> CostModel | None:
 
 def plan_example(model: nn.Module, example: Example, request: PlanRequest, cost: CostModel | None,
                  *, shapes: bool = False) -> Plan:
-    """The plan for a traced example (on meta tensors for a model on meta, or with `shapes`)."""
-    return shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
+    """The plan for a traced example (on meta tensors for a model on meta, or with `shapes`).
+
+    Raises:
+        PartitionError: as plan_traced, and where a layer that computes statistics over the batch (BatchNorm
+            in training mode) gets one sample per micro-batch, which the whole batch gives it more of.
+    """
+    try:
+        return shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
+    except (RuntimeError, ValueError) as exc:
+        if _PER_BATCH_STATISTICS not in str(exc):
+            raise
+        samples = batch_size(example.flat) if example.flat else 0
+        raise PartitionError(
+            f"micro_batches={request.micro_batches} splits the batch of {samples} into micro-batches of one sample, "
+            f"and a layer that normalizes over the batch in training mode needs more ({str(exc).splitlines()[0]}); "
+            f"use micro_batches <= {max(1, samples // 2)} (2 samples or more each), or a larger batch") from None
+
+
+_PER_BATCH_STATISTICS = "Expected more than 1 value per channel when training"  # torch's BatchNorm message
 
 
 def plan_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest) -> Plan:

@@ -35,7 +35,7 @@ from partitioner.request import (
     SplitPoint,
     SplitPoints,
 )
-from partitioner.show.visualizer import Plan as DrawablePlan
+from partitioner.show.visualizer import DrawablePlan
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed
 from runtime.materialize import Init

@@ -19,7 +19,7 @@ from partitioner.capture.fidelity import check_fidelity_arguments
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
 from partitioner.request import PlanRequest, RunOptions
-from partitioner.show.visualizer import Plan as DrawablePlan
+from partitioner.show.visualizer import DrawablePlan
 from runtime.launch import distributed, job_devices
 from runtime.materialize import Init, Materializer
 from runtime.microbatch import to_device

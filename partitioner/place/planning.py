@@ -26,8 +26,8 @@ from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
 from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
+from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
-from partitioner.show.visualizer import with_graph
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
 from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode
@@ -99,9 +99,9 @@ def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_m
         cost = BetweenProcesses(cost)
     placing = _Placing(model, example, graph, order, forced, cost, request)
     if request.schedule != "auto":
-        return with_graph(_place(placing, request.schedule, layout), graph, cost)
+        return store_graph(_place(placing, request.schedule, layout), graph, cost)
     if request.placement != "pipeline":
-        return with_graph(_place(placing, "gpipe", layout), graph, cost)  # branches run GPipe only
+        return store_graph(_place(placing, "gpipe", layout), graph, cost)  # branches run GPipe only
     made: dict[str, Plan] = {}
     refused: list[str] = []
     for name, ranks in schedule_layouts(layout, request.micro_batches, hybrid=auto).items():
@@ -118,7 +118,7 @@ def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_m
     chosen = made[best]
     chosen.alternatives = {(name if fits[name] else f"{name} (over memory)"): p.predicted_step_ms
                            for name, p in made.items()}
-    return with_graph(chosen, graph, cost)
+    return store_graph(chosen, graph, cost)
 
 
 def schedule_layouts(layout: list[list[int]], micro_batches: int, *,

@@ -15,10 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
-
 from partitioner.errors import PartitionError
-from partitioner.predict.graph_data import store_graph
 from partitioner.predict.simulator import simulate
 from partitioner.show.hosts import by_host
 from partitioner.show.html import render_html
@@ -27,7 +24,7 @@ from partitioner.show.rows import timeline_data
 from partitioner.show.static import render_static, to_dot
 from runtime import plan as runtime_plan
 
-__all__ = ["DrawablePlan", "Plan", "color", "page_data", "simulated_timeline", "visualize", "with_graph"]
+__all__ = ["DrawablePlan", "color", "page_data", "simulated_timeline", "visualize"]
 
 # Tableau 10: one color per stage; later stages get hues spaced by the golden angle.
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
@@ -51,7 +48,6 @@ class DrawablePlan(runtime_plan.Plan):
         return visualize(self, path, timeline=timeline, measured=measured, depth=depth)
 
 
-Plan = DrawablePlan  # the old name, while api.py, arguments.py, calibrate/ and place/planning.py import it
 
 
 def color(stage: int) -> str:
@@ -62,17 +58,6 @@ def color(stage: int) -> str:
         return PALETTE[stage]
     r, g, b = colorsys.hls_to_rgb((stage * 137.508 % 360) / 360, 0.55, 0.5)
     return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
-
-
-def with_graph(plan: runtime_plan.Plan, graph: nx.DiGraph, cost: Any = None) -> DrawablePlan:
-    """`plan` as a DrawablePlan with `graph` attached (partitioner.predict.graph_data.store_graph).
-
-    The old name, kept until place/planning.py stores the graph itself: use `store_graph`, then
-    `DrawablePlan.from_plan` where a drawable plan is needed.
-    """
-    drawable = DrawablePlan.from_plan(plan)
-    store_graph(drawable, graph, cost)
-    return drawable
 
 
 def simulated_timeline(plan: runtime_plan.Plan) -> tuple[Any, str | None]:

@@ -1,4 +1,4 @@
-"""Start and end marks for runtime traces: host clock on CPU, CUDA events on a GPU.
+"""Start and end marks for runtime traces: host clock on CPU, CUDA events on a GPU (`rules.timing`).
 
 On a GPU the host clock times kernel launches, not kernels. A CUDA clock records an event on
 the current stream at each mark, and `resolve()` (one synchronize, after the step) turns
@@ -19,6 +19,8 @@ from typing import Union
 
 import torch
 
+from rules.timing import elapsed_s, record_event, sync, uses_events
+
 __all__ = ["Clock", "Mark"]
 
 Mark = Union[float, "torch.cuda.Event"]
@@ -33,30 +35,24 @@ class Clock:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = uses_events(self.device)
         self._anchor_s = 0.0
         self._anchor: torch.cuda.Event | None = None
         if self.cuda:
             # The stream is idle after the synchronize, so the anchor event runs at once:
             # its time on the device and the host time agree to within a launch (microseconds).
-            torch.cuda.synchronize(self.device)
+            sync(self.device)
             self._anchor_s = time.time()
-            self._anchor = self._event()
-
-    def _event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+            self._anchor = record_event(self.device)
 
     def mark(self) -> Mark:
         """Now: time.time() on CPU; on CUDA an event recorded on the current stream (when the
         work queued so far is done)."""
-        return self._event() if self.cuda else time.time()
+        return record_event(self.device) if self.cuda else time.time()
 
     def resolve(self) -> None:
         """Wait for the device (CUDA: one synchronize) so every mark made so far can be read."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        sync(self.device)
 
     def seconds(self, mark: Mark) -> float:
         """Wall-clock seconds of `mark` (a time.time() value). CUDA marks need `resolve()` first.
@@ -70,4 +66,4 @@ class Clock:
             raise RuntimeError(f"a CUDA event mark given to a clock on {self.device}; use the clock that made it")
         if not mark.query():
             raise RuntimeError("this CUDA mark has not completed; call clock.resolve() after the step, then read it")
-        return self._anchor_s + float(self._anchor.elapsed_time(mark)) / 1e3
+        return self._anchor_s + elapsed_s(self._anchor, mark)

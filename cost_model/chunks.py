@@ -22,7 +22,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from cost_model.timing import Rounds, is_out_of_memory, materialize, release_cached
+from cost_model.rounds import Recorded, Rounds, record
+from cost_model.timing import is_out_of_memory, release_cached
 
 __all__ = ["Chunk", "ChunkModules", "default_budget", "measure_chunks", "model_bytes", "move_value", "node_bytes",
            "plan_chunks", "to_device"]  # fmt: skip
@@ -175,53 +176,64 @@ def measure_chunks(
     """Time `nodes` chunk by chunk into `rounds`: every node's value computed once where the
     model lives (`home`), then each chunk's modules and inputs copied to `device` in turn.
 
-    Returns the nodes not timed, each with the reason (over the budget, out of memory).
+    Returns the nodes not timed, each with the reason (over the budget, out of memory, or an
+    error running it alone: the whole graph is not on the device to time it inside a forward).
     """
     skipped: dict[str, str] = {}
-    values: dict[str, Any] | None
+    recorded: Recorded | None
     try:
-        values = _values(gm, flat_inputs, home)
+        recorded = _values(gm, flat_inputs, home)
     except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raised
         if not is_out_of_memory(exc):
             raise
-        values = None
-    if values is None:
+        recorded = None
+    if recorded is None:
         release_cached(home)
-        rounds.bar.update((rounds.warmup + rounds.repeats) * len(nodes))
+        rounds.progress.advance(len(nodes))
         return dict.fromkeys((n.name for n in nodes), f"out of memory running the model on {home}")
     limit = budget if budget is not None else sys.maxsize
-    for chunk in plan_chunks(gm, nodes, values, limit):
+    for chunk in plan_chunks(gm, nodes, recorded.values, limit):
         if chunk.too_big:
             skipped[chunk.nodes[0].name] = f"a node alone needs more than the memory budget of {limit / 2**20:.1f} MiB"
-            rounds.bar.update((rounds.warmup + rounds.repeats) * len(chunk.nodes))
+            rounds.progress.advance(len(chunk.nodes))
             continue
         try:
-            _measure_chunk(gm, chunk.nodes, values, device, home, rounds)
+            failed = _measure_chunk(gm, chunk.nodes, recorded, device, home, rounds)
+            skipped.update((name, f"it cannot run alone ({why})") for name, why in failed.items())
         except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raised
             if not is_out_of_memory(exc):
                 raise
             skipped.update((n.name, f"out of memory on {device}") for n in chunk.nodes)
-            rounds.bar.update((rounds.warmup + rounds.repeats) * len(chunk.nodes))
+            rounds.progress.advance(len(chunk.nodes))
         release_cached(device)  # the chunk's copies are gone: give their blocks back before the next
     return skipped
 
 
 def _measure_chunk(
-    gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], values: dict[str, Any], device: torch.device,
+    gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], recorded: Recorded, device: torch.device,
     home: torch.device, rounds: Rounds,
-) -> None:
-    """One chunk: its modules and the values its nodes read copied to `device`, timed, dropped on return."""
+) -> dict[str, str]:
+    """One chunk: its modules and the values its nodes read copied to `device`, timed, dropped on return.
+    Returns the chunk's nodes that raised when run alone (see `Rounds.time`)."""
     modules = ChunkModules(gm, nodes, device)
+    values = recorded.values
     local = {n.name: values[n.name] for n in nodes}  # outputs: NodeRunner reads only their flags
     reads = {i.name for n in nodes for i in n.all_input_nodes}
     local.update((name, move_value(values[name], device, home)) for name in reads)
-    rounds.time(modules, nodes, local)
+    seen = {n.name: move_value(recorded.seen[n.name], device, home) for n in nodes if n.name in recorded.seen}
+    return rounds.time(modules, nodes, Recorded(local, seen, recorded.writes))
 
 
-def _values(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], home: torch.device) -> dict[str, Any]:
-    """Every node's value from one run of the model where it lives, detached but still flagged requires_grad."""
+def _values(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], home: torch.device) -> Recorded:
+    """Every node's value from one run of the model where it lives, detached but still flagged requires_grad
+    (with the inputs nodes read before a later in-place op changed them, `rounds.record`)."""
     inputs = [move_value(x, home, home) for x in flat_inputs]
-    return {name: pytree.tree_map(_keep_grad_flag, v) for name, v in materialize(gm, inputs).items()}
+    recorded = record(gm, inputs)
+    return Recorded(
+        {name: pytree.tree_map(_keep_grad_flag, v) for name, v in recorded.values.items()},
+        {name: pytree.tree_map(_keep_grad_flag, dict(v)) for name, v in recorded.seen.items()},
+        recorded.writes,
+    )
 
 
 def _keep_grad_flag(x: Any) -> Any:

@@ -29,11 +29,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from cost_model.analytic import AnalyticCostModel
 from cost_model.cache import cache_dir as default_cache_dir, cache_key, read_json, write_json
 from cost_model.chunks import default_budget, measure_chunks, model_bytes
 from cost_model.devices import device_index, device_present
-from cost_model.interface import CostModel
-from cost_model.timing import Clock, Rounds, Timer, is_out_of_memory, materialize, release_cached, timer_for
+from cost_model.interface import CostModel, forward_time
+from cost_model.rounds import Rounds, record, time_in_forward
+from cost_model.timing import Clock, Timer, is_out_of_memory, release_cached, timer_for
+from rules.progress import phase, say
 
 __all__ = ["Profile", "ProfiledCostModel", "graph_fingerprint", "profile_graph"]
 
@@ -183,20 +186,23 @@ def profile_graph(
         if data is not None and data.get("key") == key:
             profile = Profile.from_dict(data)
             profile.from_cache = True
+            say(f"profiling on {device}: {len(profile.forward)} nodes read from the cache ({path})")
             return profile
 
     # An explicit budget bounds what the device holds, so chunks from the start; by default the
     # whole graph goes at once when its weights fit, and chunk by chunk otherwise or after running out.
     budget = memory_budget_bytes if memory_budget_bytes is not None else default_budget(gm, device)
     whole = memory_budget_bytes is None and (budget is None or model_bytes(gm) <= budget)
-    forward, backward, unmeasured = _measure(gm, flat_inputs, device, warmup, repeats, progress, timer, budget, whole)
+    forward, backward, unmeasured, inside = _measure(
+        gm, flat_inputs, device, warmup, repeats, progress, timer, budget, whole
+    )
     profile = Profile(
         device=str(device),
         forward=forward,
         backward=backward,
         key=key,
         meta={"device_name": _device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "clock": clock},
+              "clock": clock, **({"timed_in_forward": inside} if inside else {})},
         unmeasured=unmeasured,
     )
     if cache and not unmeasured:  # a partial profile may be complete next time (more free memory)
@@ -214,32 +220,33 @@ def _measure(
     timer: Timer,
     budget: int | None,
     whole: bool,
-) -> tuple[dict[str, float], dict[str, float], list[str]]:
-    """Forward and backward seconds per node and the nodes not timed: the `whole` graph on the
-    device at once, or (also when that runs out of memory) chunk by chunk within `budget`."""
-    from tqdm.auto import tqdm
-
+) -> tuple[dict[str, float], dict[str, float], list[str], list[str]]:
+    """Forward and backward seconds per node, the nodes not timed and the nodes timed inside whole
+    forwards: the `whole` graph on the device at once, or (also when that runs out of memory)
+    chunk by chunk within `budget`."""
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and n.target not in _NO_WORK]
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     home = next((t.device for t in itertools.chain(gm.parameters(), gm.buffers())), device)
     skipped: dict[str, str] = {}  # node name -> why it was not timed
-    bar = tqdm(total=(warmup + repeats) * len(nodes), desc=f"profiling on {device}", unit="node",
-               disable=not progress, leave=False)
+    what = f"profiling {len(nodes)} nodes on {device} ({warmup + repeats} runs each)"
     try:
-        with bar, torch.random.fork_rng(devices=sorted({d for d in (device, home) if d.type == "cuda"}, key=str)):
+        with phase(what, total=len(nodes), bar=progress) as bar, torch.random.fork_rng(
+            devices=sorted({d for d in (device, home) if d.type == "cuda"}, key=str)
+        ):
             rounds = Rounds(device, warmup, repeats, timer, bar)
             if whole:
                 try:
-                    _measure_whole(gm, flat_inputs, device, nodes, rounds)
-                    return (*rounds.times(nodes), [])
+                    skipped = _measure_whole(gm, flat_inputs, device, nodes, rounds)
                 except Exception as exc:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raised
                     if not is_out_of_memory(exc):
                         raise
-                log.info("profiling the whole graph on %s ran out of memory; profiling it chunk by chunk", device)
+                    log.info("profiling the whole graph on %s ran out of memory; profiling it chunk by chunk", device)
+                    whole = False
+            if not whole:
                 release_cached(device)  # after the except block: the failed attempt's copies are gone
                 bar.reset()
                 rounds = Rounds(device, warmup, repeats, timer, bar)
-            skipped = measure_chunks(gm, flat_inputs, device, home, nodes, budget, rounds)
+                skipped = measure_chunks(gm, flat_inputs, device, home, nodes, budget, rounds)
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():
@@ -252,16 +259,31 @@ def _measure(
             ", ".join(names[:10]), ", ..." if len(names) > 10 else "",
         )
     forward, backward = rounds.times(nodes)
-    return forward, backward, [n.name for n in nodes if n.name in skipped]
+    inside = [n.name for n in nodes if n.name in rounds.in_forward]
+    return forward, backward, [n.name for n in nodes if n.name in skipped], inside
 
 
 def _measure_whole(
     gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], device: torch.device, nodes: list[torch.fx.Node],
     rounds: Rounds,
-) -> None:
-    """The whole graph on `device` at once (a copy when its weights live elsewhere)."""
+) -> dict[str, str]:
+    """The whole graph on `device` at once (a copy when its weights live elsewhere): every node alone,
+    then the nodes that cannot run alone inside whole forwards. Returns the nodes not timed, with why."""
     whole, inputs = _on_device(gm, flat_inputs, device)
-    rounds.time(whole, nodes, materialize(whole, inputs))
+    failed = rounds.time(whole, nodes, record(whole, inputs))
+    if not failed:
+        return {}
+    alone = "; ".join(f"{name}: {why}" for name, why in itertools.islice(failed.items(), 3))
+    log.info("profiling on %s: %d nodes cannot run alone on the values the example gave them (%s%s); timing them "
+             "inside whole forwards of the example", device, len(failed), alone, "; ..." if len(failed) > 3 else "")
+    try:
+        time_in_forward(rounds, whole, inputs, [n for n in nodes if n.name in failed])
+    except Exception as exc:  # noqa: BLE001 - never an error to the user: the fallback prices them; OOM re-raised
+        if is_out_of_memory(exc):
+            raise
+        return {name: f"it cannot run alone ({why}) nor be timed in a whole forward ({type(exc).__name__}: {exc})"
+                for name, why in failed.items()}  # fmt: skip
+    return {}
 
 
 class ProfiledCostModel:
@@ -288,11 +310,7 @@ class ProfiledCostModel:
         present: Callable[[torch.device], bool] = device_present,
         memory_budget_bytes: int | None = None,
     ) -> None:
-        if fallback is None:
-            from cost_model.analytic import AnalyticCostModel
-
-            fallback = AnalyticCostModel()
-        self.fallback = fallback
+        self.fallback = fallback if fallback is not None else AnalyticCostModel()
         self._options: dict[str, Any] = {
             "warmup": warmup, "repeats": repeats, "cache": cache, "cache_dir": cache_dir, "progress": progress,
             "clock": clock, "memory_budget_bytes": memory_budget_bytes,
@@ -364,8 +382,6 @@ class ProfiledCostModel:
             return 0.0
         profile = self._profiled(node, device)
         if profile is None:
-            from cost_model.interface import forward_time
-
             return forward_time(self.fallback, node, device)
         return profile.forward.get(str(node["name"]), 0.0)
 

@@ -1,20 +1,22 @@
-"""Timing helpers for the profiler: clocks, interval timers (host clocks on CPU, CUDA events
-on a GPU), one graph node run alone (forward, then backward), the backward-call probe.
+"""Timing helpers for the profiler: clocks, interval timers (host clocks on CPU, CUDA events on a GPU
+through `rules.timing`), one graph node run alone (forward, then backward); rounds of them: `cost_model.rounds`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Mapping, Protocol
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from rules.timing import elapsed_s, record_event, sync, uses_events
+
 __all__ = [
-    "BackwardCallProbe", "Clock", "CudaTimer", "NodeRunner", "Rounds", "Submodules", "Timer", "is_out_of_memory",
-    "make_timer", "materialize", "release_cached", "steady_host_allocator", "sync", "timer_for",
+    "Clock", "CudaTimer", "NodeRunner", "Submodules", "Timer", "is_out_of_memory", "make_timer", "materialize",
+    "release_cached", "steady_host_allocator", "sync", "timer_for",
 ]  # fmt: skip
 
 Clock = Literal["wall", "cpu"]
@@ -72,12 +74,6 @@ def steady_host_allocator(limit_bytes: int = 1 << 30) -> bool:
         return False
 
 
-def sync(device: torch.device) -> None:
-    """Wait for queued work on `device` (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release_cached(device: torch.device) -> None:
     """Give the CUDA caching allocator's free blocks back (a no-op elsewhere), e.g. after running out of memory."""
     if device.type == "cuda":
@@ -132,26 +128,21 @@ class CudaTimer(Timer):
         self._open: torch.cuda.Event | None = None
         self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def _event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
     def start(self) -> None:
-        self._open = self._event()
+        self._open = record_event(self.device)
 
     def stop(self) -> int:
         if self._open is None:
             raise RuntimeError("CudaTimer.stop() without start(); call start() before each interval")
-        self._pairs.append((self._open, self._event()))
+        self._pairs.append((self._open, record_event(self.device)))
         self._open = None
         return len(self._pairs) - 1
 
     def results(self) -> list[float]:
         pairs, self._pairs = self._pairs, []
         if pairs:
-            torch.cuda.synchronize(self.device)
-        return [begin.elapsed_time(end) / 1e3 for begin, end in pairs]
+            sync(self.device)
+        return [elapsed_s(begin, end) for begin, end in pairs]
 
 
 def timer_for(device: torch.device, clock: Clock = "wall") -> Timer:
@@ -161,7 +152,7 @@ def timer_for(device: torch.device, clock: Clock = "wall") -> Timer:
         ValueError: a clock that cannot time `device` (see `make_timer`).
     """
     host = make_timer(device, clock)
-    return CudaTimer(device) if device.type == "cuda" else Timer(device, host)
+    return CudaTimer(device) if uses_events(device) else Timer(device, host)
 
 
 def materialize(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str, Any]:
@@ -179,10 +170,14 @@ class Submodules(Protocol):
 
 
 def _is_inplace(node: torch.fx.Node, gm: Submodules) -> bool:
+    """Whether `node` writes into an input: by its schema for an ATen op (torch.export's `aten.add_.Tensor`,
+    whose name does not end in "_"), by its name or an `inplace` flag otherwise."""
     if node.kwargs.get("inplace") is True:
         return True
     if node.op == "call_module":
         return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if isinstance(node.target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
     name = str(getattr(node.target, "__name__", node.target))
     return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
 
@@ -205,26 +200,34 @@ class NodeRunner:
 
     Inputs that required grad in the real run become fresh leaves (cloned per run when the
     op writes in place), so the backward reaches exactly what it reaches in the graph.
-    Parameter gradients accumulate as in a pipeline's steady state; call `restore()` after.
-    `modules` resolves a call_module node's target (the graph module, or device copies).
+    Parameter gradients start from none and accumulate as in a pipeline's steady state;
+    `restore()` puts the caller's back. `modules` resolves a call_module node's target (the
+    graph module, or device copies).
+    `seen`: inputs as the node read them where `values` holds what a later in-place op made
+    of them; `writes`: the node was seen writing into an input (whatever its name says).
     """
 
     def __init__(
         self,
         node: torch.fx.Node,
         modules: Submodules,
-        values: dict[str, Any],
+        values: Mapping[str, Any],
         device: torch.device,
         timer: Timer | None = None,
+        *,
+        seen: Mapping[str, Any] | None = None,
+        writes: bool = False,
     ) -> None:
         self.device = device
         self.timer = timer if timer is not None else Timer(device)
         self.fn = _callable(node, modules)
-        self.inplace = _is_inplace(node, modules)
+        self.inplace = writes or _is_inplace(node, modules)
         params: list[torch.Tensor] = []
         if node.op == "call_module":
             params = [p for p in modules.get_submodule(str(node.target)).parameters() if p.requires_grad]
         self._saved_grads = [(p, p.grad) for p in params]
+        for p in params:
+            p.grad = None  # the runs' gradients accumulate in tensors of their own, not in the caller's
         self._leaves: list[torch.Tensor] = []
 
         def prepare(x: Any) -> Any:
@@ -237,7 +240,7 @@ class NodeRunner:
             return x.detach()
 
         def lookup(n: torch.fx.Node) -> Any:
-            return values[n.name]
+            return seen[n.name] if seen is not None and n.name in seen else values[n.name]
 
         args = torch.fx.node.map_arg(node.args, lookup)
         kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
@@ -297,91 +300,3 @@ class NodeRunner:
             p.grad = grad
         for leaf in self._leaves:
             leaf.grad = None
-
-
-class BackwardCallProbe:
-    """Measures the fixed cost of one `autograd.backward` call, which an isolated node pays
-    and a node inside a whole graph does not.
-
-    With c the cost of one tiny backward node and E the call's own cost, one view takes
-    E + c and a chain of k views E + k c, so E = t1 - (tk - t1) / (k - 1). The profiler
-    subtracts E from every node's backward time; run it in the same rounds as the nodes so
-    it sees the same load and caches.
-    """
-
-    def __init__(self, device: torch.device, chain: int = 9, timer: Timer | None = None) -> None:
-        self.device = device
-        self.timer = timer if timer is not None else Timer(device)
-        self.chain = chain
-        self.leaf = torch.zeros(4, device=device, requires_grad=True)
-        self.grad = torch.ones(4, device=device)
-
-    def _time(self, k: int) -> int:
-        self.leaf.grad = None
-        with torch.enable_grad():
-            y = self.leaf
-            for _ in range(k):
-                y = y.view(4)
-        self.timer.start()
-        torch.autograd.backward([y], [self.grad])
-        return self.timer.stop()
-
-    def run_once(self) -> tuple[int, int]:
-        """Time one view and a chain of views: the timer's interval indices, for `estimate`."""
-        return self._time(1), self._time(self.chain)
-
-    def estimate(self, seconds: list[float], spans: tuple[int, int]) -> float:
-        """E in seconds from the timer's results and `run_once`'s indices (may be slightly negative under noise)."""
-        one, many = seconds[spans[0]], seconds[spans[1]]
-        return one - (many - one) / (self.chain - 1)
-
-
-class Rounds:
-    """Times groups of nodes in rounds (the whole graph, or chunk by chunk), collecting each
-    node's runs and the backward-call cost (see `BackwardCallProbe`).
-
-    Rounds rather than back-to-back repeats of one node: a burst of load from another
-    process then spoils a few rounds of every node instead of all repeats of one node, and
-    caches and the allocator see the same sequence of work as in training. On CUDA one
-    round runs without a wait and synchronizes once at its end (`CudaTimer`).
-    """
-
-    def __init__(self, device: torch.device, warmup: int, repeats: int, timer: Timer, bar: Any) -> None:
-        self.device, self.warmup, self.repeats, self.timer, self.bar = device, warmup, repeats, timer, bar
-        self.probe = BackwardCallProbe(device, timer=timer)
-        self.runs: dict[str, list[tuple[float, float]]] = {}
-        self.call_costs: list[float] = []
-
-    def time(self, modules: Submodules, nodes: Sequence[torch.fx.Node], values: dict[str, Any]) -> None:
-        """Time `nodes` on `values` (inputs by node name, on the device), `modules` resolving their modules."""
-        runners: list[NodeRunner] = []
-        try:
-            runners = [NodeRunner(node, modules, values, self.device, self.timer) for node in nodes]
-            runs: list[list[tuple[float, float]]] = [[] for _ in runners]
-            costs: list[float] = []
-            for round_ in range(self.warmup + self.repeats):
-                spans = [runner.run_once() for runner in runners]
-                probe = self.probe.run_once()
-                seconds = self.timer.results()
-                if round_ >= self.warmup:
-                    for run, (f, b) in zip(runs, spans):
-                        run.append((seconds[f], 0.0 if b is None else seconds[b]))
-                    costs.append(self.probe.estimate(seconds, probe))
-                self.bar.update(len(runners))
-        finally:
-            self.timer.results()  # drop a failed round's intervals
-            for runner in reversed(runners):
-                runner.restore()
-        self.runs.update((node.name, run) for node, run in zip(nodes, runs))
-        self.call_costs += costs
-
-    def times(self, nodes: Sequence[torch.fx.Node]) -> tuple[dict[str, float], dict[str, float]]:
-        """Median forward and backward seconds of the timed nodes (backward less the call cost)."""
-        call_cost = max(statistics.median(self.call_costs), 0.0) if self.call_costs else 0.0
-        timed = [(n.name, self.runs[n.name]) for n in nodes if n.name in self.runs]
-        forward = {name: statistics.median(r[0] for r in rs) for name, rs in timed}
-        backward = {
-            name: max(statistics.median(r[1] for r in rs) - call_cost, 0.0) if any(r[1] for r in rs) else 0.0
-            for name, rs in timed
-        }
-        return forward, backward

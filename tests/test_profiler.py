@@ -1,5 +1,6 @@
 """The profiler: per-node times keyed by node name, the disk cache, no side effects on the model, chunk by
-chunk profiling of a model larger than the device, and the fallback where memory runs out."""
+chunk profiling of a model larger than the device, the fallback where memory runs out, and nodes that
+cannot run alone (timed inside whole forwards: partitioned models equal the plain ones)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from cost_model.cache import ENV_VAR
 from cost_model.chunks import node_bytes, plan_chunks
 from cost_model.cluster import DeviceSet
 from cost_model.profiler import ProfiledCostModel, profile_graph
-from cost_model.timing import make_timer, materialize
+from cost_model.timing import NodeRunner, make_timer, materialize
+from partitioner import partition
 from partitioner.capture.graph import build_graph
+from partitioner.capture.trace import trace
+from rules.progress import LOGGER, Progress
 
 CPU = torch.device("cpu")
 
@@ -91,6 +95,11 @@ def test_profiling_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     assert all(p.grad is None for p in gm.parameters())
     for k, v in gm.state_dict().items():
         assert torch.equal(v, before[k]), k  # BatchNorm running stats included
+    grads = [torch.ones_like(p) for p in gm.parameters()]
+    for p, g in zip(gm.parameters(), grads):
+        p.grad = g.clone()  # a model profiled between backward and optimizer.step()
+    quick(gm, inputs, tmp_path, cache=False)
+    assert all(torch.equal(p.grad, g) for p, g in zip(gm.parameters(), grads))
 
 
 class Flat:
@@ -290,7 +299,7 @@ def test_no_memory_for_the_models_own_run_leaves_every_node_to_the_fallback(
     def full(*args: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
 
-    monkeypatch.setattr(chunks, "materialize", full)
+    monkeypatch.setattr(chunks, "record", full)
     with caplog.at_level(logging.WARNING, logger="cost_model.profiler"):
         profile = quick(gm, inputs, tmp_path, memory_budget_bytes=largest_node(gm, inputs))
     assert profile.forward == {} and profile.unmeasured == ["fc", "bn", "add_", "relu", "sum_1"]
@@ -348,3 +357,138 @@ def test_prepare_also_prepares_the_analytic_fallback(tmp_path: Path) -> None:
                               present=lambda d: d.type == "cpu")
     assert fallback._kinds == {"conv": "Conv2d"}
     assert model.node_time(node, absent) == pytest.approx(alone.node_time(node, absent))
+
+
+# ---- nodes that cannot run alone on the values recorded for them: never an error to the user ----
+
+
+class IndexArithmetic(nn.Module):
+    """In-place index arithmetic on the torch.export path (issue 25's reduction of T5's relative buckets):
+    `b += arange(n)` is `aten.add_.Tensor`, whose name does not end in "_"; run alone seven times on one
+    tensor, b grew past the embedding's 16 rows (IndexError)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 4:  # control flow on a shape: torch.fx fails, torch.export specializes
+            x = x * 2
+        n = x.shape[1]
+        b = torch.zeros(n, dtype=torch.long)
+        b += torch.arange(n)
+        return self.fc2(self.fc1(x) + self.emb(b))
+
+
+class ReadThenWrite(nn.Module):
+    """A node reads `b`, a later node changes `b` in place (torch.export keeps `aten.add_`; fx traces
+    `b += 100` as `b = b + 100`): the value after the forward is not what the first embedding read
+    (it was out of its range: IndexError when profiled on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 4:  # torch.export, as above
+            x = x * 2
+        b = torch.arange(x.shape[1])
+        first = self.emb(b)
+        b += 100
+        return self.fc(x + first + self.emb(b - 100))
+
+
+def partitioned_equals_plain(model: nn.Module, x: torch.Tensor, **kw: Any) -> None:
+    """Partition on two CPU stages with the profiled cost model (the default) and compare with the plain model."""
+    expected = model(x)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, **kw)
+    torch.testing.assert_close(pipe(x), expected)
+
+
+def test_in_place_index_arithmetic_on_the_export_path_profiles_and_partitions(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = IndexArithmetic(), torch.randn(4, 12, 8)
+    assert trace(model, (x,)).method == "export"  # the path the reduction is about
+    partitioned_equals_plain(model, x, cost_model=ProfiledCostModel(cache_dir=str(tmp_path), progress=False))
+
+
+def test_a_value_changed_in_place_after_it_was_read_profiles_and_partitions(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = ReadThenWrite(), torch.randn(4, 12, 8)
+    traced = trace(model, (x,))
+    assert traced.method == "export"
+    profile = quick(traced.graph_module, [x], tmp_path, cache=False)
+    assert profile.unmeasured == [] and "timed_in_forward" not in profile.meta  # each node ran alone, on what it read
+    partitioned_equals_plain(model, x, cost_model=ProfiledCostModel(cache_dir=str(tmp_path), progress=False))
+
+
+def test_t5_from_its_default_config_profiles_and_partitions(tmp_path: Path) -> None:
+    """T5's relative position buckets (`relative_buckets += ...`) crashed the profiler with IndexError."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
+                                   use_cache=False)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids, decoder_ids = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 6))
+    expected = model(ids, decoder_input_ids=decoder_ids).logits
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(ids,), example_kwargs={"decoder_input_ids": decoder_ids},
+                     micro_batches=2, cost_model=ProfiledCostModel(cache_dir=str(tmp_path), progress=False))
+    torch.testing.assert_close(pipe(ids, decoder_input_ids=decoder_ids).logits, expected)
+
+
+def refuse_alone(monkeypatch: pytest.MonkeyPatch, module: type[nn.Module]) -> None:
+    """Make every node that calls a `module` raise when the profiler runs it alone (as a node given values
+    it cannot take would), while whole forwards of the model still run it."""
+    run_once = NodeRunner.run_once
+
+    def refusing(self: NodeRunner) -> tuple[int, int | None]:
+        if isinstance(self.fn, module):
+            raise IndexError("index out of range in self")
+        return run_once(self)
+
+    monkeypatch.setattr(NodeRunner, "run_once", refusing)
+
+
+def test_a_node_that_cannot_run_alone_is_timed_inside_whole_forwards_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+    before, params = snapshot(gm), list(gm.parameters())
+    refuse_alone(monkeypatch, nn.Linear)
+    with caplog.at_level(logging.INFO, logger="cost_model.profiler"):
+        profile = quick(gm, inputs, tmp_path, cache=False)
+    assert list(profile.forward) == ["fc", "bn", "add_", "relu", "sum_1"] and profile.unmeasured == []
+    assert profile.forward["fc"] > 0 and profile.backward["fc"] > 0  # its backward timed in the whole backward
+    assert profile.meta["timed_in_forward"] == ["fc"]
+    assert "1 nodes cannot run alone" in caplog.text and "IndexError" in caplog.text
+    assert_unchanged(gm, before, params)
+
+
+def test_chunk_by_chunk_a_node_that_cannot_run_alone_is_left_to_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gm, inputs = traced()
+    refuse_alone(monkeypatch, nn.Linear)
+    with caplog.at_level(logging.WARNING, logger="cost_model.profiler"):
+        profile = quick(gm, inputs, tmp_path, memory_budget_bytes=largest_node(gm, inputs))
+    assert profile.unmeasured == ["fc"] and "fc" not in profile.forward and profile.forward["bn"] > 0
+    assert "timed 4 of 5 nodes" in caplog.text and "it cannot run alone (IndexError" in caplog.text
+
+
+def test_the_profiling_phase_is_one_line_and_its_count_is_the_graphs_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    counted: list[Progress] = []
+    real = profiler.phase
+    monkeypatch.setattr(profiler, "phase", lambda *a, **k: counted.append(real(*a, **k)) or counted[-1])
+    gm, inputs = traced()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        quick(gm, inputs, tmp_path)
+        cached = quick(gm, inputs, tmp_path)  # from the cache: said, not counted
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
+        "profiling 5 nodes on cpu (3 runs each)",
+        f"profiling on cpu: 5 nodes read from the cache ({tmp_path / 'profiles' / cached.key}.json)",
+    ]
+    assert [(p.total, p.done) for p in counted] == [(5, 5.0)]

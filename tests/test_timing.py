@@ -10,8 +10,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from cost_model.rounds import BackwardCallProbe
 from cost_model.timing import (
-    BackwardCallProbe,
     CudaTimer,
     NodeRunner,
     Timer,
@@ -20,6 +20,7 @@ from cost_model.timing import (
     materialize,
     timer_for,
 )  # fmt: skip
+from rules.timing import elapsed_s, record_event, sync, uses_events
 
 CPU = torch.device("cpu")
 
@@ -140,3 +141,26 @@ def test_node_runner_on_cuda_defers_reading_to_the_round_end() -> None:
     forward, backward = runner.measure(warmup=1, repeats=3)
     runner.restore()
     assert forward > 0 and backward > 0
+
+
+# ---- rules.timing: the one CUDA-event helper (the profiler's CudaTimer and runtime.clock.Clock use it) ----
+
+
+def test_host_devices_are_not_timed_by_events() -> None:
+    assert not uses_events(CPU) and not uses_events(torch.device("meta"))
+    sync(CPU)  # nothing to wait for
+    with pytest.raises(ValueError, match="host clock"):
+        record_event(CPU)
+
+
+@needs_cuda
+def test_events_time_the_work_between_them() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert uses_events(device)
+    a = torch.randn(2048, 2048, device=device)
+    begin = record_event(device)
+    for _ in range(10):
+        a = a @ a / 2048
+    end = record_event(device)
+    sync(device)
+    assert end.query() and 0 < elapsed_s(begin, end) < 10

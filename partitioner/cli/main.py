@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 the work itself failed (a model that cannot be traced, 
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ from partitioner.errors import PartitionError, TraceError
 from partitioner.predict.assemble import finish
 from partitioner.predict.simulator import simulate
 from partitioner.show.visualizer import DrawablePlan, simulated_timeline, visualize
+from rules.progress import LOGGER
 from runtime.plan import RECOMPUTE_MODES, SCHEDULES, UPDATES, human_bytes
 
 __all__ = ["main"]
@@ -152,11 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     try:
         _check(args)
-        if args.command == "calibrate":
-            return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
-        if args.command == "profile":
-            return run_profile(args, out, lambda text: _step(err, args.quiet, text))
-        return {"plan": _plan, "simulate": _simulate}[args.command](args, out, err)
+        with _phase_lines(err, args.quiet):
+            if args.command == "calibrate":
+                return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
+            if args.command == "profile":
+                return run_profile(args, out, lambda text: _step(err, args.quiet, text))
+            return {"plan": _plan, "simulate": _simulate}[args.command](args, out, err)
     except UsageError as exc:
         err.print(f"error: {exc}", markup=False, soft_wrap=True)
         return 2
@@ -197,14 +200,38 @@ def _check(args: argparse.Namespace) -> None:
 
 @contextmanager
 def _step(err: Console, quiet: bool, text: str) -> Iterator[None]:
-    """A spinner with elapsed time on stderr while a long step runs."""
+    """A long step on stderr: a spinner on a terminal, else its name as it starts; its time when it ends."""
     start = time.perf_counter()
     if quiet:
         yield
         return
-    with err.status(f"{text} ...", spinner="dots"):
+    if err.is_terminal:
+        with err.status(f"{text} ...", spinner="dots"):
+            yield
+    else:  # a pipe or a log: a spinner draws nothing there, so say what runs now
+        err.print(f"{text} ...", markup=False, highlight=False)
         yield
     err.print(f"[dim]{text}: {time.perf_counter() - start:.1f} s[/dim]")
+
+
+@contextmanager
+def _phase_lines(err: Console, quiet: bool) -> Iterator[None]:
+    """Where stderr is not a terminal, the library's phase lines (tracing, profiling n of N nodes, planning: the
+    `rules.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead."""
+    if quiet or err.is_terminal:
+        yield
+        return
+    log = logging.getLogger(LOGGER)
+    handler = logging.StreamHandler(err.file)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _devices(text: str | None) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 from rules.schedules import schedule_names
-from runtime.program import Op, Program
+from runtime.ops import Op, Program
 
 __all__ = ["RECOMPUTE_MODES", "UPDATES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "Update",
            "human_bytes"]

@@ -40,7 +40,7 @@ from rules.generators import (
 
 __all__ = [
     "LAYOUTS", "Layout", "ScheduleSpec", "auto_layouts", "either", "in_flight", "layout_ranks", "register",
-    "schedule_names", "schedule_spec", "stage_ranks", "unregister", "virtual_stages",
+    "schedule_names", "schedule_spec", "searched_names", "stage_ranks", "unregister", "virtual_stages",
 ]
 
 Layout = Literal["chain", "loop", "v"]
@@ -132,6 +132,11 @@ def unregister(name: str) -> None:
 def schedule_names() -> tuple[str, ...]:
     """The registered schedules' names, in registration order (the built-ins first)."""
     return tuple(_REGISTRY)
+
+
+def searched_names() -> tuple[str, ...]:
+    """The schedules the hybrid and cluster searches can plan (those with a `fill`), in registration order."""
+    return tuple(n for n, spec in _REGISTRY.items() if spec.fill is not None)
 
 
 def either(names: Sequence[str]) -> str:
@@ -236,8 +241,7 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int, replic
             f"stage={stage}, stages={stages}, micro_batches={micro_batches}, replicas={replicas}: "
             "need 0 <= stage < stages, micro_batches >= 1 and replicas >= 1"
         )
-    plain = {_plain(n): n for n in schedule_names()}
-    spec = schedule_spec(plain.get(_plain(schedule), schedule))
+    spec = _REGISTRY.get(schedule) or schedule_spec({_plain(n): n for n in _REGISTRY}.get(_plain(schedule), schedule))
     if spec.in_flight is None:
         raise ValueError(f"schedule {spec.name!r} has no closed form for micro-batches in flight; count them from "
                          "its action lists (rules.actions.peak_in_flight)")

@@ -35,7 +35,8 @@ from partitioner.errors import PartitionError
 from partitioner.place.hybrid import SCHEDULES, InfeasibleError
 from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import Window
-from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, stage_parts
+from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from rules.schedules import searched_names
 
 __all__ = [
     "RANK_ORDERS", "TOP", "Candidate", "ClusterSolution", "RankOrder", "affine", "block_cuts", "default_micro_batches",
@@ -171,10 +172,10 @@ class _Pricer:
         return out
 
 
-def fill(m: int, p: int, d: int) -> float:
-    """Step / max W for p stages of d equal replicas each over m micro-batches (module docstring)."""
-    per = max(1, m // d)
-    return (per + p - 1) / per
+def fill(m: int, p: int, d: int, schedule: str = "1f1b") -> float:
+    """Step / max W for p stages of d equal replicas each over m micro-batches (module docstring): the
+    schedule's `fill` (rules.schedules) for one pipeline of m / d micro-batches."""
+    return schedule_fill(schedule)(max(1, m // d), p)
 
 
 def _dp(values: Sequence[np.ndarray]) -> tuple[float, list[int]]:
@@ -259,9 +260,9 @@ def search_cluster(
         PartitionError: bad arguments; InfeasibleError (memory per GPU named) when nothing fits.
     """
     D, n = cluster.size, problem.n
-    if not schedules or any(s not in SCHEDULES for s in schedules):
-        raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(SCHEDULES)}")
-    mode = "1f1b" if "1f1b" in schedules else "gpipe"
+    if not schedules or any(s not in searched_names() for s in schedules):
+        raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(searched_names())}")
+    mode = "1f1b" if "1f1b" in schedules else schedules[0]
     capacity = float(problem.capacity.min())
     given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
     coarse = given if given is not None else cut_candidates(problem, COARSE)
@@ -281,7 +282,7 @@ def search_cluster(
             continue
         for m in micro_batches:
             if m % d == 0:
-                bound = fill(m, p, d) * (m // d) * float(problem.micro_batch_times(m).min(0).sum()) / p
+                bound = fill(m, p, d, mode) * (m // d) * float(problem.micro_batch_times(m).min(0).sum()) / p
                 configs.append((bound, p, d, m))
     configs.sort()
     best: Candidate | None = None
@@ -299,7 +300,7 @@ def search_cluster(
             ranks = layout(p, d, order)
             searched += 1
             value, idx = _dp(pricer.values(windows(cluster, ranks, capacity), m, mode))
-            step = fill(m, p, d) * value
+            step = fill(m, p, d, mode) * value
             if np.isfinite(step):
                 tried[f"{p}x{d}, m={m}, {order}"] = step
                 found.append((step, m, d, order, [int(coarse[i]) for i in idx]))
@@ -324,7 +325,7 @@ def solve_candidate(problem: HybridProblem, cluster: Cluster, candidate: Candida
     _, m, d, order, bounds = candidate
     ranks = layout(len(bounds) - 1, d, order)
     wins = windows(cluster, ranks, float(problem.capacity.min()))
-    schedule = "1f1b" if "1f1b" in schedules else "gpipe"
+    schedule = "1f1b" if "1f1b" in schedules else schedules[0]
     if schedule == "1f1b" and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
         held = [evaluate_cluster(problem, wins, bounds, m, name)[2] for name in ("gpipe", schedule)]
         schedule = "gpipe" if held[0] == held[1] else schedule
@@ -345,7 +346,7 @@ def refine(problem: HybridProblem, cluster: Cluster, best: Candidate, coarse: np
         around = [np.arange(b - stride, b + stride + 1, finer) for b in bounds]
         cuts = np.unique(np.clip(np.concatenate([coarse, *around]), 0, problem.n)).astype(np.int64)
         value, idx = _dp(_Pricer(problem, cuts).values(wins, m, mode))
-        found = fill(m, len(bounds) - 1, d) * value
+        found = fill(m, len(bounds) - 1, d, mode) * value
         if found < step:
             step, bounds = found, [int(cuts[i]) for i in idx]
         coarse, stride = cuts, finer
@@ -363,7 +364,7 @@ def evaluate_cluster(
         wk, static, flight = stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
         work.append(float(wk[0, 0]))
         memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, window[0]) * flight[0, 0]))
-    return fill(m, p, wins[0][0]) * max(work), work, memory
+    return fill(m, p, wins[0][0], schedule) * max(work), work, memory
 
 
 def _infeasible(

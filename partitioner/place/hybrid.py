@@ -17,6 +17,9 @@ device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has,
 
     step = (m + p - 1) / m * max over stages of W
 
+f and the step's factor are the schedule's closed forms (`in_flight` and `fill` of its
+ScheduleSpec, rules.schedules); the searches plan the schedules that have a `fill`.
+
 compute(a, b; m) = fixed + whole-batch / m per node: the graph describes one step's whole
 batch, and each node's time is fitted as overhead plus a part that splits with the batch.
 R, S, A (bytes received, sent, saved) are whole-batch bytes / m; A is what autograd saves
@@ -55,13 +58,14 @@ from partitioner.place.hybrid_windows import (
     restrict,
     stage_window,
 )
-from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, stage_parts
+from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from rules.schedules import searched_names
 
 __all__ = [
     "SCHEDULES", "HybridSolution", "InfeasibleError", "evaluate", "micro_batch_counts", "solve_hybrid",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = searched_names()  # the default: the built-ins with a `fill` (rules.schedules); checks read the registry
 PER_DEVICE = 4  # default micro-batch counts go up to this many per device (and multiples of replica counts)
 WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
 
@@ -110,6 +114,8 @@ def _dp(
     f: dict[int, np.ndarray] = {}
     alive: dict[int, np.ndarray] = {}
     choice: Choice = {}
+    held = {r: np.array([replica_in_flight(schedule, q, m, r) for q in range(1, qmax + 1)])  # by q - 1
+            for r in range(1, min(D, rmax) + 1)}
     for k in range(1, D + 1):
         rows = slice(0, 1) if k == D else slice(1, K - 1)
         reps, _, groups = classes[k]
@@ -127,8 +133,7 @@ def _dp(
                 if not len(qs):
                     continue
                 base = f[rest][after, qs - 1, cols]
-            # stage_costs.replica_in_flight for every q at once
-            flight = np.minimum(qs, -(-m // r)) if schedule == "1f1b" else np.full(len(qs), -(-m // r))
+            flight = held[r][qs - 1]
             for group in groups[r]:  # classes pricing this stage alike share one matrix
                 cand = np.maximum(matrix(D - k, r, reps[group[0]], rows, cols, flight), base[:, None, :])
                 j = cand.argmin(axis=2)
@@ -235,8 +240,8 @@ def solve_hybrid(
         PartitionError: bad arguments; InfeasibleError when nothing fits in memory.
     """
     D, n = problem.devices, problem.n
-    if not schedules or any(s not in SCHEDULES for s in schedules):
-        raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(SCHEDULES)}")
+    if not schedules or any(s not in searched_names() for s in schedules):
+        raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(searched_names())}")
     most = D if not replicate else min(D, n) if stages is None else stages
     if D < 1 or not 1 <= most <= min(D, n) or (not replicate and stages not in (None, D)) or isinstance(stages, bool):
         raise PartitionError(
@@ -245,7 +250,8 @@ def solve_hybrid(
         )
     qmax = most
     ms = _candidates(problem, micro_batches)
-    mode = "1f1b" if "1f1b" in schedules else "gpipe"
+    mode = "1f1b" if "1f1b" in schedules else schedules[0]
+    fill = schedule_fill(mode)
     best: tuple[float, int, int, list[int], list[int]] | None = None
     windows = all_windows(problem, D if replicate else 1)
     rmax = {m: min(D, m) if replicate else 1 for m in ms}
@@ -261,11 +267,11 @@ def solve_hybrid(
         nonlocal best
 
         def limit(q: int) -> float:  # a max W at or above this cannot beat the best step so far
-            return np.inf if best is None else best[0] * m / (m + q - 1) * (1 + 1e-12)
+            return np.inf if best is None else best[0] / fill(m, q) * (1 + 1e-12)
 
         finals, choice = _pass(problem, grid, windows, classes(m), m, qmax, rmax[m], mode, stages is not None, limit)
         for q in range(1, qmax + 1):
-            step = (m + q - 1) / m * finals[q]
+            step = fill(m, q) * finals[q]
             if (stages is None or q == stages) and np.isfinite(step) and (best is None or step < best[0]):
                 idx, reps = _walk(choice, classes(m), problem.devices, q)
                 best = (float(step), m, q, [int(grid.cuts[i]) for i in idx], reps)
@@ -319,7 +325,7 @@ def evaluate(
         work.append(float(wk[0, 0]))
         memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, r) * flight[0, 0]))
         w += r
-    return (m + p - 1) / m * max(work), work, memory
+    return schedule_fill(schedule)(m, p) * max(work), work, memory
 
 
 def _infeasible(

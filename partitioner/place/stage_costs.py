@@ -8,15 +8,17 @@ step, its static memory and its memory per micro-batch in flight, for all (i, j)
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from partitioner.errors import PartitionError
 from partitioner.place.chain import boundary_bytes
 from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import Window
+from rules.schedules import in_flight, schedule_spec, searched_names
 
-__all__ = ["Grid", "cut_candidates", "replica_in_flight", "stage_parts"]
+__all__ = ["Grid", "cut_candidates", "replica_in_flight", "schedule_fill", "stage_parts"]
 
 
 class Grid:
@@ -81,9 +83,22 @@ def stage_parts(
     return work, static, flight
 
 
+def schedule_fill(schedule: str) -> Callable[[int, int], float]:
+    """The schedule's step over its slowest stage's work, `fill(m, p)` (rules.schedules; GPipe and 1F1B:
+    (m + p - 1) / m). Raises PartitionError for a schedule without one: the searches cannot plan it."""
+    fill = schedule_spec(schedule).fill
+    if fill is None:
+        raise PartitionError(f"schedule {schedule!r} has no fill; the searches plan {list(searched_names())}")
+    return fill
+
+
 def replica_in_flight(schedule: str, q: int, m: int, r: int) -> int:
-    """Micro-batches one replica holds: the stage is q-th from the end (q = p - s)."""
-    return math.ceil(m / r) if schedule == "gpipe" else min(q, math.ceil(m / r))  # [Note: a replica runs its own 1F1B]
+    """Micro-batches one replica holds: the stage is q-th from the end (q = p - s).
+
+    The schedule's closed form (rules.schedules.in_flight), for stage 0 of the q stages left: a
+    schedule the searches plan (one with a `fill`) holds a number that depends on q alone.
+    """
+    return in_flight(schedule, 0, q, m, r)
 
 
 def cut_candidates(

@@ -49,6 +49,7 @@ from partitioner.predict.program_run import in_flight
 from partitioner.predict.recompute_modes import by_mode, mode_costs, placed_memory, replica_devices, set_mode
 from partitioner.predict.simulator import simulate, steady_step_ms
 from partitioner.predict.timeline import Timeline
+from rules.schedules import virtual_stages
 from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule
 
 __all__ = ["assemble", "finish", "predict", "price_update", "recompute_memory", "recount"]
@@ -78,8 +79,8 @@ def assemble(
         stage_devices: the device of each stage.
         cost: node and transfer times (and all-reduce, when it has `allreduce_time`).
         micro_batches: per step.
-        schedule: "gpipe", "1f1b", "interleaved" (stages round robin over the ranks), "zb1" or
-            "zbv" (zero-bubble; zbv: stages in a V over the ranks, see runtime.schedule).
+        schedule: a registered schedule's name (rules.schedules): "gpipe", "1f1b", "interleaved"
+            (stages round robin over the ranks), "zb1", "zbv" or "dualpipev" (stages in a V), ...
         stage_ranks: the ranks running a replica of each stage (default: stage s on rank s).
         rank_devices: the device of each rank (default: its stage's device).
         placement: what kind of placement this is, for the reader.
@@ -107,9 +108,8 @@ def assemble(
             set_mode(stage, mode, mode_costs(graph, stage.nodes, replica_devices(cost, stage, device_of), cost))
     for stage, capacity in zip(stages, capacity_bytes or [None] * p):
         stage.capacity_bytes = capacity
-    per_rank = max(sum(r in rs for rs in ranks) for r in device_of)
     plan = Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, placement=placement,
-                virtual_stages=per_rank if schedule in ("interleaved", "zbv", "dualpipev") else 1)
+                virtual_stages=virtual_stages(schedule, ranks))
     weights = weight_groups(graph, plan) if groups is None else []
     reduce_ms = {tuple(sorted(set(s.ranks))): s.allreduce_ms for s in plan.stages if len(set(s.ranks)) > 1}
     for group_ranks, _, nbytes in weights:

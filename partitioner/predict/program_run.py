@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Sequence
 from partitioner.predict.prices import Group
 from partitioner.predict.schedule_sim import ScheduleError, compute_ms
 from partitioner.predict.timeline import ALLREDUCE, RECV, SEND, DeviceTimeline, Event, Timeline, compute_kind, fill_idle
+from rules.actions import peak_in_flight
 from runtime.plan import Plan
 from runtime.program import Op, Program
 
@@ -42,15 +43,10 @@ __all__ = ["ProgramRun", "in_flight"]
 
 
 def in_flight(programs: Sequence[Program], stages: int) -> list[int]:
-    """Per stage, the most micro-batches one rank has forwarded but not yet backwarded (its W, where split)."""
-    peak = [0] * stages
-    for program in programs:
-        live = [0] * stages
-        for op in program.ops:
-            if op.kind in ("F", "W") or (op.kind == "B" and not op.split):
-                live[op.stage] += 1 if op.kind == "F" else -1
-                peak[op.stage] = max(peak[op.stage], live[op.stage])
-    return peak
+    """Per stage, the most micro-batches one rank has forwarded but not yet backwarded (its W, where split):
+    `rules.actions.peak_in_flight` of the programs' compute ops."""
+    return peak_in_flight(([(op.stage, op.kind, op.split) for op in program.ops if op.kind in ("F", "B", "W")]
+                           for program in programs), stages)
 
 
 class ProgramRun:

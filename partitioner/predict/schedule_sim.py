@@ -45,6 +45,7 @@ from partitioner.predict.timeline import (
     compute_kind,
     fill_idle,
 )
+from rules.actions import peak_in_flight
 from runtime.plan import Plan, StagePlan
 from runtime.program import action_deps, stage_readers
 from runtime.schedule import Action
@@ -198,13 +199,8 @@ def _split(schedule: Sequence[Sequence[Action]]) -> set[tuple[int, int]]:
 def _peak_in_flight(schedule: Sequence[Sequence[Action]], stages: int) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds: from F to B, or to W where split."""
     split = _split(schedule)
-    live, peak = [0] * stages, [0] * stages
-    for actions in schedule:
-        for a in actions:
-            if a.kind == "F" or a.kind == ("W" if (a.stage, a.microbatch) in split else "B"):
-                live[a.stage] += 1 if a.kind == "F" else -1
-                peak[a.stage] = max(peak[a.stage], live[a.stage])
-    return peak
+    return peak_in_flight(([(a.stage, a.kind, (a.stage, a.microbatch) in split) for a in actions]
+                           for actions in schedule), stages)
 
 
 def compute_ms(stage: StagePlan, kind: str, split: bool = False, reads: bool = True) -> float:

@@ -28,11 +28,11 @@ from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
+from rules.schedules import auto_layouts, virtual_stages
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
 from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode
 from runtime.recompute import kept_output_writes
-from runtime.schedule import V_SCHEDULES
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
@@ -123,27 +123,16 @@ def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_m
 
 def schedule_layouts(layout: list[list[int]], micro_batches: int, *,
                      hybrid: bool = False) -> dict[str, list[list[int]]]:
-    """The schedules `schedule="auto"` compares, each with the stage ranks it runs on.
+    """The schedules `schedule="auto"` compares, each with the stage ranks it runs on (rules.schedules.auto_layouts).
 
-    1F1B comes first, so it wins a tie with GPipe (same step, fewer activations held).
-    gpipe, 1f1b and zb1 run `layout` (one stage per rank, or replicated stages); interleaved
-    (2 stages per rank, round robin; micro-batches in rounds of one per rank), zbv (2
-    stages per rank in a V) and dualpipev (zbv's V; a micro-batch per stage or more) need one
-    replica per stage and 2 ranks or more. The hybrid
-    planner (replicas="auto") chooses among gpipe and 1f1b only.
+    In each schedule's `auto` order: 1F1B comes first, so it wins a tie with GPipe (same step,
+    fewer activations held). gpipe, 1f1b and zb1 run `layout` (one stage per rank, or replicated
+    stages); interleaved (2 stages per rank, round robin; micro-batches in rounds of one per
+    rank), zbv (2 stages per rank in a V) and dualpipev (zbv's V; a micro-batch per stage or
+    more) need one replica per stage and 2 ranks or more. The hybrid planner (replicas="auto")
+    chooses among the schedules with a `fill` (gpipe and 1f1b).
     """
-    chain = [list(r) for r in layout]
-    if hybrid:
-        return {"1f1b": chain, "gpipe": chain}
-    out = {"1f1b": chain, "gpipe": chain, "zb1": chain}
-    world = 1 + max(r for ranks in layout for r in ranks)
-    if world > 1 and all(len(r) == 1 for r in layout):
-        if micro_batches % world == 0:
-            out["interleaved"] = stage_layout(world, "interleaved", None, 2)
-        out["zbv"] = stage_layout(world, "zbv", None, 2)
-        if micro_batches >= 2 * world:
-            out["dualpipev"] = stage_layout(world, "dualpipev", None, 2)
-    return out
+    return auto_layouts(layout, micro_batches, searched=hybrid)
 
 
 def fits_memory(plan: Plan, cost: CostModel) -> bool:
@@ -193,8 +182,8 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
 
 
 def virtual_stages_of(plan: Plan) -> int:
-    ranks = {r for s in plan.stages for r in s.ranks}
-    return max(1, len(plan.stages) // max(1, len(ranks))) if plan.schedule in ("interleaved", *V_SCHEDULES) else 1
+    """Stages per rank of the plan's loop or V layout, 1 for a chain (rules.schedules.virtual_stages)."""
+    return virtual_stages(plan.schedule, [s.ranks for s in plan.stages])
 
 
 def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, processes: bool, regenerate: bool) -> None:

@@ -25,7 +25,7 @@ import torch
 from cost_model.analytic import CostModel
 from cost_model.calibration_store import CalibrationArg
 from partitioner.errors import PartitionError
-from rules.schedules import schedule_names
+from rules.schedules import either, schedule_names, searched_names
 from runtime.materialize import Init
 from runtime.microbatch import InputSplitSpec, OutputMergeSpec, check_merge_spec
 from runtime.plan import RECOMPUTE_MODES, UPDATES, Schedule, Update
@@ -117,9 +117,10 @@ class PlanRequest:
             raise PartitionError(f"split_points={self.split_points!r}; use one of {', '.join(map(repr, SPLIT_POINTS))}")
         if self.placement != "pipeline" and (self.replicas is not None or self.schedule not in ("gpipe", "auto")):
             raise PartitionError(f"placement={self.placement!r} runs the GPipe schedule without replicas")
-        if self.replicas == "auto" and self.schedule not in ("gpipe", "1f1b", "auto"):
-            raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule 'gpipe' or "
-                                 f"'1f1b', not {self.schedule!r}; pick one of those, or give replicas yourself")
+        if self.replicas == "auto" and self.schedule not in (*searched_names(), "auto"):
+            raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule "
+                                 f"{either(searched_names())}, not {self.schedule!r}; pick one of those, or give "
+                                 "replicas yourself")
         if self.replicas is not None and not self.processes:
             raise PartitionError("replicas need one process per stage replica: launch with torchrun (or initialize "
                                  "torch.distributed)")

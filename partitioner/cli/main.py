@@ -31,9 +31,11 @@ from partitioner.cli.profile import run_profile
 from partitioner.errors import PartitionError, TraceError
 from partitioner.predict.assemble import finish
 from partitioner.predict.simulator import simulate
+from partitioner.request import PLACEMENTS, RECOMPUTE_CHOICES
 from partitioner.show.visualizer import DrawablePlan, simulated_timeline, visualize
 from rules.progress import LOGGER
-from runtime.plan import RECOMPUTE_MODES, SCHEDULES, UPDATES, human_bytes
+from rules.schedules import schedule_names, schedule_spec
+from runtime.plan import UPDATES, human_bytes
 
 __all__ = ["main"]
 
@@ -59,12 +61,17 @@ exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arg
 """
 
 
-PLACEMENTS = ("pipeline", "branches", "auto")
-SCHEDULE_CHOICES = (*SCHEDULES, "auto")  # partitioner.place.planning.SCHEDULE_CHOICES, without importing the planner
-SCHEDULE_HELP = ("gpipe, 1f1b, interleaved (2 stages per device), zb1 (zero-bubble ZB-H1), zbv (zero-bubble, 2 stages "
-                 "per device in a V), dualpipev (DualPipeV on zbv's V; micro-batches >= 2 x devices) "
-                 "or auto (the fastest predicted that fits memory)")
-RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "auto")
+def schedule_choices() -> tuple[str, ...]:
+    """--schedule's choices: every registered schedule (rules.schedules), read when the parser is built."""
+    return (*schedule_names(), "auto")
+
+
+def schedule_help() -> str:
+    """--schedule's help, from each registered schedule's own description."""
+    named = [f"{n} ({schedule_spec(n).doc})" if schedule_spec(n).doc else n for n in schedule_names()]
+    return ", ".join(named) + " or auto (the fastest predicted that fits memory)"
+
+
 RECOMPUTE_HELP = ("activation recomputation of every stage: none, selective (recompute element-wise ops in backward), "
                   "full (keep only stage inputs) or auto (per stage, the cheapest that fits; default none)")
 PLACEMENT_HELP = ("pipeline: contiguous stages, one per device; branches: parallel branches side by side; "
@@ -107,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Split the model into one pipeline stage per device, print the plan as a "
                                "table and write its picture.", **kw)  # fmt: skip
     _common(plan)
-    plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="gpipe", help=SCHEDULE_HELP + " (default gpipe)")
+    plan.add_argument("--schedule", choices=schedule_choices(), default="gpipe",
+                      help=schedule_help() + " (default gpipe)")
     plan.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none", help=RECOMPUTE_HELP)
     plan.add_argument("--update", choices=UPDATES, default="sync",
                       help="how weights update: sync (after each step), 2bw or stash (no flush; --schedule 1f1b)")
@@ -137,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--devices", metavar="LIST", help="as for `plan`")
     sim.add_argument("--batch", type=int, metavar="N", help="as for `plan`")
     sim.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches (default: the plan's, else 1)")
-    sim.add_argument("--schedule", choices=SCHEDULE_CHOICES, help=SCHEDULE_HELP + " (default: the plan's, else gpipe)")
+    sim.add_argument("--schedule", choices=schedule_choices(),
+                     help=schedule_help() + " (default: the plan's, else gpipe)")
     sim.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help=RECOMPUTE_HELP + "; not with --plan")
     sim.add_argument("--placement", choices=PLACEMENTS, default="pipeline", help=PLACEMENT_HELP)
     sim.add_argument("--width", type=int, default=72, metavar="COLS", help="characters per timeline row (default 72)")
     sim.add_argument("--out", metavar="PATH", help="also write the plan's picture with this timeline")
     sim.add_argument("--quiet", action="store_true", help="no progress display")
-    add_calibrate_parser(commands, _common, PLACEMENTS, SCHEDULE_CHOICES, **kw)
+    add_calibrate_parser(commands, _common, PLACEMENTS, schedule_choices(), **kw)
     return parser
 
 

@@ -10,6 +10,13 @@ until the measured peaks say where the cap lies (see `largest_under`). A
 stage's peak is measured by runtime.memory_meter.MemoryMeter (live tensor storage per stage)
 over one steady-state step (an unmetered first step made Adam's state).
 
+The cut is pinned (`--cut K`: the stages meet before block K, halfway by default, with
+PiPPy's `split_spec`), so the running pipeline and the plans that predict its peaks at every
+batch compare the same stages. Left to the cost model, the cut moved with the batch (a
+larger batch weighs activations more against weights and per-op overheads, priced from rates
+measured on the machine), and on some machines batch 132 was cut elsewhere than the running
+pipeline.
+
 On CPU the cap is a measured budget, not an allocator limit: nothing stops a step from going
 over it; a batch is "under the cap" when every stage's measured peak is. The planner's
 prediction (`plan.stages[s].memory_bytes`: parameters, gradients, Adam's two states,
@@ -22,7 +29,7 @@ Last line: `largest batch under cap: X x vs none; peak memory error: Y%`, X = th
 with full recomputation over the largest without, Y = the worst |predicted - measured| /
 measured over stages and modes at each mode's largest batch.
 
-Usage: python benchmarks/memory.py [--cap-mib 48] [--micro-batches 4] [--layers 8]
+Usage: python benchmarks/memory.py [--cap-mib 48] [--micro-batches 4] [--layers 8] [--cut K]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.pipelining import SplitPoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,15 +68,21 @@ def cost_model(capacity: int | None = None) -> AnalyticCostModel:
     return AnalyticCostModel(measure=lambda d: spec)
 
 
+def pinned(cut: int) -> dict[str, SplitPoint]:
+    """The one cut every plan here makes: the second stage starts at block `cut`."""
+    return {f"blocks.{cut}": SplitPoint.BEGINNING}
+
+
 class Trainer:
     """One mode's pipeline over a copy of the model; `peaks(batch)` measures one training step."""
 
-    def __init__(self, base: GPT, cfg: GPTConfig, mode: str, micro_batches: int) -> None:
-        self.cfg, self.mode, self.m = cfg, mode, micro_batches
+    def __init__(self, base: GPT, cfg: GPTConfig, mode: str, micro_batches: int, cut: int) -> None:
+        self.cfg, self.mode, self.m, self.cut = cfg, mode, micro_batches, cut
         self.model = copy.deepcopy(base)
         x = self.batch(4 * micro_batches)[0]
         self.pipe = partition(self.model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=micro_batches,
-                              schedule="1f1b", threads=False, cost_model=cost_model(), recompute=mode)  # type: ignore[arg-type]
+                              schedule="1f1b", threads=False, cost_model=cost_model(), recompute=mode,  # type: ignore[arg-type]
+                              split_spec=pinned(cut))  # fmt: skip
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.measured: dict[int, list[int]] = {}
 
@@ -96,9 +110,10 @@ class Trainer:
     def predicted(self, size: int) -> list[int]:
         x = self.batch(size)[0]
         made = plan(self.model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=self.m, schedule="1f1b",
-                    cost_model=cost_model(), recompute=self.mode)  # type: ignore[arg-type]
+                    cost_model=cost_model(), recompute=self.mode, split_spec=pinned(self.cut))  # type: ignore[arg-type]
         if [s.nodes for s in made.stages] != [s.nodes for s in self.pipe.plan.stages]:
-            raise RuntimeError(f"batch {size} cuts the model elsewhere than the running pipeline; pin the cut")
+            raise RuntimeError(f"batch {size} cuts the model elsewhere than the running pipeline, although the cut "
+                               f"is pinned before blocks.{self.cut}; the split_spec was not honored")
         return [s.memory_bytes for s in made.stages]
 
 
@@ -132,20 +147,24 @@ def main() -> None:
     parser.add_argument("--cap-mib", type=float, default=48.0, help="per-stage memory budget, MiB")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--cut", type=int, help="the second stage starts at this block (default: layers // 2)")
     args = parser.parse_args()
+    cut = args.layers // 2 if args.cut is None else args.cut
+    if not 0 < cut < args.layers:
+        parser.error(f"--cut {cut}: use a block between 1 and {args.layers - 1} (both stages need a block)")
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, width=64, heads=4, layers=args.layers, seq=128, tied=False)
     base = GPT(cfg).train()
     cap, m = int(args.cap_mib * MIB), args.micro_batches
     started = time.time()
     print(f"GPT {cfg.layers} blocks, width {cfg.width}, {cfg.heads} heads, {cfg.seq} tokens, vocab {cfg.vocab}; "
-          f"2 stages on cpu, 1F1B, {m} micro-batches per batch, Adam; cap {args.cap_mib:.0f} MiB per stage "
-          "(measured, not enforced by an allocator)")
+          f"2 stages on cpu (cut before block {cut}), 1F1B, {m} micro-batches per batch, Adam; cap "
+          f"{args.cap_mib:.0f} MiB per stage (measured, not enforced by an allocator)")
     largest: dict[str, int] = {}
     worst = 0.0
     rows: list[str] = []
     for mode in MODES:
-        trainer = Trainer(base, cfg, mode, m)
+        trainer = Trainer(base, cfg, mode, m, cut)
         largest[mode] = size = largest_under(trainer, cap, m)
         if size == 0:
             raise SystemExit(f"recompute={mode!r}: not even a batch of {m} fits under {args.cap_mib} MiB; "
@@ -163,7 +182,7 @@ def main() -> None:
     for size in sorted(set(largest.values())):
         x = torch.randint(0, cfg.vocab, (size, cfg.seq))
         chosen = plan(base, ["cpu", "cpu"], example_inputs=(x,), micro_batches=m, schedule="1f1b",
-                      cost_model=cost_model(2 * cap), recompute="auto")
+                      cost_model=cost_model(2 * cap), recompute="auto", split_spec=pinned(cut))
         auto.append(f"batch {size}: {[s.recompute for s in chosen.stages]} "
                     f"(predicted MiB {[round(s.memory_bytes / MIB, 1) for s in chosen.stages]})")
     print("recompute='auto' under the cap picks: " + "; ".join(auto))

@@ -228,7 +228,7 @@ def _values(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], home: torch.de
     """Every node's value from one run of the model where it lives, detached but still flagged requires_grad
     (with the inputs nodes read before a later in-place op changed them, `rounds.record`)."""
     inputs = [move_value(x, home, home) for x in flat_inputs]
-    recorded = record(gm, inputs)
+    recorded = record(gm, inputs, home)
     return Recorded(
         {name: pytree.tree_map(_keep_grad_flag, v) for name, v in recorded.values.items()},
         {name: pytree.tree_map(_keep_grad_flag, dict(v)) for name, v in recorded.seen.items()},

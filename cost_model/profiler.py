@@ -270,7 +270,7 @@ def _measure_whole(
     """The whole graph on `device` at once (a copy when its weights live elsewhere): every node alone,
     then the nodes that cannot run alone inside whole forwards. Returns the nodes not timed, with why."""
     whole, inputs = _on_device(gm, flat_inputs, device)
-    failed = rounds.time(whole, nodes, record(whole, inputs))
+    failed = rounds.time(whole, nodes, record(whole, inputs, device))
     if not failed:
         return {}
     alone = "; ".join(f"{name}: {why}" for name, why in itertools.islice(failed.items(), 3))

@@ -1,7 +1,7 @@
 """Timing graph nodes in rounds: each node alone on the values one real forward recorded, or, for a
 node that cannot run alone, inside whole runs of the graph.
 
-    record(gm, inputs)      one real forward: every node's value, each input as its node read it
+    record(gm, inputs, d)   one real forward: every node's value, each input as its node read it
                             (where a later in-place op changed it: a second run keeps copies), and
                             the nodes seen writing into an input (cloned inputs when run alone)
     Rounds.time(nodes)      round r: n0 fwd+bwd, n1 fwd+bwd, ..., probe   (r = warmup + repeats)
@@ -26,6 +26,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from cost_model.timing import NodeRunner, Submodules, Timer, is_out_of_memory
+from rules.device_args import on_device
 from rules.progress import Progress
 
 __all__ = ["BackwardCallProbe", "Recorded", "Rounds", "record", "time_in_forward"]
@@ -179,11 +180,23 @@ class Rounds:
         return forward, backward
 
 
-class _Recorder(torch.fx.Interpreter):
+class _OnDevice(torch.fx.Interpreter):
+    """Runs a graph on `device`: a node's `device=` argument (the device it was traced on) is read as `device`."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, garbage_collect_values: bool = True) -> None:
+        super().__init__(gm, garbage_collect_values=garbage_collect_values)
+        self.device = device
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return args, on_device(kwargs, self.device)
+
+
+class _Recorder(_OnDevice):
     """One run of the graph that notes which inputs each node saw change, and copies the inputs of `keep` nodes."""
 
-    def __init__(self, gm: torch.fx.GraphModule, keep: frozenset[str]) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, keep: frozenset[str]) -> None:
+        super().__init__(gm, device, garbage_collect_values=False)
         self.keep = keep
         self.seen: dict[str, dict[str, Any]] = {}
         self.writes: set[str] = set()
@@ -210,32 +223,33 @@ class _Recorder(torch.fx.Interpreter):
         return {node.name: value for node, value in self.env.items()}
 
 
-def record(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> Recorded:
-    """Every node's value from one real forward of `gm` (autograd on), as `Rounds.time` needs them.
+def record(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], device: torch.device) -> Recorded:
+    """Every node's value from one real forward of `gm` on `device` (where its weights and `flat_inputs`
+    are; autograd on), as `Rounds.time` needs them.
 
     The graph runs on copies of `flat_inputs` (an in-place op on an input leaves the caller's
     as it was). Where a node reads a value that a later node changes in place (`b = zeros(n);
     e = emb(b); b += k`), the value after the run is not what it read: a second run keeps a
     copy of such nodes' inputs as they read them (`Recorded.seen`).
     """
-    first = _Recorder(gm, frozenset())
+    first = _Recorder(gm, device, frozenset())
     with torch.enable_grad():
         first.run(*[pytree.tree_map(_copy, x) for x in flat_inputs])
     stale = first.stale()
     if not stale:
         return Recorded(first.values(), {}, frozenset(first.writes))
-    second = _Recorder(gm, stale)
+    second = _Recorder(gm, device, stale)
     with torch.enable_grad():
         second.run(*[pytree.tree_map(_copy, x) for x in flat_inputs])
     return Recorded(second.values(), second.seen, frozenset(second.writes))
 
 
-class _TimedRun(torch.fx.Interpreter):
+class _TimedRun(_OnDevice):
     """One whole forward that times the `names` nodes: forward around the node, backward by hooks
     on the autograd nodes it made (not those it was given: a node returning its input times nothing)."""
 
     def __init__(self, gm: torch.fx.GraphModule, names: frozenset[str], timer: Timer) -> None:
-        super().__init__(gm)
+        super().__init__(gm, timer.device)
         self.names, self.timer = names, timer
         self.forward: dict[str, int] = {}
         self.backward: dict[str, list[int]] = {name: [] for name in names}
@@ -244,12 +258,17 @@ class _TimedRun(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.name not in self.names:
             return super().run_node(n)
-        given = {id(t.grad_fn) for i in n.all_input_nodes for t in _tensors(self.env[i]) if t.grad_fn is not None}
+        # Held, not just their ids: an autograd node's Python object lives only while referenced,
+        # and a new one (perhaps at the same address) stands for it at the next access.
+        given = [t.grad_fn for i in n.all_input_nodes for t in _tensors(self.env[i]) if t.grad_fn is not None]
         self.timer.start()
         out = super().run_node(n)
         self.forward[n.name] = self.timer.stop()
-        made = {id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None and id(t.grad_fn) not in given}
-        for fn in made.values():
+        made: list[Any] = []
+        for fn in (t.grad_fn for t in _tensors(out) if t.grad_fn is not None):
+            if not any(fn is seen for seen in given + made):
+                made.append(fn)
+        for fn in made:
             fn.register_prehook(lambda grads: self.timer.start())
             fn.register_hook(lambda grads_in, grads_out, name=n.name: self.backward[name].append(self.timer.stop()))
             self.hooked = True

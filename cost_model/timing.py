@@ -12,6 +12,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from rules.device_args import on_device
 from rules.timing import elapsed_s, record_event, sync, uses_events
 
 __all__ = [
@@ -243,7 +244,7 @@ class NodeRunner:
             return seen[n.name] if seen is not None and n.name in seen else values[n.name]
 
         args = torch.fx.node.map_arg(node.args, lookup)
-        kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
+        kwargs = on_device(torch.fx.node.map_arg(node.kwargs, lookup), device)  # as a stage on `device` runs it
         self.args, self.kwargs = pytree.tree_map(prepare, (args, kwargs))
         out = values.get(node.name)
         self.needs_backward = bool(params or self._leaves) and any(

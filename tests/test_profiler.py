@@ -492,3 +492,32 @@ def test_the_profiling_phase_is_one_line_and_its_count_is_the_graphs_nodes(
         f"profiling on cpu: 5 nodes read from the cache ({tmp_path / 'profiles' / cached.key}.json)",
     ]
     assert [(p.total, p.done) for p in counted] == [(5, 5.0)]
+
+
+@needs_cuda
+def test_cuda_a_node_that_cannot_run_alone_is_timed_by_events_inside_whole_forwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gm, inputs = traced()
+    before, params = snapshot(gm), list(gm.parameters())
+    refuse_alone(monkeypatch, nn.Linear)
+    device = torch.device("cuda", torch.cuda.current_device())
+    profile = profile_graph(gm, inputs, device, warmup=1, repeats=2, cache=False, progress=False)
+    assert profile.meta["timed_in_forward"] == ["fc"] and profile.unmeasured == []
+    assert profile.forward["fc"] > 0 and profile.backward["fc"] > 0
+    assert_unchanged(gm, before, params)
+
+
+@needs_cuda
+def test_cuda_profile_of_a_graph_traced_on_cpu_runs_its_device_arguments_on_the_gpu(tmp_path: Path) -> None:
+    """torch.export bakes the tracing device in (`arange(device=cpu)`, `_assert_tensor_metadata(device=cpu)`);
+    profiled on a GPU, such nodes run there, as a stage on that GPU runs them."""
+    torch.manual_seed(0)
+    model, x = IndexArithmetic(), torch.randn(4, 12, 8)
+    traced = trace(model, (x,))
+    assert any(isinstance(n.kwargs.get("device"), torch.device) for n in traced.graph_module.graph.nodes)
+    device = torch.device("cuda", torch.cuda.current_device())
+    for budget in (None, largest_node(traced.graph_module, [x])):  # whole, and chunk by chunk
+        profile = profile_graph(traced.graph_module, [x], device, warmup=1, repeats=2, cache=False, progress=False,
+                                memory_budget_bytes=budget)
+        assert profile.unmeasured == [] and "timed_in_forward" not in profile.meta

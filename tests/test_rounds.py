@@ -30,7 +30,7 @@ class Later(nn.Module):
 def test_record_sees_writes_and_keeps_what_each_node_read() -> None:
     gm = torch.fx.symbolic_trace(Later())
     x = torch.ones(3)
-    recorded = record(gm, [x])
+    recorded = record(gm, [x], CPU)
     assert recorded.writes == {"add_"}
     assert set(recorded.seen) == {"sum_1"}  # read b before add_ changed it (add_ writes it itself: run on copies)
     torch.testing.assert_close(recorded.seen["sum_1"]["mul"], torch.ones(3))
@@ -42,7 +42,7 @@ def test_record_of_a_graph_without_in_place_writes_runs_once() -> None:
     gm, inputs = net()
     calls = []
     gm.boom.register_forward_hook(lambda *_: calls.append(1))
-    recorded = record(gm, inputs)
+    recorded = record(gm, inputs, CPU)
     assert recorded.writes == frozenset() and recorded.seen == {} and len(calls) == 1
 
 
@@ -106,7 +106,7 @@ def test_rounds_report_a_node_that_raises_alone_and_time_the_others(monkeypatch:
     nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
     raising_alone(monkeypatch)
     timed = rounds()
-    failed = timed.time(gm, nodes, record(gm, inputs))
+    failed = timed.time(gm, nodes, record(gm, inputs, CPU))
     assert failed == {"boom": "IndexError: index out of range in self"}
     assert sorted(timed.runs) == ["fc", "out", "tanh"] and all(len(r) == 2 for r in timed.runs.values())
     assert all(p.grad is None for p in gm.parameters())
@@ -120,7 +120,7 @@ def test_out_of_memory_alone_is_not_a_node_that_cannot_run(monkeypatch: pytest.M
 
     monkeypatch.setattr(NodeRunner, "run_once", full)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        rounds().time(gm, list(gm.graph.nodes)[1:-1], record(gm, inputs))
+        rounds().time(gm, list(gm.graph.nodes)[1:-1], record(gm, inputs, CPU))
 
 
 def test_time_in_forward_times_forward_and_backward_and_restores_gradients() -> None:

@@ -12,6 +12,7 @@ from partitioner.capture.fidelity import InputSplitSpec, input_dims
 from partitioner.capture.meta import is_meta, shapes_only
 from partitioner.capture.trace import Traced, trace
 from partitioner.errors import PartitionError
+from rules.progress import say
 from runtime.microbatch import batch_size, scatter
 
 __all__ = ["Example", "shaped", "trace_example"]
@@ -54,6 +55,7 @@ def trace_example(
     Raises:
         PartitionError: the model cannot be traced, or the example cannot be split into `micro_batches`.
     """
+    say(f"tracing {type(model).__name__}")
     traced = trace(model, args, kwargs)
     flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
     dims = input_dims(model, traced, input_split_spec)

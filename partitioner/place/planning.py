@@ -28,6 +28,7 @@ from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
+from rules.progress import say
 from rules.schedules import auto_layouts, virtual_stages
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout
@@ -97,6 +98,8 @@ def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_m
     cost = prepared(cost_model, gm, example.first_chunk)
     if request.processes:  # every stage replica is a process: ranks on one device still pay for transfers
         cost = BetweenProcesses(cost)
+    say(f"planning {len(order)} nodes on {request.world} devices ({request.schedule}, "
+        f"{request.micro_batches} micro-batches)")
     placing = _Placing(model, example, graph, order, forced, cost, request)
     if request.schedule != "auto":
         return store_graph(_place(placing, request.schedule, layout), graph, cost)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -242,7 +242,7 @@ class DistributedPipeline(Calibratable, nn.Module):
             if self.rank not in ranks:
                 continue
             if ranks == last_ranks:
-                self._loss_group = handle
+                self._loss_group = cast(dist.ProcessGroup, handle)  # this rank is in it: a group
             if ranks in by_ranks:
                 params = [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])]
                 groups.append(_GradGroup(ranks, params, reducer, self._wire(*ranks)))

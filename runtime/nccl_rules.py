@@ -82,6 +82,14 @@ def _size(t: torch.Tensor) -> tuple[int, str]:
     return t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")
 
 
+def _gloo_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A new gloo group of `ranks`, which hold this rank (new torch types `new_group` as a group or a non-member)."""
+    group = dist.new_group(ranks, backend="gloo")
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"rank {dist.get_rank()} is not in the new group of ranks {ranks}")
+    return group
+
+
 def _describe(op: P2P) -> str:
     nbytes = _size(op.tensor)[0]
     return f"{op.op} {nbytes} B to rank {op.peer}" if op.op == "send" else f"recv {nbytes} B from rank {op.peer}"
@@ -144,8 +152,8 @@ class NcclRulesComm:
         self.group, self.timeout_s = group, timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ranks = list(range(self.world))
-        self._control = dist.new_group(ranks, backend="gloo")  # headers and acks
-        self._data = dist.new_group(ranks, backend="gloo")  # the tensors' bytes, tag 0
+        self._control = _gloo_group(ranks)  # headers and acks
+        self._data = _gloo_group(ranks)  # the tensors' bytes, tag 0
         self._queue: queue.Queue[_Posted | None] = queue.Queue()
         self._batches = self._reduces = 0
         self._broken: str | None = None

@@ -39,7 +39,7 @@ def function_applier(cls: type) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def functions_as_leaves(tracer: torch.fx.Tracer) -> Iterator[None]:
-    base = torch.autograd.Function
+    base: Any = torch.autograd.Function  # Any: its `apply` is swapped for a while (typed as a method, or not at all)
     original = base.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -56,28 +56,28 @@ def functions_as_leaves(tracer: torch.fx.Tracer) -> Iterator[None]:
             return type(traced_through)(leaf[i] for i in range(len(traced_through)))
         return leaf
 
-    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    base.apply = classmethod(apply)
     try:
         yield
     finally:
-        base.apply = original  # type: ignore[method-assign]
+        base.apply = original
 
 
 @contextlib.contextmanager
 def functions_seen(seen: list[type]) -> Iterator[None]:
     """Record every Function class whose `apply` runs (the export path cannot keep them)."""
-    base = torch.autograd.Function
+    base: Any = torch.autograd.Function  # Any: as in functions_as_leaves
     original = base.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         seen.append(cls)
         return original.__get__(None, cls)(*args, **kwargs)
 
-    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    base.apply = classmethod(apply)
     try:
         yield
     finally:
-        base.apply = original  # type: ignore[method-assign]
+        base.apply = original
 
 
 def _pipe_split_functions() -> list[Callable[..., Any]]:

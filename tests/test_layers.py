@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("partitioner.place",),
     ("partitioner.make",),
     ("partitioner.calibrate",),
+    ("partitioner.export",),
     ("partitioner.show",),
     ("partitioner.arguments", "partitioner.api", "partitioner.meta", "partitioner.pippy_policy"),
     ("partitioner.cli",),

@@ -26,6 +26,7 @@ from cost_model.profiler import ProfiledCostModel
 from partitioner.api import plan as make_plan
 from partitioner.cli.calibrate import add_calibrate_parser, run_calibrate
 from partitioner.cli.cluster import add_cluster_arguments, cast_example, cluster_report, parse_replicas, plan_cluster
+from partitioner.cli.export import add_export_parser, run_export
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.cli.profile import run_profile
 from partitioner.errors import PartitionError, TraceError
@@ -56,6 +57,8 @@ examples:
       --replicas auto --schedule auto --out plan.html --save plan.json
   (a cluster that is not here: stages, replicas, hosts, memory per GPU, step time, samples/s and MFU;
    run the saved plan under torchrun with partition(model, devices, plan="plan.json"))
+  python -m partitioner export --plan plan.json --csv schedule.csv --torchtitan parallelism.toml
+  (the plan's actions for torch.distributed.pipelining's runtime, and torchtitan's config naming them)
 
 exit codes: 0 success, 1 the work failed (the model cannot be traced), 2 bad arguments.
 """
@@ -153,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", metavar="PATH", help="also write the plan's picture with this timeline")
     sim.add_argument("--quiet", action="store_true", help="no progress display")
     add_calibrate_parser(commands, _common, PLACEMENTS, schedule_choices(), **kw)
+    add_export_parser(commands, **kw)
     return parser
 
 
@@ -168,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
             if args.command == "profile":
                 return run_profile(args, out, lambda text: _step(err, args.quiet, text))
+            if args.command == "export":
+                return run_export(args, out)
             return {"plan": _plan, "simulate": _simulate}[args.command](args, out, err)
     except UsageError as exc:
         err.print(f"error: {exc}", markup=False, soft_wrap=True)

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PartitionError
+from partitioner.export.from_torch import ActionsSource, from_torch_schedule
+from partitioner.export.torch_schedule import TorchSchedule, to_torch_schedule
+from partitioner.export.torchtitan import to_torchtitan
 from partitioner.predict.simulator import simulate
 from partitioner.show.hosts import by_host
 from partitioner.show.html import render_html
@@ -46,6 +49,23 @@ class DrawablePlan(runtime_plan.Plan):
     def visualize(self, path: str | Path, timeline: Any = None, measured: Any = None, depth: int | None = None) -> Path:
         """Write the plan's picture to `path`; see `partitioner.show.visualizer.visualize`."""
         return visualize(self, path, timeline=timeline, measured=measured, depth=depth)
+
+    def to_torch_schedule(self) -> TorchSchedule:
+        """Each rank's compute actions for torch.distributed.pipelining (`.csv()`, `.write_csv(path)`), the
+        stage-to-rank map and the split points; see `partitioner.export.to_torch_schedule`."""
+        return to_torch_schedule(self)
+
+    def to_torchtitan(self, csv_path: str | Path = "schedule.csv", *, microbatch: int | None = None) -> str:
+        """torchtitan's [parallelism] config for the plan as TOML, naming the schedule CSV at `csv_path`; see
+        `partitioner.export.to_torchtitan`."""
+        return to_torchtitan(self, csv_path, microbatch=microbatch)
+
+    @classmethod
+    def from_torch_schedule(cls, source: ActionsSource, plan: runtime_plan.Plan, *,
+                            name: str | None = None) -> DrawablePlan:
+        """`plan` running a torch/torchtitan schedule CSV (or rows of actions): checked, lowered and simulated;
+        see `partitioner.export.from_torch_schedule`."""
+        return cls.from_plan(from_torch_schedule(source, plan, name=name))
 
 
 

@@ -1,7 +1,8 @@
 """Worker for tests/test_export.py under torchrun: a plan's exported actions run by torch's own pipelining runtime.
 
 Modes:
-  crosscheck DIR SCHEDULE...  per schedule: train one step of tiny_gpt with our runtime (partition) and with
+  crosscheck DIR CASE...      per case ('schedule' for tiny_gpt, or 'model:schedule[:placement]'): train one step
+                              with our runtime (partition) and with
                               torch's _PipelineScheduleRuntime loading the plan's exported CSV (DIR/...csv) over
                               PipelineStages built from our stage modules; losses and gradients against the
                               plain model. With PARTITIONER_NCCL_RULES=1 every point-to-point call torch makes
@@ -128,16 +129,18 @@ def _torch_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return total
 
 
-def crosscheck(directory: str, schedules: list[str]) -> int:
+def crosscheck(directory: str, cases: list[str]) -> int:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     rules = os.environ.get(NCCL_RULES_ENV) == "1"
     bad = 0
-    for schedule in schedules:
-        model, x, y = data("tiny_gpt")
+    for case in cases:
+        name, schedule, placement = (case.split(":") + ["pipeline"])[:3] if ":" in case else ("tiny_gpt", case,
+                                                                                               "pipeline")
+        model, x, y = data(name)
         reference, theirs = copy.deepcopy(model), copy.deepcopy(model)
         m = 4
         pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=m, schedule=schedule,
-                         cost_model=described())
+                         placement=placement, cost_model=described())
         ours = pipe.train_step(x, y, lm_loss)
         ref_loss = lm_loss(reference(x), y)
         ref_loss.backward()
@@ -146,7 +149,7 @@ def crosscheck(directory: str, schedules: list[str]) -> int:
         our_err = max(rel(p.grad, ref[n].grad) for n, p in model.named_parameters() if id(p) in held)
 
         stages = pipeline_stages(theirs, pipe.plan, (x,))
-        csv = stages.schedule.write_csv(Path(directory) / f"{schedule}.rank{rank}.csv")
+        csv = stages.schedule.write_csv(Path(directory) / f"{case.replace(':', '-')}.rank{rank}.csv")
         runtime = schedule_runtime(stages, lm_loss, csv=csv)
         losses: list[torch.Tensor] = []
         comm = NcclRulesComm(timeout_s=30.0) if rules else None
@@ -165,7 +168,7 @@ def crosscheck(directory: str, schedules: list[str]) -> int:
         routed = wrapper.routed if wrapper is not None else -1
         ok = our_err < 1e-5 and torch_err < 1e-5 and loss_err < 1e-5 and not missing and (not rules or routed > 0)
         bad += not ok
-        print(f"RESULT schedule={schedule} rank={rank} actions={','.join(stages.schedule.actions[rank])} "
+        print(f"RESULT case={case} rank={rank} actions={','.join(stages.schedule.actions[rank])} "
               f"our_grad_err={our_err:.2e} torch_grad_err={torch_err:.2e} loss_err={loss_err:.2e} "
               f"routed={routed} ok={ok}", flush=True)
     return bad

@@ -39,12 +39,12 @@ PLANS: dict[tuple[Any, ...], partitioner.Plan] = {}
 CPU = DeviceSpec(name="cpu", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 34, kind="cpu")
 
 
-def make_plan(ranks: int, schedule: str, **kw: Any) -> partitioner.Plan:
-    """tiny_gpt (batch 8, 4 micro-batches) planned for `ranks` described CPU processes (cached: plans are data)."""
-    key = (ranks, schedule, repr(sorted(kw.items())))
+def make_plan(ranks: int, schedule: str, name: str = "tiny_gpt", **kw: Any) -> partitioner.Plan:
+    """A zoo model (batch 8, 4 micro-batches) planned for `ranks` described CPU processes (cached: plans are data)."""
+    key = (ranks, schedule, name, repr(sorted(kw.items())))
     if key not in PLANS:
         torch.manual_seed(0)
-        model, (x,), _ = zoo.tiny_gpt()
+        model, (x,), _ = zoo.ZOO[name]()
         x = torch.cat([x, x[:1]])
         PLANS[key] = partitioner.plan(model, ["cpu"] * ranks, example_inputs=(x,), micro_batches=4,
                                       schedule=schedule, processes=True,
@@ -95,6 +95,11 @@ def test_split_backward_v_and_loop_layouts() -> None:
     assert loop.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1} and loop.torch_class == "PipelineScheduleMulti"
     zb1 = make_plan(2, "zb1").to_torch_schedule()
     assert zb1.actions[1][:5] == ["1F0", "1I0", "1F1", "1I1", "1W0"]
+    branches = make_plan(2, "gpipe", "inception", placement="branches")  # two branches on rank 0, the rest on 1
+    sched = branches.to_torch_schedule()
+    assert sched.layout == "custom" and sched.stage_to_rank == {0: 1, 1: 0, 2: 0}
+    with pytest.raises(PartitionError, match="torchtitan lays stages out"):
+        branches.to_torchtitan()
 
 
 @pytest.mark.parametrize("ranks,schedule", [(4, "1f1b"), (2, "zbv")])
@@ -243,10 +248,10 @@ def test_cli_export_writes_csv_and_toml(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_torch_runtime_runs_the_exported_actions_under_nccl_rules(tmp_path: Path) -> None:
     # each schedule: our runtime and torch's _PipelineScheduleRuntime (loading the exported CSV) against the plain model
-    schedules = ["gpipe", "1f1b", "interleaved", "zb1", "zbv"]
-    run = torchrun(2, "crosscheck", str(tmp_path), *schedules, worker=WORKER, timeout=300)
+    cases = ["gpipe", "1f1b", "interleaved", "zb1", "zbv", "inception:gpipe:branches"]  # tiny_gpt, then branches
+    run = torchrun(2, "crosscheck", str(tmp_path), *cases, worker=WORKER, timeout=300)
     lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2 * len(schedules), run.stdout[-4000:]
+    assert run.returncode == 0 and len(lines) == 2 * len(cases), run.stdout[-4000:]
     assert all("ok=True" in line for line in lines), "\n".join(lines)
     assert all(int(re.search(r"routed=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
 

@@ -18,7 +18,10 @@ __all__ = ["TORCH_CLASSES", "TorchSchedule", "to_torch_schedule", "torch_action"
 
 # torch's schedule class for each stage layout: torchtitan builds a rank's stages by the class named in
 # `pipeline_parallel_schedule` (one stage per rank; stage s on rank s % p; a V), then runs the CSV's actions.
-TORCH_CLASSES = {"chain": "PipelineScheduleSingle", "loop": "PipelineScheduleMulti", "v": "ZBVZeroBubble"}
+# Any other map ("custom": branches side by side, say) runs on `_PipelineScheduleRuntime`, which reads the map from
+# the CSV, but not in torchtitan.
+TORCH_CLASSES = {"chain": "PipelineScheduleSingle", "loop": "PipelineScheduleMulti", "v": "ZBVZeroBubble",
+                 "custom": "PipelineScheduleMulti"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class TorchSchedule:
         micro_batches: micro-batches one pipeline runs per step (torch's `n_microbatches`).
         pipelines: equal pipelines side by side (each stage's replicas in the plan): torchtitan's
             data-parallel replicate degree; pipeline j runs the plan's micro-batches j, j + pipelines, ...
-        layout: "chain" (a stage per rank), "loop" (stage s on rank s % ranks) or "v".
+        layout: "chain" (a stage per rank), "loop" (stage s on rank s % ranks), "v", or "custom"
+            (any other map: torch's runtime reads it from the CSV, torchtitan cannot place it).
         schedule: the plan's schedule name.
         split_points: the cuts as module names, and those not on a module boundary.
     """
@@ -141,12 +145,11 @@ def _check_chain(lists: list[list[Action]], stage_to_rank: dict[int, int], micro
 
 
 def _layout(stage_to_rank: dict[int, int], ranks: int) -> str:
-    """The named layout the stage-to-rank map is ('chain', 'loop' or 'v')."""
+    """The named layout the stage-to-rank map is ('chain', 'loop' or 'v'), else 'custom'."""
     got = [[stage_to_rank[s]] for s in range(len(stage_to_rank))]
     per_rank = max(1, len(got) // max(1, ranks))
     layouts: tuple[Layout, ...] = ("chain", "loop", "v")
     for layout in layouts:
         if got == layout_ranks(layout, ranks, per_rank) and (layout != "loop" or per_rank > 1):
             return layout
-    raise PartitionError(f"stages sit on pipeline ranks {got}; torch's runtime and torchtitan lay stages out one per "
-                         "rank, round robin (stage s on rank s % ranks) or in a V: plan with one of those layouts")
+    return "custom"

@@ -45,6 +45,10 @@ def to_torchtitan(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv",
             or the micro-batch size is unknown and not given.
     """
     sched = schedule or to_torch_schedule(plan)
+    if sched.layout == "custom":
+        raise PartitionError(f"stages sit on pipeline ranks {sched.stage_to_rank}; torchtitan lays stages out one per "
+                             "rank, round robin (stage s on rank s % ranks) or in a V: plan with one of those layouts "
+                             "(torch's _PipelineScheduleRuntime runs this CSV as it is)")
     size, source = (microbatch, "given") if microbatch is not None else microbatch_size(plan)
     if size is None or size < 1:
         raise PartitionError(f"micro-batch size {source}; pass microbatch= (samples per micro-batch)")

@@ -23,7 +23,7 @@ it ends; the forward collectives run there (or in the rowwise nn.Linear's own ou
 
 Gradients of split parameters are DTensors (`.full_tensor()` gathers one); every other parameter gets
 the same gradient on every TP rank. `checkpoint_state` is what a TP stage writes with
-torch.distributed.checkpoint, keyed like the model.
+torch.distributed.checkpoint, keyed like the model (and reads: `restore_state` after `dcp.load`).
 
 [Note: one order of TP collectives]
 NCCL runs the collectives of a group in the order they are posted and hangs if two ranks post them in
@@ -42,7 +42,7 @@ region) use DTensor's own RNG tracker and are not bitwise equal to the plain mod
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -57,7 +57,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from runtime.tensor_parallel_ops import FusedLinear, FusedSplit, LocalAttention, ToDTensor, ToPlain
 from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
-__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "region"]
+__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "region", "restore_state"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
@@ -345,3 +345,20 @@ def checkpoint_state(module: nn.Module, model: nn.Module | None = None) -> dict[
                                                for p in t.placements])
         state[key] = t
     return state
+
+
+def restore_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """After torch.distributed.checkpoint loaded into `state = checkpoint_state(module, ...)`, copy what it
+    loaded into redistributed copies (fused q/k/v weights) back into the module; the rest loaded in place.
+
+    Every TP rank calls it, like `checkpoint_state`.
+    """
+    live = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key in sorted(set(live) & set(state)):
+            t = live[key]
+            if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
+                loaded = state[key]
+                if not isinstance(loaded, DTensor):
+                    raise TypeError(f"{key}: expected the DTensor checkpoint_state gave, got {type(loaded).__name__}")
+                t.copy_(loaded.redistribute(t.device_mesh, t.placements))

@@ -7,8 +7,9 @@ runs a forward and backward and compares output and every parameter's gradient w
 counts the collectives the forward and backward post and checks both ranks posted the same ones in
 the same order and as many as partitioner.capture.shardable predicted; takes one SGD step on both,
 saves the TP module with torch.distributed.checkpoint and loads that into a fresh plain model with its
-own keys. Prints one 'RESULT case=... ok=True|False' line per case and rank; exits non-zero on a mismatch.
-The model factories are here so tests/test_shardable.py finds groups in the very same models.
+own keys (and, for gpt and gpt2, into a TP stage of a fresh model). Prints one
+'RESULT case=... ok=True|False' line per case and rank; exits non-zero on a mismatch. The model factories
+are here so tests/test_shardable.py finds groups in the very same models.
 """
 
 from __future__ import annotations
@@ -106,27 +107,34 @@ def _collectives(run: Callable[[], Any]) -> tuple[Any, list[tuple[str, str]]]:
     return result, [(e.name, str(e.input_shapes)) for e in prof.events() if e.name.startswith("gloo:")]
 
 
-def check(case: str, mesh: Any, directory: str) -> tuple[bool, str]:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
+def split_stage(case: str, mesh: Any, seed: int) -> tuple[nn.Module, tuple[Any, ...], nn.Module, list[Any], list[Any]]:
+    """The model, its inputs, its one stage split across `mesh`, the groups split and the stage's inputs."""
     from partitioner.capture.graph import build_graph, compute_nodes
     from partitioner.capture.shardable import find_shardable
     from runtime.plan import Plan, StagePlan
     from runtime.stage import build_stages
-    from runtime.tensor_parallel import checkpoint_state, parallelize_stage
+    from runtime.tensor_parallel import parallelize_stage
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model, args = MODELS[case]()
-    reference = copy.deepcopy(model)
-    gm, flat = traced(case, model, args)
+    gm, flat = traced(case, model, copy.deepcopy(args))
     found = find_shardable(gm, build_graph(gm, flat))
     groups = [g for g in found.groups if 2 in g.degrees]
     stages, _ = build_stages(gm, Plan([StagePlan(0, "cpu", [n.name for n in compute_nodes(gm)])]))
-    stage = stages[0]
-    module = parallelize_stage(stage.module, mesh, [g.spec() for g in groups])
+    module = parallelize_stage(stages[0].module, mesh, [g.spec() for g in groups])
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = [flat[names.index(name)] for name in stage.inputs]
+    return model, args, module, groups, [flat[names.index(name)] for name in stages[0].inputs]
+
+
+def check(case: str, mesh: Any, directory: str) -> tuple[bool, str]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from runtime.tensor_parallel import checkpoint_state, restore_state
+
+    torch.manual_seed(0)
+    reference, args = MODELS[case]()
+    model, _, module, groups, inputs = split_stage(case, mesh, 0)
 
     outputs, forward = _collectives(lambda: module(*inputs))
     out = outputs[0]
@@ -156,12 +164,21 @@ def check(case: str, mesh: Any, directory: str) -> tuple[bool, str]:
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state, strict=True)
     loaded = max(rel(v, reference.state_dict()[k]) for k, v in fresh.state_dict().items() if v.is_floating_point())
+    resumed = 0.0
+    if case in ("gpt", "gpt2"):  # and back into a TP stage of another model (fused q/k/v: strided shards)
+        again, _, split_again, _, _ = split_stage(case, mesh, 1)
+        state = checkpoint_state(split_again, again)
+        dcp.load(state, checkpoint_id=path)
+        restore_state(split_again, state)
+        for name, p in split_again.named_parameters():
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            resumed = max(resumed, rel(whole, reference.get_parameter(name)))
 
-    ok = (errors[worst] < 1e-5 and same_order and loaded < 1e-5 and len(forward) == predicted_forward
-          and len(backward) == predicted_backward)
+    ok = (errors[worst] < 1e-5 and same_order and loaded < 1e-5 and resumed < 1e-5
+          and len(forward) == predicted_forward and len(backward) == predicted_backward)
     return ok, (f"groups={len(groups)} worst={worst}:{errors[worst]:.2e} out={errors['out']:.2e} "
                 f"collectives=fwd:{len(forward)}/{predicted_forward},bwd:{len(backward)}/{predicted_backward} "
-                f"same_order={same_order} checkpoint={loaded:.2e}")
+                f"same_order={same_order} checkpoint={loaded:.2e} resumed={resumed:.2e}")
 
 
 def main() -> int:

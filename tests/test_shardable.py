@@ -226,6 +226,9 @@ def test_specs_round_trip_as_plain_data() -> None:
     for spec in found.specs():
         assert TensorParallelGroup.from_dict(spec.to_dict()) == spec
     assert [s.name for s in found.specs(degree=8)] == ["tok", "pos", "blocks.0.mlp", "blocks.1.mlp"]
+    mlp = found.by_name()["blocks.0.mlp"]
+    assert [g.name for g in found.within(mlp.nodes)] == ["blocks.0.mlp"]  # a stage holding just those nodes
+    assert found.within(mlp.nodes[1:]) == []  # a cut inside a group: it cannot be split in either stage
     with pytest.raises(ValueError, match="fused"):
         ShardedParam("w", "colwise", None, fused=3)
     with pytest.raises(ValueError, match="style"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Sequence
+from typing import Collection, Literal, Sequence
 
 import networkx as nx
 import torch
@@ -101,6 +101,11 @@ class Shardable:
 
     def by_name(self) -> dict[str, ShardGroup]:
         return {g.name: g for g in self.groups}
+
+    def within(self, nodes: Collection[str]) -> list[ShardGroup]:
+        """The groups whose nodes all lie in `nodes` (a pipeline stage's): only those can be split there."""
+        inside = set(nodes)
+        return [g for g in self.groups if inside.issuperset(g.nodes)]
 
 
 def _module_prefix(paths: Sequence[str]) -> str:

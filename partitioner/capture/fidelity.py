@@ -11,6 +11,7 @@ import networkx as nx
 from torch import nn
 
 from partitioner.capture.graph import batch_outputs, build_graph
+from partitioner.capture.rejected import graph_rejects
 from partitioner.capture.trace import Traced, where
 from partitioner.errors import PartitionError, TraceError
 from runtime.microbatch import InputSplitSpec, OutputMergeSpec, SplitDim, batch_size, check_merge_spec
@@ -106,11 +107,16 @@ def exported_error(traced: Traced, exc: Exception) -> TraceError:
 
 
 def shape_graph(traced: Traced, chunk: Sequence[Any]) -> nx.DiGraph:
-    """build_graph on a micro-batch; an exported graph that cannot run it is a TraceError."""
+    """build_graph on a micro-batch; an fx graph that cannot run it is a PartitionError naming the input and
+    the layer that rejects it (capture.rejected), an exported graph that cannot (export ran the example) a
+    TraceError."""
     try:
         return build_graph(traced.graph_module, chunk)
     except Exception as exc:  # noqa: BLE001 - guards, data-dependent shapes: all say the trace is wrong
         if traced.method != "export":
+            rejected = graph_rejects(traced.graph_module, chunk)
+            if rejected is not None:
+                raise rejected from exc
             raise
         raise exported_error(traced, exc) from None
 

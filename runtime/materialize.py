@@ -23,6 +23,7 @@ Rules (the README's "meta models" section says the same):
 from __future__ import annotations
 
 import contextlib
+import gc
 import zlib
 from typing import Any, Callable, Iterator, Literal
 
@@ -32,7 +33,7 @@ from torch import nn
 from runtime.errors import PartitionError
 from runtime.weights import WeightSource
 
-__all__ = ["Init", "Materializer", "tensor_names"]
+__all__ = ["Init", "Materializer", "swap", "tensor_names"]
 
 Init = Callable[[nn.Module], Any] | Literal["reset_parameters"]
 
@@ -51,6 +52,21 @@ def tensor_names(model: nn.Module) -> dict[int, list[tuple[str, str, bool]]]:
                 persistent = name not in module._non_persistent_buffers_set
                 found.setdefault(id(b), []).append((prefix + name, path, persistent))
     return found
+
+
+def swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """`torch.utils.swap_tensors(a, b)`; where a weak reference is in the way (a finished tracer's, garbage
+    not yet collected) after a collection, and a RuntimeError naming the tensor where one is still alive."""
+    try:
+        torch.utils.swap_tensors(a, b)
+        return
+    except RuntimeError:
+        gc.collect()
+    try:
+        torch.utils.swap_tensors(a, b)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot swap a tensor of shape {tuple(a.shape)} on {a.device} for one on {b.device}: "
+                           f"{exc} (something still holds a weak reference to it)") from exc
 
 
 @contextlib.contextmanager
@@ -129,14 +145,14 @@ class Materializer:
 
         def undo() -> None:
             for t, old in reversed(swapped):
-                torch.utils.swap_tensors(t, old)
+                swap(t, old)
             self.done.difference_update(id(t) for t, _ in swapped)
 
         try:
             for t, device in targets:
                 fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
                 holder = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
-                torch.utils.swap_tensors(t, holder)  # `holder` now holds the old (meta) tensor, for undo
+                swap(t, holder)  # `holder` now holds the old (meta) tensor, for undo
                 swapped.append((t, holder))
                 self.done.add(id(t))
             with torch.no_grad():

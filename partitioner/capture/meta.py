@@ -16,6 +16,7 @@ import torch.fx
 from torch import nn
 
 from partitioner.errors import PartitionError
+from runtime.materialize import swap
 from runtime.microbatch import to_device
 
 __all__ = ["empty_weights", "is_meta", "on_meta", "shapes_only"]
@@ -91,9 +92,16 @@ class _Swaps:
             self.swapped.append((t, stand_in))
 
     def restore(self) -> None:
+        """Every swapped tensor back, even where one fails (that one is raised after)."""
+        failed: RuntimeError | None = None
         for t, stand_in in reversed(self.swapped):
-            torch.utils.swap_tensors(t, stand_in)
+            try:
+                swap(t, stand_in)
+            except RuntimeError as exc:
+                failed = exc
         self.swapped = []
+        if failed is not None:
+            raise failed
 
 
 @contextlib.contextmanager

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
-import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.graph import _PyTreeCodeGen
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from partitioner.capture.leaves import functions_as_leaves, functions_seen, markers_recorded, take_markers
+from partitioner.capture.cache import without_cache
+from partitioner.capture.export import export_graph
+from partitioner.capture.leaves import functions_as_leaves, markers_recorded, take_markers
+from partitioner.capture.meta import is_meta, on_meta
+from partitioner.capture.rejected import model_rejects
 from partitioner.errors import PartitionError, TraceError
 from runtime.mutation import mutated_inputs, order_mutations
 
@@ -189,36 +192,8 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
 
 
 def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
-    from torch.export import Dim, export
-
-    def dyn(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] > 1:
-            return {0: Dim.AUTO}
-        return None
-
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    dynamic_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
-    seen: list[type] = []
-    with functions_seen(seen):
-        program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
-    if seen:  # export inlines a Function's forward and drops its backward: refuse, never run it wrong
-        names = ", ".join(sorted({c.__name__ for c in seen}))
-        raise TraceError(
-            f"forward calls the custom autograd Function(s) {names}, whose own backward torch.export would drop; "
-            "make forward traceable by torch.fx (which keeps each Function whole), e.g. no *args"
-        )
-    gm = program.module()
-    codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
-    in_spec = codegen.pytree_info.in_spec
-    out_spec = codegen.pytree_info.out_spec
-
-    def flatten_inputs(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
-        return list(fx_pytree.tree_flatten_spec((tuple(call_args), dict(call_kwargs)), in_spec))
-
-    def unflatten_outputs(value: Any) -> Any:
-        return pytree.tree_unflatten(list(value), out_spec) if out_spec is not None else value
-
-    return Traced(gm, "export", flatten_inputs, unflatten_outputs)
+    exported = export_graph(model, args, kwargs)
+    return Traced(exported.graph_module, "export", exported.flatten_inputs, exported.unflatten_outputs)
 
 
 def where(exc: BaseException) -> str:
@@ -283,21 +258,35 @@ def _guarded(traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapp
     return traced
 
 
-def _module_attributes(model: nn.Module) -> dict[tuple[str, str], int]:
-    """(module path, attribute) -> identity of its value, for plain attributes (not weights or children)."""
+def _module_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
+    """(module path, attribute) -> its value, for plain attributes (not weights or children)."""
     return {
-        (path, key): id(value)
+        (path, key): value
         for path, module in model.named_modules()
         for key, value in vars(module).items()
         if not key.startswith("_") and key != "training"
     }
 
 
+def _data(value: Any) -> bool:
+    """Plain data: None, numbers, strings, and tuples, lists and dicts of them."""
+    if isinstance(value, dict):
+        return all(_data(k) and _data(v) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return all(_data(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _same(before: Any, after: Any) -> bool:
+    """The same object, or an equal value of plain data (torch.export rebuilds some: `normalized_shape`)."""
+    return before is after or (type(before) is type(after) and _data(before) and _data(after) and before == after)
+
+
 def _finish(
-    traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], before: dict[tuple[str, str], int]
+    traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], before: dict[tuple[str, str], Any]
 ) -> Traced:
-    changed = sorted(f"{path}.{key}" if path else key for (path, key), ident in _module_attributes(model).items()
-                     if before.get((path, key)) != ident)
+    changed = sorted(f"{path}.{key}" if path else key for (path, key), value in _module_attributes(model).items()
+                     if (path, key) not in before or not _same(before[(path, key)], value))
     if changed:
         warnings.warn(
             f"{type(model).__name__}.forward set {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} while "
@@ -331,29 +320,57 @@ def _trace_other_mode(traced: Traced, model: nn.Module, args: Sequence[Any], kwa
     traced.other_mode = other.graph_module
 
 
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "symbolically traced variables cannot be used as inputs to "
+                   "control flow", "GuardOnDataDependentSymNode", "Could not guard")
+
+
+def _fix(fx_error: BaseException, export_error: BaseException) -> str:
+    """What to change, read off what the tracers said."""
+    found = re.search(r"Found <class '([^']+)'> in output", str(export_error))
+    if found and "cache" in found.group(1).rpartition(".")[2].lower():
+        return (f"forward returns a {found.group(1).rpartition('.')[2]} (a key/value cache for generation), which "
+                "a pipeline does not pass between calls: pass use_cache=False (example_kwargs={'use_cache': False}, "
+                "or config.use_cache = False)")
+    if found:
+        return (f"forward returns a {found.group(1)}, which is neither a tensor nor a container of tensors: return "
+                "tensors, tuples, lists, dicts or dataclasses registered with torch.utils._pytree")
+    if any(marker in str(e) for e in (fx_error, export_error) for marker in _DATA_DEPENDENT):
+        return ("make that code independent of tensor values (torch.where instead of an if on a tensor, no .item() "
+                "or data-dependent shapes)")
+    return ("change the code at those lines so that torch.fx (no *args, no control flow on tensors) or torch.export "
+            "(no data-dependent shapes or control flow) can trace it, or pass example_inputs that torch.export accepts")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
 def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Traced:
     """Trace `model` with torch.fx; fall back to torch.export on the example inputs.
 
     Raises:
+        PartitionError: the model itself fails on the example (capture.rejected names the input and layer).
         TraceError: both failed; the message names the module and operation that broke
             each tracer and what the user can change.
     """
     kwargs = dict(kwargs or {})
     before = _module_attributes(model)
-    try:
-        return _finish(_fx_trace(model, args, kwargs), model, args, kwargs, before)
-    except Exception as fx_error:  # noqa: BLE001 - any tracer failure means "try export"
+    with without_cache(model, kwargs):
         try:
-            return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
-        except Exception as export_error:  # noqa: BLE001
-            name = type(model).__name__
-            raise TraceError(
-                f"cannot trace {name}:\n"
-                f"- torch.fx.symbolic_trace failed at {where(fx_error) or 'an unknown place'}: "
-                f"{type(fx_error).__name__}: {str(fx_error).strip().splitlines()[0]}\n"
-                f"- torch.export failed at {where(export_error) or 'an unknown place'}: "
-                f"{type(export_error).__name__}: {str(export_error).strip().splitlines()[0]}\n"
-                "Fix: make that code independent of tensor values (torch.where instead of an "
-                "if on a tensor, no .item() or data-dependent shapes), or pass example_inputs "
-                "that torch.export accepts."
-            ) from export_error
+            return _finish(_fx_trace(model, args, kwargs), model, args, kwargs, before)
+        except Exception as fx_error:  # noqa: BLE001 - any tracer failure means "try export"
+            try:
+                return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
+            except Exception as export_error:  # noqa: BLE001
+                meta = is_meta(model)
+                rejected = model_rejects(model, on_meta(args) if meta else args, on_meta(kwargs) if meta else kwargs)
+                if rejected is not None:
+                    raise rejected from export_error
+                raise TraceError(
+                    f"cannot trace {type(model).__name__}:\n"
+                    f"- torch.fx.symbolic_trace failed at {where(fx_error) or 'an unknown place'}: "
+                    f"{type(fx_error).__name__}: {_first_line(fx_error)}\n"
+                    f"- torch.export failed at {where(export_error) or 'an unknown place'}: "
+                    f"{type(export_error).__name__}: {_first_line(export_error)}\n"
+                    f"Fix: {_fix(fx_error, export_error)}."
+                ) from export_error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -87,3 +89,55 @@ def test_custom_function_is_one_leaf_node_and_markers_become_cut_marks() -> None
     gm = trace(markers, (y,)).graph_module
     assert [n.target for n in gm.graph.nodes if n.meta.get("cut_before")] == ["rest.0"]
     assert not any("pipe_split" in str(n.target) for n in gm.graph.nodes)  # the marker itself runs nowhere
+
+
+def test_export_leaves_the_model_tensors_free_to_swap_and_its_own() -> None:
+    pytest.importorskip("transformers")
+    model, (idx,), _ = zoo.hf_gpt2()
+    traced = trace(model, (idx,))
+    assert traced.method == "export"
+    ours = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    assert {id(t) for t in [*traced.graph_module.parameters(), *traced.graph_module.buffers()]} <= ours
+    for t in [*model.parameters(), *model.buffers()]:  # runtime.materialize and capture.meta swap them
+        assert not weakref.getweakrefs(t)
+
+
+def test_export_keeps_the_sequence_length_free() -> None:
+    pytest.importorskip("transformers")
+    model, (idx,), _ = zoo.hf_gpt2()
+    model.eval()
+    traced = trace(model, (idx,))
+    shorter = idx[:3, :6]
+    assert torch.allclose(traced.graph_module(*traced.flatten_inputs((shorter,), {})).logits, model(shorter).logits,
+                          atol=1e-6)
+
+
+def test_a_returned_cache_is_named_with_its_fix() -> None:
+    class Cache:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class ReturnsCache(nn.Module):
+        def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, Cache]:
+            return inputs[0] * 2, Cache(inputs[0])
+
+    with pytest.raises(TraceError, match=r"forward returns a .*Cache .*use_cache=False") as caught:
+        trace(ReturnsCache(), (torch.randn(3, 2),))
+    assert "torch.where" not in str(caught.value)
+
+
+def test_only_real_side_effects_warn() -> None:
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.calls = 0
+            self.shape = (2,)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            self.shape = (2,)  # an equal value: no side effect anyone sees
+            return self.lin(x)
+
+    with pytest.warns(UserWarning, match=r"forward set calls while being traced"):
+        trace(Counting(), (torch.randn(3, 2),))

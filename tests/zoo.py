@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -382,3 +383,71 @@ ZOO.update({
     "markers": markers,
     "markers_export": markers_export,
 })
+
+
+# --- Hugging Face families from their default configs, only the sizes shrunk (tests/test_hf_models.py) ---
+
+
+@dataclass
+class HFCase:
+    """A Hugging Face model class and its default config with the sizes shrunk; `inputs(batch, seq)` builds
+    an example call (`seq`: tokens, or the image side for vision models)."""
+
+    cls: Any
+    config: Any
+    inputs: Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
+
+    def build(self) -> nn.Module:
+        return self.cls(self.config)
+
+
+def _tokens(vocab: int, *, decoder: bool = False) -> Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]:
+    def inputs(batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ids = torch.randint(0, vocab, (batch, seq))
+        return (ids,), ({"decoder_input_ids": torch.randint(0, vocab, (batch, seq))} if decoder else {})
+    return inputs
+
+
+def _pixels(batch: int, side: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (torch.randn(batch, 3, side, side),), {"interpolate_pos_encoding": True}
+
+
+_TEXT = {"vocab_size": 128}
+_DECODER = {**_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+_ENCODER = {**_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def hf_case(name: str) -> HFCase:
+    """The family `name` (of HF_FAMILIES) from its default config, sizes shrunk, special tokens in the vocabulary."""
+    import transformers as hf
+
+    if name == "gpt2":
+        config = hf.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                               eos_token_id=0)
+        return HFCase(hf.GPT2LMHeadModel, config, _tokens(128))
+    if name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"):
+        cls_config, cls_model = {
+            "llama": (hf.LlamaConfig, hf.LlamaForCausalLM), "mistral": (hf.MistralConfig, hf.MistralForCausalLM),
+            "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM), "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM),
+            "gemma": (hf.GemmaConfig, hf.GemmaForCausalLM), "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM),
+        }[name]
+        extra: dict[str, Any] = {"head_dim": 8} if name in ("gemma", "qwen3") else {}
+        if name == "phi3":
+            extra = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+        return HFCase(cls_model, cls_config(**_DECODER, **extra), _tokens(128))
+    if name in ("bert", "roberta"):
+        cls_config, cls_model = {"bert": (hf.BertConfig, hf.BertForMaskedLM),
+                                 "roberta": (hf.RobertaConfig, hf.RobertaForMaskedLM)}[name]
+        return HFCase(cls_model, cls_config(**_ENCODER), _tokens(128))
+    if name == "t5":
+        config = hf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        return HFCase(hf.T5ForConditionalGeneration, config, _tokens(128, decoder=True))
+    if name == "vit":
+        config = hf.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=8, num_labels=5)
+        return HFCase(hf.ViTForImageClassification, config, _pixels)
+    raise KeyError(name)
+
+
+HF_FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "bert", "roberta", "t5", "vit"]

@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 from rules.schedules import schedule_names
+from rules.sharding import SHARDING_MODES, ShardingMode
 from runtime.ops import Op, Program
+from runtime.tensor_parallel_spec import TensorParallelGroup
 
-__all__ = ["RECOMPUTE_MODES", "UPDATES", "Placement", "Plan", "RecomputeMode", "Schedule", "StagePlan", "Update",
-           "human_bytes"]
+__all__ = ["DATA_SPLITS", "RECOMPUTE_MODES", "UPDATES", "DataSplit", "Placement", "Plan", "RecomputeMode", "Schedule",
+           "StagePlan", "Update", "human_bytes"]
 
 # A schedule's name: a built-in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev") or one
 # registered later (rules.schedules.register), so a string, not a closed Literal; `Plan.check` checks
@@ -32,6 +34,8 @@ RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 # PipeDream's weight stashing ("stash", an update per micro-batch, each backward on its forward's weights).
 Update = Literal["sync", "2bw", "stash"]
 UPDATES: tuple[str, ...] = get_args(Update)
+DataSplit = Literal["deal", "slice"]
+DATA_SPLITS: tuple[str, ...] = get_args(DataSplit)
 
 
 @dataclass
@@ -39,8 +43,13 @@ class StagePlan:
     """One pipeline stage: a run of graph nodes (topological order) on one device.
 
     `ranks` are the programs running a replica of the stage each: process ranks under
-    torchrun, worker slots in one process (micro-batch i runs on ranks[i % len(ranks)]).
+    torchrun, worker slots in one process (micro-batch i runs on ranks[i % len(ranks)]; with
+    the plan's `data_split="slice"`, every replica runs every micro-batch, each on its slice).
     `reads_from` are the stages whose values it reads (a chain: the one before it).
+
+    Inside a layer (see [Note: ranks of a split stage]): `tensor` ranks run each replica, its
+    layers split by `tensor_groups` (runtime.tensor_parallel); `sharding` says how FSDP2 shards its
+    weights, gradients and optimizer state over its replicas (rules.sharding; "none": whole on each).
     """
 
     index: int
@@ -62,10 +71,23 @@ class StagePlan:
     reads_from: list[int] = field(default_factory=list)
     cut_from_marker: bool = False  # the cut before this stage is a pipe_split() marker / split_spec point
     recompute: RecomputeMode = "none"  # activation recomputation (runtime.recompute); its cost is in the numbers
+    tensor: int = 1  # ranks per replica, its layers split across them (1: none)
+    tensor_groups: list[TensorParallelGroup] = field(default_factory=list)  # what those ranks split
+    sharding: ShardingMode = "none"  # FSDP2 over the replicas (rules.sharding)
 
     @property
     def replicas(self) -> int:
         return max(1, len(self.ranks))
+
+    @property
+    def rank_groups(self) -> list[list[int]]:
+        """The ranks of each replica: `tensor` consecutive ranks from each entry of `ranks`."""
+        return [list(range(r, r + self.tensor)) for r in self.ranks]
+
+    @property
+    def all_ranks(self) -> list[int]:
+        """Every rank that holds (a part of) this stage."""
+        return [r for group in self.rank_groups for r in group]
 
 
 @dataclass
@@ -94,6 +116,13 @@ class Plan:
     #  "edges": [{src, dst, bytes}, ...], "capacity": {device: bytes or None}};
     # filled by partitioner.show.visualizer.attach_graph.
     graph: dict[str, Any] | None = None
+    # How stages with several replicas share a step's micro-batches: dealt in turn ("deal": micro-batch i
+    # runs on replica i mod r) or every micro-batch sliced over them ("slice": d pipelines in lockstep,
+    # replica j of every stage forming pipeline j, as sharded data parallelism needs).
+    data_split: DataSplit = "deal"
+    # The dtypes training keeps each state in ({"compute", "param", "grad", "state", "optimizer", "name"},
+    # cost_model.precision.Precision.to_dict()); None: everything at the model's dtype.
+    precision: dict[str, str] | None = None
 
     @property
     def devices(self) -> list[str]:
@@ -123,6 +152,13 @@ class Plan:
 
     def to_json(self) -> str:
         data = asdict(self)
+        for stage in data["stages"]:  # fields a plan that does not split layers leaves at their defaults are
+            for key, default in _STAGE_DEFAULTS.items():  # not written, so older readers read it
+                if stage[key] == default:
+                    del stage[key]
+        for key, default in _PLAN_DEFAULTS.items():
+            if data[key] == default:
+                del data[key]
         data["programs"] = [
             {"rank": p.rank, "device": p.device, "ops": [str(op) for op in p.ops], "predicted": p.predicted}
             for p in self.programs
@@ -134,7 +170,10 @@ class Plan:
         """Read `to_json` output back (a hand-edited file too); unknown keys are an error."""
         data = json.loads(text)
         data.pop("notes", None)  # written by 0.1; its facts are typed fields now
-        stages = [StagePlan(**s) for s in data.pop("stages")]
+        stages = []
+        for s in data.pop("stages"):
+            groups = [TensorParallelGroup.from_dict(g) for g in s.pop("tensor_groups", [])]
+            stages.append(StagePlan(**s, tensor_groups=groups))
         programs = [
             Program(p["rank"], p["device"], [Op.parse(o) for o in p["ops"]], [tuple(x) for x in p.get("predicted", [])])
             for p in data.pop("programs", [])
@@ -168,6 +207,16 @@ class Plan:
                 problems.append(f"stage {k} reads from stages {s.reads_from}; a stage reads only earlier stages")
             if s.recompute not in RECOMPUTE_MODES:
                 problems.append(f"stages[{k}].recompute={s.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+            problems += _split_problems(k, s, self.data_split)
+        if self.data_split not in DATA_SPLITS:
+            problems.append(f"data_split={self.data_split!r}; use one of {', '.join(DATA_SPLITS)}")
+        elif self.data_split == "slice" and len({s.replicas for s in self.stages}) > 1:
+            problems.append(f"data_split='slice' runs replica j of every stage as pipeline j, so every stage needs "
+                            f"as many replicas; they have {[s.replicas for s in self.stages]}")
+        problems += _rank_problems(self)
+        if self.precision is not None and not set(self.precision) <= _PRECISION_KEYS:
+            problems.append(f"precision names {sorted(set(self.precision) - _PRECISION_KEYS)}; it holds "
+                            f"{', '.join(sorted(_PRECISION_KEYS))}")
         if problems:
             raise ValueError("invalid plan:\n" + "\n".join(f"- {p}" for p in problems))
 
@@ -206,6 +255,50 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none"}
+_PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None}
+_PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
+
+
+def _split_problems(k: int, s: StagePlan, data_split: str) -> list[str]:
+    """What keeps stage k's layer split and sharding from running."""
+    problems = []
+    if isinstance(s.tensor, bool) or not isinstance(s.tensor, int) or s.tensor < 1:
+        problems.append(f"stages[{k}].tensor={s.tensor!r}; use an integer >= 1 (1: layers whole)")
+    elif s.tensor == 1 and s.tensor_groups:
+        problems.append(f"stages[{k}] splits {len(s.tensor_groups)} layer groups over tensor=1 rank; set tensor to "
+                        "the ranks that split them, or drop tensor_groups")
+    elif s.tensor > 1 and not s.tensor_groups:
+        problems.append(f"stages[{k}].tensor={s.tensor} but it names no tensor_groups to split; list them "
+                        "(partitioner.capture.shardable), or use tensor=1")
+    if s.sharding not in SHARDING_MODES:
+        problems.append(f"stages[{k}].sharding={s.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
+    elif s.sharding != "none" and data_split != "slice":
+        problems.append(f"stages[{k}].sharding={s.sharding!r} shards over replicas that run every micro-batch in "
+                        "lockstep: set the plan's data_split='slice'")
+    return problems
+
+
+def _rank_problems(plan: Plan) -> list[str]:
+    """[Note: ranks of a split stage] A stage's replica j runs on ranks[j] .. ranks[j] + tensor - 1. A rank
+    holds one replica of a stage at most, and the stages a rank holds (interleaved, V) share its tensor degree."""
+    problems = []
+    tensor_of: dict[int, tuple[int, int]] = {}  # rank -> (first rank of its group, tensor degree)
+    for s in plan.stages:
+        if not isinstance(s.tensor, int) or s.tensor < 1:
+            continue
+        if len(set(s.all_ranks)) != len(s.all_ranks):
+            problems.append(f"stage {s.index}'s replicas overlap: ranks {s.ranks} with tensor={s.tensor} give "
+                            f"{s.rank_groups}; space replicas by tensor")
+        for group in s.rank_groups:
+            for r in group:
+                seen = tensor_of.setdefault(r, (group[0], s.tensor))
+                if seen != (group[0], s.tensor):
+                    problems.append(f"rank {r} runs stage {s.index} in the group {group} but also in a group from "
+                                    f"rank {seen[0]} with tensor={seen[1]}; stages on one rank share its group")
+    return problems
 
 
 def human_bytes(nbytes: float) -> str:

@@ -8,6 +8,7 @@ import pytest
 
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs
+from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
 
 def make() -> Plan:
@@ -107,3 +108,26 @@ def test_a_plan_with_staleness_needs_torchrun() -> None:
     with pytest.raises(PartitionError, match="staleness=1 .* torchrun"):
         partition(model, ["cpu", "cpu"], example_inputs=(x,), plan=made)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_split_stages_round_trip_and_are_checked() -> None:
+    mlp = TensorParallelGroup("mlp", (ShardedParam("fc1.weight", "colwise", 0),
+                                      ShardedParam("fc2.weight", "rowwise", 1)))
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 2], tensor=2, tensor_groups=[mlp], sharding="zero3"),
+                 StagePlan(1, "cpu", ["b"], ranks=[4, 6], tensor=2, tensor_groups=[mlp], reads_from=[0])],
+                data_split="slice", precision={"name": "mixed", "param": "float32"})
+    back = Plan.from_json(plan.to_json())
+    assert back.stages[0].tensor_groups == [mlp] and back.stages[0].sharding == "zero3"
+    assert back.stages[1].rank_groups == [[4, 5], [6, 7]] and back.data_split == "slice"
+    assert back.precision == {"name": "mixed", "param": "float32"}
+    plain = Plan([StagePlan(0, "cpu", ["a"], ranks=[0])])
+    assert "tensor" not in plain.to_json() and "data_split" not in plain.to_json()  # older readers read it
+    for bad, words in [
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], tensor=2, tensor_groups=[mlp])]), "overlap"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0], tensor=2)]), "names no tensor_groups"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], sharding="zero2")]), "data_split='slice'"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1]), StagePlan(1, "cpu", ["b"], ranks=[2])], data_split="slice"),
+         "as many replicas"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bad.check()

@@ -178,6 +178,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
                 stage.ranks = ranks
     made.schedule = schedule
     made.virtual_stages = virtual_stages_of(made)
+    made.gpus_per_host = request.gpus_per_host  # fits_memory counts each host's GPUs apart (cuda:0 is on every host)
     if recomputing:
         choose_recompute(made, graph, gm, cost, recompute)
     finish_plan(made, gm, placing.model, processes=request.processes, regenerate=True)

@@ -132,8 +132,10 @@ def test_split_spec_and_too_few_stages() -> None:
     made = make_plan(mlp, ["cpu"] * 2, example_inputs=(h,), split_spec={"body.0": SplitPoint.END})
     assert made.stages[0].nodes == ["body_0"] and made.stages[1].cut_from_marker
     model, (x,), _ = zoo.markers()
-    with pytest.raises(PartitionError, match="make 3 segments but there are 2 stages"):
-        make_plan(model, ["cpu"] * 2, example_inputs=(x,), split_spec={"head": SplitPoint.BEGINNING})
+    three = make_plan(model, ["cpu"] * 3, example_inputs=(x,), split_spec={"head": SplitPoint.BEGINNING})
+    marked = {s.nodes[0] for s in three.stages[1:]}
+    two = make_plan(model, ["cpu"] * 2, example_inputs=(x,), split_spec={"head": SplitPoint.BEGINNING})
+    assert two.stages[1].cut_from_marker and two.stages[1].nodes[0] in marked  # one of the marked cuts
     with pytest.raises(PartitionError, match="split_spec names module 'nope'"):
         make_plan(model, ["cpu"] * 2, example_inputs=(x,), split_spec={"nope": SplitPoint.END})
 
@@ -184,3 +186,21 @@ def test_an_input_given_whole_on_two_torchrun_ranks() -> None:
     run = torchrun(2, "whole_input")
     lines = results(run.stdout)
     assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]
+
+
+def test_fewer_devices_than_marked_segments_runs_the_best_marked_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """A marker and a split_spec point make 3 segments; on 2 devices one of the two marked cuts is taken,
+    said in the log, and the pipeline equals the plain model."""
+    model, (x,), _ = zoo.markers()
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="partitioner.place.chain"):
+        pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), micro_batches=2,
+                         split_spec={"head": SplitPoint.BEGINNING})
+    assert "make 3 segments for 2 stages" in caplog.text and pipe.plan.stages[1].cut_from_marker
+    out = pipe(x)
+    out.sum().backward()
+    ref = reference(x)
+    ref.sum().backward()
+    assert rel(out, ref) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and rel(p.grad, q.grad) < 1e-5, name

@@ -175,11 +175,20 @@ def test_forced_cuts_are_kept_and_segments_split_further_by_cost(stages: int, fo
     assert max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))) == best
 
 
-def test_more_segments_than_stages() -> None:
-    problem = _uniform(6, 2)
-    problem.forced = np.array([2, 4])
-    with pytest.raises(PartitionError, match="make 3 segments but there are 2 stages.*split_points='cost'"):
-        solve(problem)
+def test_more_segments_than_stages_cut_at_the_best_markers() -> None:
+    """Fewer stages than marked segments: the cuts are the best p - 1 of the markers (PyTorch's pipelining
+    test models mark 4 segments and run them on 2 or 3 devices)."""
+    for stages, forced in [(2, [2, 4]), (2, [1, 5, 9]), (3, [1, 2, 6, 10])]:
+        problem = _uniform(12, stages)
+        problem.node_times[:, :] = np.linspace(1.0, 3.0, 12)  # uneven, so the choice matters
+        problem.forced = np.array(forced)
+        bounds, got = solve(problem)
+        assert set(bounds[1:-1]) <= set(forced) and len(bounds) == stages + 1
+        best = min(
+            max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(b_, b_[1:])))
+            for inner in itertools.combinations(forced, stages - 1) for b_ in [(0, *inner, 12)]
+        )
+        assert max(problem.stage_time(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))) == best
 
 
 # ---- schedule="auto": the planner chooses the schedule ----

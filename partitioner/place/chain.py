@@ -16,6 +16,7 @@ partitioner/predict/assemble.py, as every planner's is.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -30,6 +31,8 @@ from partitioner.predict.assemble import assemble
 from runtime.plan import Plan, Schedule
 
 __all__ = ["SplitProblem", "boundary_bytes", "plan_pipeline", "solve"]
+
+log = logging.getLogger(__name__)
 
 # Above this many nodes, cuts are only considered every few nodes (memory is O(cuts^2)).
 MAX_CUTS = 3000
@@ -134,17 +137,18 @@ def solve(problem: SplitProblem, max_cuts: int = MAX_CUTS) -> tuple[list[int], f
         raise PartitionError(f"{p} stages but the graph has only {n} compute nodes; pass at most {n} devices")
     forced = np.unique(problem.forced) if problem.forced is not None else np.zeros(0, dtype=np.int64)
     forced = forced[(forced > 0) & (forced < n)]
-    if len(forced) + 1 > p:
-        raise PartitionError(
-            f"the model's pipe_split() markers (or split_spec) make {len(forced) + 1} segments but there are {p} "
-            f"stages; pass at least {len(forced) + 1} devices, or split_points='cost' to ignore the markers"
-        )
-    step = max(1, math.ceil(n / max_cuts))
-    cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n], forced]).astype(np.int64))
+    among = len(forced) + 1 > p  # fewer stages than marked segments: cut only at markers, the best p - 1 of them
+    if among:
+        log.info("the model's pipe_split() markers (or split_spec) make %d segments for %d stages: the cost model "
+                 "chooses %d of the %d marked cuts", len(forced) + 1, p, p - 1, len(forced))
+        cuts = np.unique(np.concatenate([[0], forced, [n]])).astype(np.int64)
+    else:
+        step = max(1, math.ceil(n / max_cuts))
+        cuts = np.unique(np.concatenate([np.arange(0, n, step), np.arange(0, p), [n], forced]).astype(np.int64))
     recv, send = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, n, cuts)
     k = len(cuts)
     not_after = cuts[None, :] <= cuts[:, None]  # b <= a: no such stage
-    if len(forced):  # a stage may not span a marker: [cuts[i], cuts[j]) holds none strictly inside
+    if len(forced) and not among:  # a stage may not span a marker: [cuts[i], cuts[j]) holds none strictly inside
         is_forced = np.isin(cuts, forced).astype(np.int64)
         upto = np.cumsum(is_forced)  # markers at grid points <= j
         inside = (upto[None, :] - is_forced[None, :]) - upto[:, None]

@@ -204,3 +204,32 @@ def test_fewer_devices_than_marked_segments_runs_the_best_marked_cut(caplog: pyt
     assert rel(out, ref) < 1e-5
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None and rel(p.grad, q.grad) < 1e-5, name
+
+
+class _BatchDefault(nn.Module):
+    """A default tensor argument with the batch's size (an earlier revision of PyTorch's pipelining test model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor = torch.ones(16, 8)) -> torch.Tensor:  # noqa: B008
+        return self.b(torch.relu(self.a(x)) + y)
+
+
+def test_a_default_with_the_batch_size_is_split_with_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model, x = _BatchDefault(), torch.randn(16, 8)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="partitioner.capture.trace"):
+        pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), micro_batches=4)
+    assert "default y=(16, 8) has the batch's size" in caplog.text
+    assert rel(pipe(x), reference(x)) < 1e-5
+    y = torch.randn(16, 8)  # passed: an input like any other
+    assert rel(pipe(x, y), reference(x, y)) < 1e-5
+    loss = pipe.train_step(x, torch.zeros(16, 4), torch.nn.functional.mse_loss)
+    ref_loss = torch.nn.functional.mse_loss(reference(x), torch.zeros(16, 4))
+    ref_loss.backward()
+    assert rel(loss, ref_loss) < 1e-5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad is not None and rel(p.grad, q.grad) < 1e-5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from partitioner.errors import PartitionError, TraceError
 from runtime.mutation import mutated_inputs, order_mutations
 
 __all__ = ["Traced", "trace", "where"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,6 +126,21 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+def _batched_defaults(defaults: Mapping[str, Any], given: Sequence[Any]) -> list[str]:
+    """The tensor defaults of forward that have the example's batch as dim 0 (2-D or more, so a 1-D table
+    that happens to be as long as the batch stays one): traced as inputs and split with the batch."""
+    first = next((v for v in pytree.tree_leaves(list(given)) if isinstance(v, torch.Tensor) and v.dim()), None)
+    if first is None:
+        return []
+    found = [k for k, v in defaults.items()
+             if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == first.shape[0]]
+    for name in found:
+        log.info("forward's default %s=%s has the batch's size (%d) as dim 0: it is an input of the pipeline, split "
+                 "with the batch (input_split_spec={%r: None} gives it whole to every micro-batch)",
+                 name, tuple(defaults[name].shape), first.shape[0], name)
+    return found
+
+
 def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
     signature = inspect.signature(model.forward)
     for p in signature.parameters.values():
@@ -134,6 +152,9 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     # Non-tensor arguments (None, flags, sizes) are baked in: fx cannot branch on them. So are
     # tensor defaults the call leaves out (`y=torch.zeros(B, D)`): constants of the graph.
     defaults = {k: v for k, v in bound.arguments.items() if k not in given and _is_tensor_tree(v)}
+    # ... except a default with the batch's size (`y=torch.zeros(B, D)`): an input, split with the batch
+    for name in _batched_defaults(defaults, [bound.arguments[k] for k in given]):
+        del defaults[name]
     concrete = {k: v for k, v in bound.arguments.items() if not _is_tensor_tree(v)}
     # the graph holds copies: the runtime moves and frees its constants, the signature's stay the user's
     concrete.update({k: pytree.tree_map_only(torch.Tensor, _copy, v) for k, v in defaults.items()})

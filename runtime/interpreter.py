@@ -22,11 +22,12 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from runtime.boundary import as_leaves, detached, gradients, leaves, summed, writable
 from runtime.clock import Clock, Mark
 from runtime.microbatch import graph_output, to_device
 from runtime.program import Op
 from runtime.split_backward import WeightWork, backward_input, backward_weight
-from runtime.stage import Stage
+from runtime.stage import Stage, switches_state
 from runtime.steps import StepInputs
 from runtime.thread_state import caller_state
 from runtime.versions import StageVersions
@@ -34,6 +35,8 @@ from runtime.versions import StageVersions
 __all__ = ["Interpreter", "Routes", "Transport"]
 
 Key = tuple[int, int, int]  # (src stage, dst stage, micro-batch)
+_Span = tuple[int, int, bool]  # a batch of a program: (first op, end, has a send)
+_HOST = Clock("cpu")  # marks are time.time() values: one clock serves every step that is not traced
 
 
 class Transport(Protocol):
@@ -98,6 +101,11 @@ class Interpreter:
         reduce: Callable[[tuple[int, ...]], None] = lambda group: None,
     ) -> None:
         self.stages = {s.index: s for s in stages}
+        self.device = stages[0].device if stages else torch.device("cpu")  # this rank's
+        # Stages whose graph switches grad mode or autocast: only around those is the caller's state restored.
+        self._restores = {s.index for s in stages if switches_state(s.module)}
+        self._batches: dict[int, tuple[Sequence[Op], list[_Span]]] = {}  # id(program ops) -> its batches, see `run`
+        self.shared: frozenset[tuple[int, int]] = frozenset()  # see `begin`
         self.routes = routes
         self.transport = transport
         self.rank_of = rank_of
@@ -108,7 +116,7 @@ class Interpreter:
         self._unflatten = unflatten_outputs
         self._reduce = reduce
         self.tracing = False
-        self.clock = Clock()  # per step: CUDA events on a GPU while tracing (see runtime.clock), else time.time()
+        self.clock = _HOST  # per step: CUDA events on a GPU while tracing (see runtime.clock), else time.time()
         self._trace: list[dict[str, Any]] = []
         self._unresolved: list[tuple[dict[str, Any], Clock]] = []  # entries still holding marks, not seconds
         self.outputs: dict[int, Any] = {}
@@ -129,9 +137,15 @@ class Interpreter:
             entry["start"], entry["end"] = clock.seconds(entry["start"]), clock.seconds(entry["end"])
         return self._trace
 
-    def begin(self, step: StepInputs, local: dict[Key, list[Any]]) -> None:
-        """Start a step; `local` holds values between stages of this process (shared by its workers)."""
-        self.clock = Clock(self._device() if self.tracing else "cpu")
+    def begin(self, step: StepInputs, local: dict[Key, list[Any]],
+              shared: frozenset[tuple[int, int]] = frozenset()) -> None:
+        """Start a step; `local` holds values between stages of this process (shared by its workers).
+
+        Values go through `local` between stages of this rank, and between the (src, dst) stage
+        pairs in `shared`: workers of one process run in one thread, on one device (no SEND/RECV).
+        """
+        self.shared = shared
+        self.clock = Clock(self._device()) if self.tracing else _HOST
         self.step = step
         self.local = local
         self._micro = {i: (step, i) for i in range(len(step.envs))}
@@ -145,6 +159,14 @@ class Interpreter:
         self._batch: list[Op] = []
         self._streaming = False
 
+    def end(self) -> None:
+        """End a step: let go of the values it held for later ops (stage outputs, received values), so
+        autograd frees them with the rest of the graph, as the plain model's, not the next step
+        (`outputs` and `loss` stay for the caller)."""
+        self.envs = {}
+        self._micro = {}
+        self.local = {}
+
     def begin_stream(self, local: dict[Key, list[Any]]) -> None:
         """Start a stream of calls (runtime.stream): what forwards save lives on from call to call."""
         self.begin(StepInputs([], "train"), local)
@@ -153,7 +175,7 @@ class Interpreter:
 
     def add_batch(self, step: StepInputs, batch: int) -> None:
         """Batch `batch` of a stream: its micro-batches are numbered batch * m .. batch * m + m - 1."""
-        self.clock = Clock(self._device() if self.tracing else "cpu")
+        self.clock = Clock(self._device()) if self.tracing else _HOST
         m = len(step.envs)
         for j, env in enumerate(step.envs):
             self._micro[batch * m + j] = (step, j)
@@ -170,7 +192,28 @@ class Interpreter:
         """Run a whole program. Receive-only batches are posted as early as the transport allows
         (right after the batch before them), so data flows while this rank computes; batches
         are still posted in the program's order, which is all NCCL's rules need."""
-        spans: list[tuple[int, int, bool]] = []  # (first op, end, has a send) of each batch
+        spans = self._spans(ops)
+        at = {first: b for b, (first, _, _) in enumerate(spans)}
+        posted = self._post_early(ops, spans, 0)  # batches before this one are posted
+        k = 0
+        while k < len(ops):
+            b = at.get(k)
+            if b is None:
+                self.compute(ops[k])
+                k += 1
+                continue
+            first, end, _ = spans[b]
+            if b == posted:
+                self.post(list(ops[first:end]))
+                posted = self._post_early(ops, spans, b + 1)
+            k = end
+
+    def _spans(self, ops: Sequence[Op]) -> list[_Span]:
+        """(first op, end, has a send) of each batch of `ops`: walked once per program, not per step."""
+        cached = self._batches.get(id(ops))
+        if cached is not None and cached[0] is ops:
+            return cached[1]
+        spans: list[_Span] = []
         k = 0
         while k < len(ops):
             end = k + 1
@@ -179,75 +222,84 @@ class Interpreter:
                     end += 1
                 spans.append((k, end, any(op.kind == "SEND" for op in ops[k:end])))
             k = end
-        at = {first: b for b, (first, _, _) in enumerate(spans)}
-        posted = 0  # batches before this one are posted
-        posted = self._post_early(ops, spans, posted)
-        k = 0
-        while k < len(ops):
-            b = at.get(k)
-            if b is None:
-                self.execute(ops[k])
-                k += 1
-                continue
-            first, end, _ = spans[b]
-            if b == posted:
-                self._post(list(ops[first:end]))
-                posted = self._post_early(ops, spans, b + 1)
-            k = end
+        if len(self._batches) >= 8:  # a stream's calls are new lists each time: keep the plan's few
+            self._batches.clear()
+        self._batches[id(ops)] = (ops, spans)  # holding `ops` keeps its id from being reused
+        return spans
 
-    def _post_early(self, ops: Sequence[Op], spans: list[tuple[int, int, bool]], posted: int) -> int:
+    def _post_early(self, ops: Sequence[Op], spans: list[_Span], posted: int) -> int:
         while posted < len(spans) and not spans[posted][2] and self.transport.can_post_early:
             first, end, _ = spans[posted]
-            self._post(list(ops[first:end]))
+            self.post(list(ops[first:end]))
             posted += 1
         return posted
 
     def execute(self, op: Op) -> None:
+        """Run `op`; consecutive SEND/RECV of one tick are held and posted as one batch before the next op."""
         if op.is_p2p:
             if self._batch and self._batch[-1].tick != op.tick:
                 self.flush_batch()
             self._batch.append(op)
             return
         self.flush_batch()
-        if op.kind == "F":
+        self.compute(op)
+
+    def compute(self, op: Op) -> None:
+        """Run one F, B, W or AR (STEP: nothing)."""
+        kind = op.kind
+        if kind == "F":
             self._forward(op.stage, op.microbatch)
-        elif op.kind == "B":
+        elif kind == "B":
             self._backward(op.stage, op.microbatch, split=op.split)
-        elif op.kind == "AR":
-            start = self.clock.mark()
+        elif kind == "AR":
+            start = self._mark()
             self._reduce(op.group)
             self._record("allreduce", min(self.stages, default=-1), -1, start)
-        elif op.kind == "W":
+        elif kind == "W":
             self._weight(op.stage, op.microbatch)
 
     def flush_batch(self) -> None:
         """Post the pending batch of sends and receives (one `batch_isend_irecv` on a P2P transport)."""
         if self._batch:
             batch, self._batch = self._batch, []
-            self._post(batch)
+            self.post(batch)
 
-    def _post(self, batch: list[Op]) -> None:
-        start = self.clock.mark()
-        outgoing = {op.key(): self.outgoing.pop(op.key()) for op in batch if op.kind == "SEND"}
-        self.transport.post(batch, outgoing, self._device())
-        self._record("send" if outgoing else "recv", batch[0].src, batch[0].microbatch, start, batch[0].peer)
+    def post(self, batch: Sequence[Op]) -> None:
+        """Post one batch of SEND/RECV ops of one tick, with the values this rank's ops left to send."""
+        start = self._mark()
+        outgoing: dict[Key, list[Any]] = {}
+        for op in batch:
+            if op.kind == "SEND":
+                key = op.key()
+                outgoing[key] = self.outgoing.pop(key)
+        self.transport.post(batch, outgoing, self.device)
+        if self.tracing:
+            self._record("send" if outgoing else "recv", batch[0].src, batch[0].microbatch, start, batch[0].peer)
+
+    def _mark(self) -> Mark:
+        """A start mark for `_record` (nothing to take while not tracing)."""
+        return self.clock.mark() if self.tracing else 0.0
 
     def _device(self) -> torch.device:
-        return next(iter(self.stages.values())).device if self.stages else torch.device("cpu")
+        return self.device
 
     # ---- compute ----
 
+    def _local(self, key: Key) -> bool:
+        return (key[0], key[1]) in self.shared or self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2])
+
     def _value(self, key: Key, device: torch.device) -> list[Any]:
-        if self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2]):
+        if self._local(key):
             return self.local.pop(key)
-        start = self.clock.mark()
+        start = self._mark()
         values = self.transport.take(key, device)
-        self._record("recv", key[1], key[2], start, self.rank_of(key[0], key[2]))
+        if self.tracing:
+            self._record("recv", key[1], key[2], start, self.rank_of(key[0], key[2]))
         return values
 
     def _give(self, key: Key, values: list[Any]) -> None:
-        if self.rank_of(key[0], key[2]) == self.rank_of(key[1], key[2]):
-            self.local[key] = values if self.step.mode == "forward" else pytree.tree_map(_detached, values)
+        if self._local(key):
+            self.local[key] = values if self.step.mode == "forward" else detached(values)
         else:
             self.outgoing[key] = values
 
@@ -256,24 +308,25 @@ class Interpreter:
         env = self.envs[i]
         step, j = self._micro[i]
         train = step.mode == "train"
-        received: dict[int, list[Any]] = {}
+        received: dict[int, list[Any]] = {}  # what the backward sends gradients back for (train)
         for t, names in self.routes.reads[s].items():
             values = self._value((t, s, i), stage.device)
             if train:
-                values = pytree.tree_map(_as_leaf, values)
-            received[t] = values
+                values = received[t] = as_leaves(values)
+                if stage.writes:  # a leaf cannot be written in place; its clone can, gradients still reach it
+                    values = [writable(v) if n in stage.writes else v for n, v in zip(names, values)]
             env.update(zip(names, values))
-            if train and stage.writes:  # a leaf cannot be written in place; its clone can, gradients still reach it
-                env.update({n: _non_leaf(v) for n, v in zip(names, values) if n in stage.writes})
         inputs = [to_device(env[name], stage.device) for name in stage.inputs]
-        start = self.clock.mark()
-        with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
-            if s in self.versions:  # asynchronous updates: the version of the weights this micro-batch reads
-                weights = self.versions[s].weights(stage.module, i)
-                outputs = torch.func.functional_call(stage.module, weights, tuple(inputs))
-            else:
-                outputs = stage.module(*inputs)
-        self._record("forward", s, i, start)
+        start = self.clock.mark() if self.tracing else 0.0
+        if s in self._restores:
+            with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
+                outputs = self._call(stage, i, inputs)
+        elif self.versions:
+            outputs = self._call(stage, i, inputs)
+        else:
+            outputs = stage.module(*inputs)
+        if self.tracing:
+            self._record("forward", s, i, start)
         env.update(zip(stage.outputs, outputs))
         for c, names in self.routes.sends[s].items():
             self._give((s, c, i), [env[n] for n in names])
@@ -293,6 +346,12 @@ class Interpreter:
             self.saved[(s, i)] = (received, dict(zip(stage.outputs, outputs)), loss)
         elif self.tracing:
             self._trace_backward(s, i, inputs, outputs)
+
+    def _call(self, stage: Stage, i: int, inputs: list[Any]) -> Any:
+        if stage.index in self.versions:  # asynchronous updates: the version of the weights micro-batch i reads
+            weights = self.versions[stage.index].weights(stage.module, i)
+            return torch.func.functional_call(stage.module, weights, tuple(inputs))
+        return stage.module(*inputs)
 
     def _trace_backward(self, s: int, i: int, inputs: list[Any], outputs: Any) -> None:
         """Forward mode: record the stage's backward under the caller's autograd, from its outputs'
@@ -322,19 +381,19 @@ class Interpreter:
         grads: list[torch.Tensor | None] = []
         if loss is not None:
             roots, grads = [loss], [None]
-        summed: dict[str, Any] = {}
+        arrived: dict[str, Any] = {}  # each output's gradient, summed over the stages that read it
         for c, names in self.routes.sends[s].items():
             for name, g in zip(names, self._value((c, s, i), device)):
-                summed[name] = g if name not in summed else pytree.tree_map(_add, summed[name], g, is_leaf=_is_none)
-        for name, g in summed.items():
-            for value, grad in zip(_leaves(outputs.get(name, self.envs[i].get(name))), _leaves(g)):
+                arrived[name] = g if name not in arrived else summed(arrived[name], g)
+        for name, g in arrived.items():
+            for value, grad in zip(leaves(outputs.get(name, self.envs[i].get(name))), leaves(g)):
                 if isinstance(value, torch.Tensor) and value.requires_grad and grad is not None:
                     roots.append(value)
                     grads.append(grad.to(value.device))
         if roots:
-            start = self.clock.mark()
+            start = self._mark()
             if split:  # see runtime.split_backward
-                inputs = [x for x in _leaves(received) if isinstance(x, torch.Tensor) and x.requires_grad]
+                inputs = [x for x in leaves(received) if isinstance(x, torch.Tensor) and x.requires_grad]
                 self.weight_work[(s, i)] = backward_input(roots, grads, inputs)
             else:
                 torch.autograd.backward(roots, grads)
@@ -342,7 +401,7 @@ class Interpreter:
         if s in self.versions:
             self.versions[s].backward_done(i)
         for t, values in received.items():
-            self._give((s, t, i), [pytree.tree_map(_grad_of, v, is_leaf=_is_none) for v in values])
+            self._give((s, t, i), [gradients(v) for v in values])
         step, j = self._micro[i]
         self.envs[i] = dict(step.envs[j])  # drop this micro-batch's activations
         if self._streaming and not any(k[1] == i for k in self.saved):
@@ -363,7 +422,7 @@ class Interpreter:
         """W: the weight gradients a split B left (nothing when B ran the whole backward)."""
         work = self.weight_work.pop((s, i), None)
         if work is not None:
-            start = self.clock.mark()
+            start = self._mark()
             backward_weight(work)
             self._record("weight", s, i, start)
 
@@ -377,37 +436,3 @@ class Interpreter:
                      "peer": peer}
             self._trace.append(entry)
             self._unresolved.append((entry, clock))
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _leaves(tree: Any) -> list[Any]:
-    return pytree.tree_flatten(tree, is_leaf=_is_none)[0]
-
-
-def _add(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
-
-
-def _grad_of(x: Any) -> Any:
-    return x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-
-
-def _detached(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
-def _as_leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_grad_enabled():
-        return x.detach().requires_grad_(True)
-    return x
-
-
-def _non_leaf(x: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, x)

@@ -216,6 +216,12 @@ def to_device(value: Any, device: torch.device) -> Any:
         return value if value.device == device else value.to(device, non_blocking=device.type == "cuda")
     if not isinstance(value, (list, tuple, dict)):
         return value
+    if type(value) in (list, tuple):  # the values a stage sends: usually tensors already there
+        for x in value:
+            if not (isinstance(x, torch.Tensor) and x.device == device):
+                break
+        else:
+            return value
 
     def move(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device != device:

@@ -29,6 +29,7 @@ from torch import nn
 from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.calibration_hook import Calibratable, StepCall
 from runtime.errors import PartitionError
+from runtime.inline import InlineOrders, run_inline
 from runtime.interpreter import Interpreter, Routes
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
 from runtime.plan import Plan
@@ -157,6 +158,10 @@ class Pipeline(Calibratable, nn.Module):
         self._threaded = overlap if threads is None else threads
         self._pools: dict[int, ThreadPoolExecutor] = {}
         self._streams: dict[int, Any] = {}  # each worker's CUDA compute stream (None off CUDA)
+        self._orders = InlineOrders()  # the one-thread order of each mode's programs, worked out once
+        devices = [s.device for s in stages]  # one thread: stages on one device hand values over directly
+        self._shared = frozenset((a, b) for a in range(len(devices)) for b in range(len(devices))
+                                 if a != b and devices[a] == devices[b])
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
         self._async: dict[bool, AsyncTrainer] = {}  # update "2bw"/"stash": the stream of each mode's graph
 
@@ -210,12 +215,15 @@ class Pipeline(Calibratable, nn.Module):
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._guard("pipe(...)")
+        if self._async:
+            self._guard("pipe(...)")
         step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated,
                             self._input_dims)
-        self._run(step)
-        last = self._workers[self._rank_of[-1]]
+        last = self._run(step).workers[self._rank_of[-1]]
         outputs = [to_device(last.outputs[i], self.output_device) for i in range(len(step.envs))]
+        last.outputs = {}  # the caller holds them now
+        if len(outputs) == 1:
+            return self._unflatten(outputs[0])
         try:
             merged = gather(outputs, step_sizes(step, self._input_dims), self._batched, self._merge_spec)
         except ValueError as exc:
@@ -246,8 +254,7 @@ class Pipeline(Calibratable, nn.Module):
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
         refuse_optimizer(optimizer)
-        self._run(step)
-        loss = self._workers[self._rank_of[-1]].loss
+        loss = self._run(step).workers[self._rank_of[-1]].loss
         assert loss is not None
         return loss
 
@@ -287,59 +294,68 @@ class Pipeline(Calibratable, nn.Module):
         else:
             self._run_inline(programs, mode.workers)
 
-    def _run(self, step: StepInputs) -> None:
+    def _run(self, step: StepInputs) -> _Mode:
+        """One synchronous step of the model's mode now; returns that mode's workers and programs."""
         mode = self._mode()
         programs = mode.programs[step.mode]
         self._transport.reset()
         local: dict[Any, Any] = {}
+        # One thread and no trace to record: values between stages on one device skip the mailbox.
+        shared = frozenset() if self._threaded or any(w.tracing for w in mode.workers) else self._shared
         for w in mode.workers:
-            w.begin(step, local)
-        with transaction(self._params, mode.bns, grads=step.mode == "train"):
+            w.begin(step, local, shared)
+        train = step.mode == "train"
+        with transaction(self._params, mode.bns, grads=train) if train or mode.bns else contextlib.nullcontext():
             if self._threaded:
                 self._run_threads(programs, mode.workers)
             else:
-                self._run_inline(programs, mode.workers)
+                self._run_inline(programs, mode.workers, shared)
         write_back(step)
+        for w in mode.workers:
+            w.end()
+        return mode
 
-    def _run_inline(self, programs: Sequence[Program], workers: list[Interpreter]) -> None:
-        """Every program in this thread, tick by tick: all ops of tick t, then the sends they posted."""
+    def _run_inline(self, programs: Sequence[Program], workers: list[Interpreter],
+                    shared: frozenset[tuple[int, int]] = frozenset()) -> None:
+        """Every program in this thread, tick by tick (runtime.inline): no thread hand-offs, no waits."""
         self._transport.blocking = False
-        by_tick: dict[int, list[tuple[int, Op]]] = {}
-        for p in programs:
-            for op in p.ops:
-                if op.kind != "STEP":
-                    by_tick.setdefault(op.tick, []).append((p.rank, op))
-        for t in sorted(by_tick):
-            for rank, op in by_tick[t]:
-                workers[rank].execute(op)
-            for w in workers:
-                w.flush_batch()
+        run_inline(self._orders.of(programs, shared), workers)
 
     def _run_threads(self, programs: Sequence[Program], workers: list[Interpreter]) -> None:
+        """A thread per program; the last runs in this thread, so a step hands off one program fewer."""
         self._transport.blocking = True
         state = thread_state()  # grad mode, autocast, ... are thread-local: each worker takes the caller's
         devices = {p.rank: workers[p.rank]._device() for p in programs}
         sharing = Counter(devices.values())
         callers = {d: current(d) for d in sharing}  # this thread's streams: workers start after their work
 
-        def work(p: Program) -> None:
+        def work(p: Program, here: bool) -> None:
             device = devices[p.rank]
-            if p.rank not in self._streams:  # workers sharing a GPU (branch slots) each get a stream
-                self._streams[p.rank] = compute_stream(device, own=sharing[device] > 1)
+            stream = self._streams.get(p.rank)
+            if stream is None:  # workers sharing a GPU (branch slots) each get a stream
+                stream = compute_stream(device, own=sharing[device] > 1)
+                if not here or sharing[device] > 1:  # this thread's current stream is the caller's, not cached
+                    self._streams[p.rank] = stream
             try:
-                with state(), _device_context(device), join_caller(self._streams[p.rank], callers[device]):
+                with (contextlib.nullcontext() if here else state()), _device_context(device), \
+                        join_caller(stream, callers[device]):
                     workers[p.rank].run(p.ops)
             except BaseException:
                 self._transport.abort()
                 raise
 
         futures: list[Future[None]] = []
-        for p in programs:
+        for p in programs[:-1]:
             pool = self._pools.get(p.rank)
             if pool is None:
                 pool = self._pools[p.rank] = ThreadPoolExecutor(1, thread_name_prefix=f"pipe-worker{p.rank}")
-            futures.append(pool.submit(work, p))
-        errors = [f.exception() for f in futures]
+            futures.append(pool.submit(work, p, False))
+        mine: BaseException | None = None
+        try:
+            work(programs[-1], True)
+        except BaseException as exc:  # noqa: BLE001 - reported below, after the other workers stop
+            mine = exc
+        errors = [f.exception() for f in futures] + [mine]
         first = next((e for e in errors if e is not None and not isinstance(e, WorkerFailed)), None)
         first = first or next((e for e in errors if e is not None), None)
         if first is not None:

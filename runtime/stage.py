@@ -25,7 +25,7 @@ from runtime.mutation import after, check_cuts, mutated_inputs
 from runtime.plan import Plan
 from runtime.recompute import wrap
 
-__all__ = ["Stage", "build_stages", "stage_io", "tensor_stages", "weight_groups"]
+__all__ = ["Stage", "build_stages", "stage_io", "switches_state", "tensor_stages", "weight_groups"]
 
 _DROP_TARGETS = {"_guards_fn", torch.ops.aten._assert_tensor_metadata.default}
 # (tensor, device) pairs to give storage -> (ids of the tensors it filled, undo); see runtime.materialize
@@ -93,6 +93,25 @@ def enter_autocast(regions: tuple[tuple[str, torch.dtype], ...]) -> list[torch.a
 def exit_autocast(contexts: list[torch.autocast]) -> None:
     for c in reversed(contexts):
         c.__exit__(None, None, None)
+
+
+_SWITCHES = (set_grad_mode, enter_autocast, exit_autocast, torch._C._set_grad_enabled, torch.set_grad_enabled,
+             torch.set_autocast_enabled, torch.amp.autocast_mode._enter_autocast,
+             torch.amp.autocast_mode._exit_autocast)
+
+
+def switches_state(module: nn.Module) -> bool:
+    """Whether running `module` switches grad mode or autocast in the calling thread: a stage graph that
+    enters forward's `no_grad` or `autocast` regions (it leaves them at its end, but not if it raises).
+    Leaf modules are not looked into: their own `with` blocks restore the state even when they raise."""
+    for m in module.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            for node in m.graph.nodes:
+                if node.op == "call_function" and (
+                    node.target in _SWITCHES or "grad_enabled" in str(node.target) or "autocast" in str(node.target)
+                ):
+                    return True
+    return False
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:

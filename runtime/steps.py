@@ -63,6 +63,8 @@ def _envs(flat: list[Any], names: list[str], micro_batches: int, mutated: Sequen
 
 
 def _written(flat: list[Any], names: list[str], mutated: Sequence[str]) -> dict[str, torch.Tensor]:
+    if not mutated:
+        return {}
     return {n: v for n, v in zip(names, flat) if n in mutated and isinstance(v, torch.Tensor)}
 
 
@@ -136,11 +138,24 @@ def transaction(params: Sequence[torch.nn.Parameter], bns: Sequence[Deferred], *
         for bn in bns:
             bn.discard()
         raise
-    for p, g in held:
-        if g is not None:
-            if p.grad is not None:
-                with torch.no_grad():
-                    g.add_(p.grad)
-            p.grad = g
+    _add_back(held)
     for bn in bns:
         bn.commit()
+
+
+def _add_back(held: Sequence[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    """Each parameter's gradient is the one set aside plus the step's, in the tensor set aside."""
+    dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for p, g in held:
+            if g is None:
+                continue
+            new = p.grad
+            if new is not None:
+                if g.layout == torch.strided and new.layout == torch.strided:
+                    dense.append((g, new))
+                else:
+                    g.add_(new)
+            p.grad = g
+        if dense:  # one call for every parameter: a step adds to dozens of them
+            torch._foreach_add_([g for g, _ in dense], [new for _, new in dense])

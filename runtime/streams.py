@@ -26,8 +26,14 @@ from runtime.microbatch import tensors_in
 __all__ = ["CopyStreams", "Handoff", "compute_stream", "current", "join_caller", "record_on", "use_stream"]
 
 
+_IS_CUDA: dict[Any, bool] = {}  # device -> whether it is a GPU: `device.type` builds a string on every read
+
+
 def _cuda(device: torch.device) -> bool:
-    return device.type == "cuda"
+    found = _IS_CUDA.get(device)
+    if found is None:
+        found = _IS_CUDA[device] = torch.device(device).type == "cuda"
+    return found
 
 
 def current(device: torch.device) -> Any:
@@ -65,6 +71,8 @@ class Handoff:
 
     def receive(self, device: torch.device) -> Any:
         """The values, made safe to use on this thread's current stream of `device`."""
+        if self.event is None and not _cuda(device):
+            return self.values
         stream = current(device)
         if self.event is not None and stream is not None:
             stream.wait_event(self.event)

@@ -32,6 +32,7 @@ class LocalTransport:
 
     def __init__(self, stage_devices: Sequence[torch.device], blocking: bool = True) -> None:
         self.stage_devices = list(stage_devices)
+        self._cpu = all(torch.device(d).type != "cuda" for d in self.stage_devices)  # no copy streams to use
         self.blocking = blocking
         self._box: dict[Key, Handoff] = {}
         self._copies = CopyStreams()
@@ -49,6 +50,8 @@ class LocalTransport:
         A call of an asynchronous stream keeps its mail: a value sent at the last tick of one
         call may be taken by the first op of the next (runtime.stream).
         """
+        if not self._failed and not (mail and self._box):  # between steps no worker runs: nothing to clear
+            return
         with self._ready:
             if mail:
                 self._box.clear()
@@ -61,23 +64,35 @@ class LocalTransport:
             self._ready.notify_all()
 
     def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None:
-        src = torch.device(device)
-        moved = {key: self._copies.send(values, src, self.stage_devices[key[1]], to_device)
-                 for key, values in outgoing.items()}
-        if moved:
-            with self._ready:
-                self._box.update(moved)
-                self._ready.notify_all()
+        if not outgoing:
+            return
+        if self._cpu:  # nothing to overlap: values move (if at all) at once
+            moved = {key: Handoff(to_device(values, self.stage_devices[key[1]])) for key, values in outgoing.items()}
+        else:
+            src = device if isinstance(device, torch.device) else torch.device(device)
+            moved = {key: self._copies.send(values, src, self.stage_devices[key[1]], to_device)
+                     for key, values in outgoing.items()}
+        if not self.blocking:  # one thread runs every worker: nobody to wake
+            self._box.update(moved)
+            return
+        with self._ready:
+            self._box.update(moved)
+            self._ready.notify_all()
 
     def take(self, key: Key, device: Any) -> list[Any]:
+        device = device if isinstance(device, torch.device) else torch.device(device)
+        if not self.blocking:
+            handoff = self._box.pop(key, None)
+            if handoff is None:
+                raise RuntimeError(f"internal error: stage {key[1]} needs micro-batch {key[2]} from stage "
+                                   f"{key[0]} before it was sent; the programs are out of tick order")
+            values: list[Any] = handoff.receive(device)
+            return values
         with self._ready:
             while key not in self._box:
                 if self._failed:
                     raise WorkerFailed("another worker of the pipeline failed")
-                if not self.blocking:
-                    raise RuntimeError(f"internal error: stage {key[1]} needs micro-batch {key[2]} from stage "
-                                       f"{key[0]} before it was sent; the programs are out of tick order")
                 self._ready.wait()
             handoff = self._box.pop(key)
-        values: list[Any] = handoff.receive(torch.device(device))
+        values = handoff.receive(device)
         return values

@@ -15,6 +15,7 @@ pooling are far from the memory roofline, GPU kernels much closer to it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -105,6 +106,7 @@ _EXACT = {"flatten": "copy", "t": "view", "to": "copy", "type": "copy", "float":
 _SHORT = {name for _, names in _NAMES for name in names if len(name) <= 3}
 
 
+@functools.lru_cache(maxsize=4096)
 def _normalize(kind: str, op: str) -> str:
     """'torch.nn.modules.conv.Conv2d' -> 'conv2d'; aten's 'relu.default' -> 'relu'; '__iadd__' -> 'iadd'."""
     if op == "call_function" and "." in kind:
@@ -132,6 +134,12 @@ def classify(node: Mapping[str, Any], kind: str | None = None) -> str:
         return _EXACT[name]
     if not node.get("shapes") and not node.get("out_bytes"):
         return "python"
+    return _named_class(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_class(name: str) -> str:
+    """The class of a normalized kind by the name table (cached: a graph repeats a few names thousands of times)."""
     for cls, names in _NAMES:
         for n in names:
             if name == n or (n not in _SHORT and n in name):

@@ -188,6 +188,24 @@ class Precision:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     @classmethod
+    def of(cls, value: Any) -> Precision | None:
+        """A Precision from what plan(precision=...) takes: None, a Precision, a name or dtype form (`parse`),
+        or an optimizer object (the default mixed precision with that optimizer, `optimizer_name`).
+
+        Raises:
+            ValueError: anything else, or a name of none of `parse`'s forms.
+        """
+        if value is None or isinstance(value, Precision):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if hasattr(value, "param_groups") or hasattr(value, "defaults"):
+            found = MIXED.with_optimizer(value)
+            return replace(found, name=f"mixed {found.optimizer}")
+        raise ValueError(f"precision={value!r}; give a name ('mixed', 'bf16', 'fp32'), 'COMPUTE/PARAM/GRAD/STATE"
+                         "[:OPTIMIZER]', a cost_model.precision.Precision, or the torch optimizer you train with")
+
+    @classmethod
     def parse(cls, text: str) -> Precision:
         """'mixed' (the default), 'bf16' (pure bf16), 'fp32', or 'COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER]'
         ('bf16/fp32/bf16/fp32:adamw'), as a CLI's --precision takes it.

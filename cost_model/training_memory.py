@@ -33,12 +33,14 @@ Buffers (masks, running statistics) are not sharded: `buffer_bytes` adds to weig
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from cost_model.precision import MIXED, Precision
 from rules.sharding import accumulates_unsharded, mode_rule
 
-__all__ = ["PrecisionFit", "TrainingMemory", "fits_under", "training_memory"]
+__all__ = ["PrecisionFit", "TrainingMemory", "fits_under", "state_bytes", "training_memory"]
 
 _GIB = float(1 << 30)
 
@@ -103,26 +105,56 @@ def training_memory(
                          f"units must be >= 0 and degree={degree} >= 1")
     if sum(units) > params:
         raise ValueError(f"the units hold {sum(units)} parameters, more than the stage's {params}")
+    states = state_elements if state_elements is not None else int(precision.state_elements_per_param() * params)
+    root = params - sum(units)
+    largest = sorted(units, reverse=True)[:2] + [0, 0]
+    kinds = state_bytes(params, precision, mode=mode, degree=degree, micro_batches=micro_batches,
+                        gradient_sync=gradient_sync, root=root, unit=largest[0], second=largest[1],
+                        state_elements=states)
+    weights, master, gradients, optimizer = (int(k) for k in kinds)
+    return TrainingMemory(weights=weights + buffer_bytes, master=master, gradients=gradients, optimizer=optimizer,
+                          activations=activation_bytes)
+
+
+def state_bytes(
+    params: Any,
+    precision: Precision = MIXED,
+    *,
+    mode: str = "none",
+    degree: int = 1,
+    micro_batches: int = 1,
+    gradient_sync: str = "last",
+    root: Any = None,
+    unit: Any = 0,
+    second: Any = None,
+    state_elements: Any = None,
+) -> tuple[Any, Any, Any, Any]:
+    """(weights, master, gradients, optimizer) bytes of one rank of a stage (the module docstring's table),
+    for numbers or numpy arrays alike (the searches price every cut at once).
+
+    `root`: parameters outside the FSDP units (default: all of them);
+    `unit` and `second`: the largest and second largest unit's (default `second`: as large as `unit`,
+    repeated blocks); `state_elements`: optimizer state elements (default: the dense count).
+    """
     rule = mode_rule(mode, gradient_sync)
     c, p, g, s = (precision.itemsize(f) for f in ("compute", "param", "grad", "state"))
-    states = state_elements if state_elements is not None else int(precision.state_elements_per_param() * params)
+    states = state_elements if state_elements is not None else precision.state_elements_per_param() * params
     if not rule.sharded:
-        return TrainingMemory(weights=params * (c if precision.mixed else p) + buffer_bytes,
-                              master=params * p if precision.mixed else 0, gradients=params * g,
-                              optimizer=states * s, activations=activation_bytes)
-    root = params - sum(units)
-    largest = sorted(units, reverse=True)[:2] if units else [0]
-    gathered = root + sum(largest) if rule.reshard_after_forward else params
+        return (params * (c if precision.mixed else p), params * p if precision.mixed else 0 * params, params * g,
+                states * s)
+    root = root if root is not None else params
+    second = second if second is not None else unit
+    gathered = root + unit + second if rule.reshard_after_forward else params
+    gathered = np.minimum(gathered, params) if isinstance(gathered, np.ndarray) else min(gathered, params)
     shard = _ceil(params, degree)
     if accumulates_unsharded(mode, gradient_sync, micro_batches):
-        gradients = params * g + max(root, largest[0]) * g  # a unit's shards replace its freed accumulators
+        gradients = params * g + np.maximum(root, unit) * g  # a unit's shards replace its freed accumulators
     else:
-        gradients = max(root * c + largest[0] * (c + g), root * (c + g)) + shard * p
-    return TrainingMemory(weights=gathered * c + buffer_bytes, master=shard * p, gradients=gradients,
-                          optimizer=_ceil(states, degree) * s, activations=activation_bytes)
+        gradients = np.maximum(root * c + unit * (c + g), root * (c + g)) + shard * p
+    return gathered * c, shard * p, gradients, _ceil(states, degree) * s
 
 
-def _ceil(n: int, d: int) -> int:
+def _ceil(n: Any, d: int) -> Any:
     return -(-n // d)
 
 

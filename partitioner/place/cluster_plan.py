@@ -26,36 +26,35 @@ import numpy as np
 import torch
 
 from cost_model.cluster_shape import Cluster, ClusterDeviceSet
+from cost_model.collectives import ring_of
 from cost_model.interface import CostModel, forward_time
 from cost_model.memory import optimizer_states
+from cost_model.precision import FP32, MIXED, PURE_BF16, Precision
+from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
-from partitioner.place.chain import boundary_bytes
+from partitioner.place.cluster_axes import ANY_SPLIT, SplitChoice, cluster_axes, recomputed
+from partitioner.place.cluster_look import replica_step, second_look
 from partitioner.place.cluster_search import (
-    Candidate,
     ClusterSolution,
     block_cuts,
     default_micro_batches,
-    evaluate_cluster,
-    layout,
-    refine,
     search_cluster,
     slowest_pair,
-    solve_candidate,
-    windows,
 )
+from partitioner.place.cluster_space import Axes, tensor_degrees
 from partitioner.place.graph_costs import batch_size, graph_values, node_times, per_micro_batch
 from partitioner.place.hybrid import SCHEDULES, InfeasibleError
 from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.split_stages import price_stages
+from partitioner.place.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
 from partitioner.predict.counting import stage_edges
 from partitioner.predict.lowering import lower_plan, replica_groups
-from partitioner.predict.schedule_sim import simulate_schedule
-from runtime.plan import Plan, RecomputeMode, StagePlan
-from runtime.schedule_ranks import rank_schedule
+from runtime.plan import Plan, RecomputeMode
 
 __all__ = [
     "EAGER_RANKS", "EAGER_WORK", "cluster_of", "cluster_problem", "forward_share", "local_device",
-    "plan_on_cluster", "replica_step", "runtime_step_s", "second_look", "solution_plan",
+    "plan_on_cluster", "recomputing", "replica_step", "second_look", "solution_plan",
 ]
 
 EAGER_RANKS = 512  # plans on more ranks keep `programs` empty (lowered where they run)
@@ -118,8 +117,12 @@ def plan_on_cluster(
     optimizer: str = "adam",
     headroom: float = 0.9,
     recompute: Literal["none", "full", "auto"] = "none",
+    precision: Precision | None = None,
+    shardable: Shardable | None = None,
+    choice: SplitChoice = ANY_SPLIT,
 ) -> tuple[Plan, ClusterSolution]:
-    """Plan `order` onto every GPU of `cluster`: stages, replicas, micro-batches, schedule and rank placement.
+    """Plan `order` onto every GPU of `cluster`: tensor degree, stages, replicas and their sharding, micro-batches,
+    schedule and rank placement.
 
     Args:
         graph: annotated for one step's whole batch.
@@ -128,39 +131,88 @@ def plan_on_cluster(
         recompute: "full" searches with every stage recomputing its forward in backward (it keeps only its
             inputs; the forward runs twice), as the final plan then runs (`StagePlan.recompute`);
             "auto" searches without and, only if nothing fits, with it.
+        precision: the dtypes training keeps each state in (and its optimizer: it replaces `optimizer`);
+            None: every state at the model's dtype, replicas unsharded, the all-reduce after the backward.
+        shardable: the model's split groups (partitioner.capture.shardable.find_shardable); None: no layer split.
+        choice: tensor degrees and sharding modes allowed (default: every one worth trying, cluster_axes.py).
 
     Raises:
         InfeasibleError: nothing fits; the message names the memory per GPU needed.
     """
     device = torch.device("cuda:0")
+    if precision is not None:
+        optimizer = precision.optimizer
     cuts = block_cuts([str(graph.nodes[x].get("module", "") or "") for x in order])
     limit = min(len(order), len(cuts) - 1 if cuts is not None else len(order))
+    degrees = _degrees(cluster, shardable, choice)
     if micro_batches is None:
-        ms = default_micro_batches(cluster.size, batch_size(graph), limit)
+        ms = sorted({m for t in degrees for m in default_micro_batches(cluster.size // t, batch_size(graph), limit)})
     else:
         ms = sorted({micro_batches} if isinstance(micro_batches, int) else set(micro_batches))
     if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
         raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
-    ds = {cluster.size // p for p in range(1, limit + 1) if cluster.size % p == 0}
+    ds = {cluster.size // t // p for t in degrees for p in range(1, limit + 1) if cluster.size % (t * p) == 0}
     ms = [m for m in ms if any(m % d == 0 for d in ds)] or ms  # counts no replica count divides are never tried
     if recompute not in ("none", "full", "auto"):
         raise PartitionError(f"recompute={recompute!r}; use 'none', 'full' or 'auto'")
     plain = cluster_problem(graph, order, device, cost, ms, optimizer=optimizer, headroom=headroom)
     share = forward_share(graph, order, device, cost)
+    axes, groups = cluster_axes(graph, order, cluster, cost, plain, share, cuts, precision=precision,
+                                shardable=shardable, optimizer=optimizer, choice=choice)
     for mode in ("none", "full") if recompute == "auto" else (recompute,):
         problem = plain if mode == "none" else recomputing(plain, share)
+        space = axes if mode == "none" else recomputed(axes, lambda x: recomputing(x, share))
         try:
             solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
-                                      replicate=replicate, cuts=cuts)
-        except InfeasibleError:
+                                      replicate=replicate, cuts=cuts, axes=space)
+        except InfeasibleError as exc:
             if mode == "full" or recompute != "auto":
-                raise
+                raise _under_others(exc, precision, problem, cluster, space, ms, schedules, stages, replicate,
+                                    cuts) from None
             continue
-        solution = second_look(problem, cluster, solution, share, schedules)
+        solution = second_look(space, cluster, solution, share, schedules)
         capacity = float(problem.capacity[0])
-        return solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer, capacity=capacity,
-                             recompute=mode), solution
+        made = solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer, capacity=capacity,
+                             recompute=mode, space=space, groups=groups.get(solution.tensor, []))
+        if precision is not None:
+            made.precision = precision.to_dict()
+        return made, solution
     raise AssertionError("unreachable: the last mode raises or returns")
+
+
+def _under_others(exc: InfeasibleError, precision: Precision | None, problem: HybridProblem, cluster: Cluster,
+                  space: Axes, ms: Sequence[int], schedules: Sequence[str], stages: int | None, replicate: bool,
+                  cuts: np.ndarray | None) -> InfeasibleError:
+    """`exc`, saying under which other training precisions (cost_model.precision: pure bf16, fp32) it would fit."""
+    if precision is None or space.rule is None:
+        return exc
+    fits = []
+    for other in (PURE_BF16, MIXED, FP32):
+        if other.label == precision.label:
+            continue
+        rule = dataclasses.replace(space.rule, precision=dataclasses.replace(other, optimizer=precision.optimizer))
+        try:
+            found = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
+                                   replicate=replicate, cuts=cuts, axes=dataclasses.replace(space, rule=rule))
+        except InfeasibleError:
+            continue
+        fits.append(f"{other.label} ({found.stages} stages x {found.replicas} replicas"
+                    + (f" x tensor {found.tensor}" if found.tensor > 1 else "")
+                    + (f", {found.sharding}" if found.sharding != "none" else "") + ")")
+    if not fits:
+        return exc
+    note = (f"Under {precision.label} nothing fits; under " + " or ".join(fits) + " it would (precision=...).")
+    return InfeasibleError(str(exc), exc.needed_bytes, note)
+
+
+def _degrees(cluster: Cluster, shardable: Shardable | None, choice: SplitChoice) -> list[int]:
+    """The tensor degrees the search may try (cluster_axes checks them against the model)."""
+    if choice.tensor is not None:
+        return sorted(set(choice.tensor)) or [1]
+    if shardable is None:
+        return [1]
+    legal = {t for g in shardable.groups for t in g.degrees}
+    return tensor_degrees(cluster.size, cluster.gpus_per_host, sorted(legal))
 
 
 def recomputing(problem: HybridProblem, share: np.ndarray) -> HybridProblem:
@@ -183,93 +235,28 @@ def forward_share(graph: nx.DiGraph, order: Sequence[str], device: torch.device,
     return out
 
 
-def second_look(problem: HybridProblem, cluster: Cluster, solution: ClusterSolution, share: np.ndarray,
-                schedules: Sequence[str]) -> ClusterSolution:
-    """The search's best candidates simulated in the order the runtime runs them, the fastest kept.
-
-    [Note: replicas in the runtime's order] runtime/schedule_ranks.py gives replica j of a stage the
-    micro-batches i = j mod d, and under 1F1B each replica runs its own 1F1B over them, so d equal replicas
-    of every stage are d pipelines of m / d micro-batches (the objective's fill(m, p, d) counts that, but
-    not the all-reduce's overlap or uneven stage times). Each candidate (and schedule) is simulated on
-    replica 0's pipeline (exact for equal replicas: replica_fold.py); the objective's best is kept only
-    where it is also the fastest here.
-    """
-    best: tuple[float, Candidate, str] | None = None
-    timed: dict[str, float] = {}
-    for candidate in solution.candidates:
-        for schedule in schedules:
-            step = runtime_step_s(problem, cluster, candidate, schedule, share)
-            _, m, d, order, bounds = candidate
-            timed[f"{len(bounds) - 1}x{d}, m={m}, {order}, {schedule}"] = step
-            if step < (best[0] if best is not None else np.inf):
-                best = (step, candidate, schedule)
-    if best is None or solution.cuts is None:
-        return solution
-    _, chosen, schedule = best
-    mode = "1f1b" if "1f1b" in schedules else "gpipe"
-    found = solve_candidate(problem, cluster, refine(problem, cluster, chosen, solution.cuts, mode), (schedule,))
-    found.tried, found.searched, found.pruned = timed, solution.searched, solution.pruned
-    found.candidates, found.cuts = solution.candidates, solution.cuts
-    return found
-
-
-def runtime_step_s(problem: HybridProblem, cluster: Cluster, candidate: Candidate, schedule: str,
-                   share: np.ndarray) -> float:
-    """Seconds of one step of a candidate as the runtime orders it (see second_look); inf over memory."""
-    _, m, d, order, bounds = candidate
-    p, capacity = len(bounds) - 1, float(problem.capacity.min())
-    wins = windows(cluster, layout(p, d, order), capacity)
-    _, _, memory = evaluate_cluster(problem, wins, bounds, m, schedule)
-    if max(memory) > capacity:
-        return float("inf")
-    times = problem.micro_batch_times(m)[0]
-    recv = _boundary_bytes(problem, bounds)
-    forward, backward, message, reduce = [], [], [0.0] * p, []
-    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        total, fwd = float(times[a:b].sum()), float((times[a:b] * share[a:b]).sum())
-        forward.append(fwd)
-        backward.append(total - fwd)
-        params, ring, link = float(problem.param_bytes[a:b].sum()), wins[s][4], wins[s][2]
-        reduce.append(ring[0] + ring[1] * params if ring is not None and params > 0 else 0.0)
-        if link is not None and recv[s] > 0:
-            message[s] = link[0] + link[1] * recv[s] / m  # between stage s - 1 and s, either way
-    return replica_step(schedule, m, d, forward, backward, message, reduce)
-
-
-def replica_step(schedule: str, m: int, d: int, forward: Sequence[float], backward: Sequence[float],
-                 message: Sequence[float], reduce: Sequence[float]) -> float:
-    """One step of p stages with d equal replicas each over m micro-batches, as the runtime runs it: d
-    pipelines of m / d micro-batches ([Note: a replica runs its own 1F1B] in runtime/schedule_ranks.py), so
-    replica 0's chain is simulated (partitioner/predict/schedule_sim.py) on its stage times; `message[s]` is a message
-    between stages s - 1 and s, either way, and `reduce[s]` stage s's all-reduce after its last backward."""
-    p, n = len(forward), m // d
-    chain = [[s - 1] if s else [] for s in range(p)]
-    stages = [StagePlan(index=s, device=f"stage {s}", nodes=[], forward_ms=forward[s], backward_ms=backward[s],
-                        reads_from=chain[s]) for s in range(p)]
-    lists = rank_schedule(schedule, n, [[s] for s in range(p)], chain)
-    return simulate_schedule(Plan(stages=stages, micro_batches=n), lists,
-                             transfer_ms=lambda src, dst, nbytes: message[max(src, dst)],
-                             allreduce_ms=lambda stage: reduce[stage]).makespan_ms
-
-
-def _boundary_bytes(problem: HybridProblem, bounds: Sequence[int]) -> list[float]:
-    """Bytes (whole batch) each stage receives from earlier ones, for cuts `bounds`."""
-    cuts = np.asarray(bounds, dtype=np.int64)
-    recv, _ = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts)
-    return [float(recv[s, s + 1]) for s in range(len(bounds) - 1)]
-
-
 def solution_plan(
     graph: nx.DiGraph, order: Sequence[str], solution: ClusterSolution, cluster: Cluster, cost: CostModel, *,
     optimizer: str = "adam", capacity: float = float("inf"), recompute: RecomputeMode = "none",
+    space: Axes | None = None, groups: Sequence[ShardGroup] = (),
 ) -> Plan:
-    """The Plan of a cluster solution (module docstring): one pipeline assembled, then priced by its ranks."""
+    """The Plan of a cluster solution (module docstring): one pipeline assembled, then priced by its ranks.
+
+    With a tensor degree t > 1 or sharded replicas (or a precision in `space`), each stage's numbers are
+    split_stages.price_stages': stage `ranks` are each replica's first rank, `tensor` and `tensor_groups`
+    (`groups` within the stage) say what its t ranks split, `sharding` how its replicas shard, and a
+    sharded plan slices every micro-batch over the replicas (data_split "slice": m / d micro-batches).
+    Such plans keep `programs` empty (lowered where they run) and predict replica 0's pipeline.
+    """
     p, d, m = solution.stages, solution.replicas, solution.micro_batches
+    t, sharding = solution.tensor, solution.sharding
     if m % d:
         raise PartitionError(f"{m} micro-batches over {d} replicas: the cluster plan needs d | m")
+    rule = space.rule if space is not None else None
+    split = t > 1 or sharding != "none" or (rule is not None and rule.precision is not None)
     bounds = solution.bounds
     stage_nodes = [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
-    graph_mb = per_micro_batch(graph, m)
+    graph_mb = per_micro_batch(split_graph(graph, groups, t) if t > 1 else graph, m)
     cap = int(capacity) if np.isfinite(capacity) else None
     plan = assemble(graph_mb, stage_nodes, ["cuda:0"] * p, cost, micro_batches=m // d,
                     schedule=solution.schedule,
@@ -290,15 +277,36 @@ def solution_plan(
         stage.allreduce_ms = 1e3 * cluster.allreduce_time(stage.param_bytes, stage.ranks) if d > 1 else 0.0
         stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d
         reduce[tuple(sorted(stage.ranks))] = stage.allreduce_ms
+    if split and space is not None and rule is not None:
+        _split_stages(plan, graph, order, solution, space, groups, cluster, optimizer)
     plan.micro_batches, plan.gpus_per_host, plan.programs = m, cluster.gpus_per_host, []
     plan.alternatives = {name: 1e3 * s for name, s in sorted(solution.tried.items(), key=lambda kv: kv[1])[:8]}
-    if cluster.size > EAGER_RANKS or m * p > EAGER_WORK:  # replica 0's pipeline in the runtime's order
+    if split or cluster.size > EAGER_RANKS or m * p > EAGER_WORK:  # replica 0's pipeline in the runtime's order
         plan.predicted_step_ms = replica_step(
             plan.schedule, m, d, [s.forward_ms for s in plan.stages], [s.backward_ms for s in plan.stages],
             [message.get((s - 1, s), 0.0) for s in range(p)], [s.allreduce_ms for s in plan.stages])
+        if sharding != "none":
+            plan.micro_batches, plan.data_split = m // d, "slice"
         return plan
     devices = {r: local_device(cluster, r) for rs in ranks for r in rs}
     plan.programs = lower_plan(plan, replica_groups(plan), devices)
     predict(plan, lambda src, dst, nbytes: message.get((src, dst), 0.0),
             lambda group: reduce.get(tuple(sorted(group)), 0.0))
     return plan
+
+
+def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution: ClusterSolution, space: Axes,
+                  groups: Sequence[ShardGroup], cluster: Cluster, optimizer: str) -> None:
+    """A solution's stages as its tensor ranks and sharded replicas run them (split_stages.price_stages)."""
+    t, rule = solution.tensor, space.rule
+    if rule is None:
+        raise PartitionError("a split or sharded cluster plan needs the search's StateRule (cluster_axes.py)")
+    blocks = space.blocks if space.blocks is not None else np.full(len(order), -1)
+    price_stages(plan, graph, solution.bounds, micro_batches=solution.micro_batches, groups=groups,
+                 tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.sharding,
+                 rings=[ring_of(cluster, stage.ranks) for stage in plan.stages],
+                 param_bytes=space.split(t).problem.param_bytes, blocks=blocks, optimizer=optimizer)
+    for stage in plan.stages:
+        inside = set(stage.nodes)
+        stage.tensor, stage.sharding = t, solution.sharding  # type: ignore[assignment]
+        stage.tensor_groups = [g.spec() for g in groups if inside.issuperset(g.nodes)] if t > 1 else []

@@ -1,11 +1,12 @@
 """Planning at cluster scale: a homogeneous cluster searched by counts, not by device lists.
 
 On `hosts x gpus_per_host` GPUs of one type, GPUs differ only by which host they sit on, so a
-plan is a handful of counts (stages p, replicas d of every stage with p * d = GPUs,
-micro-batches m with d | m, schedule), a rank order, and p - 1 cuts:
+plan is a handful of counts (tensor degree t, stages p, replicas d of every stage with t * p * d = GPUs,
+micro-batches m with d | m, schedule, sharding of the replicas), a rank order, and p - 1 cuts:
 
-    for (p, d, m) in order of a lower bound on the step       pruned: memory needs (2 + k) P / p > capacity,
-        for each rank order (RANK_ORDERS)                            or the bound is no better than the best
+    for (p, d, m, t, sharding) in order of a lower bound      pruned: the states of P / p weights alone are over
+                                                                     capacity, or the bound is no better than the best
+        for each rank order (RANK_ORDERS)
             windows: each stage's receive/send links and all-reduce, priced by where its ranks sit (Cluster)
             DP over cut candidates: f_s[j] = min_i max(f_{s-1}[i], W_s[i, j])        p K^2, K candidates
     refine: node-level candidates around the chosen cuts, same DP for the chosen counts
@@ -18,6 +19,10 @@ both searches price a layout alike (one host, equal replicas) the DP over every 
 Micro-batch i runs on `ranks[i % d]` of each stage, so replica j of stage s talks to replica j of
 s + 1; a stage's link is the slowest of those pairs. Cut candidates come from the caller (the
 model's repeated blocks), else every position of a small graph, else equal counts and equal times.
+Tensor degrees and sharding modes (cluster_space.Axes): a tensor degree t prices its own problem (each
+of t ranks runs 1/t of the split layers, their collectives added: tensor_split.py) on the first rank
+of each replica (cluster_space.layout: TP innermost); a sharding mode prices the replicas' collectives
+and states (split_costs.py). Without Axes the search is by stages, replicas and micro-batches alone.
 """
 
 from __future__ import annotations
@@ -25,16 +30,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence, get_args
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
+from partitioner.place.blocks import block_cuts
+from partitioner.place.cluster_space import (
+    RANK_ORDERS,
+    Axes,
+    Candidate,
+    ClusterSolution,
+    RankOrder,
+    Split,
+    default_micro_batches,
+    layout,
+)
 from partitioner.place.hybrid import SCHEDULES, InfeasibleError
 from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import Window
+from partitioner.place.split_costs import SplitGrid, lower_static_bytes, split_parts
 from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
 
@@ -44,14 +60,8 @@ __all__ = [
     "windows",
 ]
 
-# Which ranks share hosts: a stage's replicas ("replicas-together": stage s on ranks s*d .. s*d+d-1, its
-# all-reduce inside hosts, pipeline neighbours across them) or one pipeline's stages ("pipelines-together":
-# replica j of stage s on rank j*p + s, neighbours inside a host, each all-reduce across hosts).
-RankOrder = Literal["replicas-together", "pipelines-together"]
-RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
 COARSE = 256  # cut candidates of the first pass when the caller gives none
 ROOM = 400  # extra candidates per refining pass
-PER_REPLICA = 4  # default micro-batch counts go up to this many per replica
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 _PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("cluster_search_progress", default=None)
 
@@ -72,42 +82,7 @@ def _report(what: str, done: int, total: int) -> None:
         callback(what, done, total)
 
 
-Candidate = tuple[float, int, int, RankOrder, list[int]]  # (objective s, m, d, rank order, cuts)
-TOP = 3  # candidates (best of distinct stages x replicas) kept for a second look (cluster_plan.py)
-
-
-@dataclass
-class ClusterSolution:
-    """The chosen counts, ranks and cuts, and what the search compared."""
-
-    bounds: list[int]  # [0, b1, ..., n]
-    ranks: list[list[int]]  # per stage, its replicas' ranks (micro-batch i on ranks[s][i % d])
-    order: RankOrder
-    micro_batches: int
-    schedule: str
-    step_s: float  # the search's objective: fill(m, p, d) * max W
-    work_s: list[float]  # W per stage
-    memory: list[float]  # bytes per replica of each stage
-    tried: dict[str, float] = field(default_factory=dict)  # "p x d, m, order" -> objective (s), best cuts
-    searched: int = 0  # configurations priced
-    pruned: int = 0  # configurations skipped by a bound
-    candidates: list[Candidate] = field(default_factory=list)  # the TOP best (p, d) by objective, first-pass cuts
-    cuts: np.ndarray | None = None  # the first pass's cut candidates (for `refine`)
-
-    @property
-    def stages(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def replicas(self) -> int:
-        return len(self.ranks[0])
-
-
-def layout(p: int, d: int, order: RankOrder) -> list[list[int]]:
-    """The ranks of each of p stages with d replicas each, in `order` (see RankOrder)."""
-    if order == "replicas-together":
-        return [[s * d + j for j in range(d)] for s in range(p)]
-    return [[j * p + s for j in range(d)] for s in range(p)]
+TOP = 3  # candidates (best of distinct stages x replicas x tensor x sharding) kept for a second look (cluster_plan.py)
 
 
 def affine(time: Callable[..., float], *args: object) -> tuple[float, float]:
@@ -141,28 +116,39 @@ def windows(cluster: Cluster, ranks: Sequence[Sequence[int]], capacity: float) -
 
 
 class _Pricer:
-    """Stage value matrices on one cut grid, cached by window and micro-batches (equal windows, equal costs)."""
+    """Stage value matrices on one cut grid, cached by window, micro-batches and sharding (equal keys, equal costs)."""
 
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
-        self.problem, self.grid = problem, Grid(problem, cuts)
+    def __init__(self, problem: HybridProblem, cuts: np.ndarray, space: Axes | None = None) -> None:
+        self.problem, self.cuts, self.space = problem, cuts, space
+        if space is None or space.rule is None:
+            self.grid: Grid = Grid(problem, cuts)
+        else:
+            blocks = space.blocks if space.blocks is not None else np.full(problem.n, -1)
+            share = space.share if space.share is not None else np.full(problem.n, 1 / 3)
+            self.grid = SplitGrid(problem, cuts, blocks, share)
         self.K = len(cuts)
-        self._parts: dict[tuple[Window, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._parts: dict[tuple[Window, int, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def parts(self, window: Window, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (window, m)
+    def parts(self, window: Window, m: int, sharding: str = "none") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key = (window, m, sharding)
         if key not in self._parts:
             full = slice(0, self.K)
-            self._parts[key] = stage_parts(self.problem, self.grid, window, m, full, full)
+            if isinstance(self.grid, SplitGrid) and self.space is not None and self.space.rule is not None:
+                self._parts[key] = split_parts(self.problem, self.grid, window, m, full, full, sharding,
+                                               self.space.rule)
+            else:
+                self._parts[key] = stage_parts(self.problem, self.grid, window, m, full, full)
         return self._parts[key]
 
-    def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False) -> list[np.ndarray]:
+    def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False,
+               sharding: str = "none") -> list[np.ndarray]:
         """Per stage, W (or, with `memory`, bytes per replica) of [cuts[i], cuts[j]); inf where it does not fit."""
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
         for s, window in enumerate(wins):
             count = replica_in_flight(schedule, p - s, m, window[0])
             if (window, count) not in made:
-                work, static, flight = self.parts(window, m)
+                work, static, flight = self.parts(window, m, sharding)
                 used = static + count * flight
                 if memory:
                     made[window, count] = np.where(np.isfinite(work), used, np.inf)
@@ -195,46 +181,10 @@ def _dp(values: Sequence[np.ndarray]) -> tuple[float, list[int]]:
     return float(f[K - 1]), idx[::-1]
 
 
-def block_cuts(modules: Sequence[str]) -> np.ndarray | None:
-    """Cut candidates of a model with repeated blocks: the first node of each block, and every position
-    outside them. `modules[i]` is node i's owning module path ("blocks.3.attn"); a block is the path up
-    to its first numeric part ("blocks.3"), and the container with the most blocks wins. None: no repeats."""
-    ids: list[str | None] = []
-    count: dict[str, set[str]] = {}
-    for path in modules:
-        parts = path.split(".") if path else []
-        k = next((i for i, x in enumerate(parts) if x.isdigit()), None)
-        if k is None:
-            ids.append(None)
-            continue
-        ids.append(".".join(parts[: k + 1]))
-        count.setdefault(".".join(parts[:k]), set()).add(parts[k])
-    if not count or max(len(v) for v in count.values()) < 4:
-        return None
-    container = max(count, key=lambda c: len(count[c]))
-    block = [b if b is not None and b.rsplit(".", 1)[0] == container else None for b in ids]
-    n = len(modules)
-    out = {0, n}
-    for i in range(n):
-        if block[i] is None:  # outside the blocks: every position around it
-            out |= {i, i + 1}
-        elif i == 0 or block[i] != block[i - 1]:  # a block starts
-            out.add(i)
-    return np.array(sorted(out), dtype=np.int64)
-
-
-def default_micro_batches(gpus: int, batch: int | None, stages_limit: int) -> list[int]:
-    """Micro-batch counts the search tries: c * d for c <= PER_REPLICA, and the batch's divisors that some
-    replica count d divides, for every d = gpus / p with p <= stages_limit; none above the batch."""
-    ds = [gpus // p for p in range(1, min(gpus, stages_limit) + 1) if gpus % p == 0]
-    ms = {c * d for d in ds for c in range(1, PER_REPLICA + 1)}
-    if batch:
-        ms |= {x for x in range(1, batch + 1) if batch % x == 0 and any(x % d == 0 for d in ds)}
-    kept = sorted(m for m in ms if batch is None or m <= batch)
-    if not kept:
-        raise PartitionError(f"a batch of {batch} samples cannot give each of {min(ds)} or more replicas of a stage a "
-                             f"micro-batch on {gpus} GPUs; use a global batch of at least {min(ds)}, or fewer GPUs")
-    return kept
+def _key(p: int, d: int, m: int, order: str, t: int, sharding: str) -> str:
+    """How `tried` names a configuration (tensor and sharding only where they are not 1 and "none")."""
+    extra = (f", t={t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "")
+    return f"{p}x{d}, m={m}, {order}{extra}"
 
 
 def search_cluster(
@@ -247,6 +197,7 @@ def search_cluster(
     replicate: bool = True,
     cuts: np.ndarray | None = None,
     orders: Sequence[RankOrder] = ("replicas-together", "pipelines-together"),
+    axes: Axes | None = None,
 ) -> ClusterSolution:
     """The counts, rank order and cuts with the smallest objective (module docstring) on all of `cluster`.
 
@@ -255,6 +206,7 @@ def search_cluster(
         micro_batches: candidate counts; a count is tried with the replica counts that divide it.
         stages: force this many stages; replicate=False: one replica per stage.
         cuts: first-pass cut candidates (positions 0..n, e.g. `block_cuts`); default: all or `COARSE` even ones.
+        axes: tensor degrees (each with its problem) and sharding modes to try; default: t = 1, no sharding.
 
     Raises:
         PartitionError: bad arguments; InfeasibleError (memory per GPU named) when nothing fits.
@@ -266,9 +218,9 @@ def search_cluster(
     capacity = float(problem.capacity.min())
     given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
     coarse = given if given is not None else cut_candidates(problem, COARSE)
-    pricer = _Pricer(problem, coarse)
+    space = axes if axes is not None else Axes((Split(1, problem),))
+    pricers = {s.tensor: _Pricer(s.problem, s.allowed(coarse), space) for s in space.splits}
     states = 2 + problem.optimizer_states
-    total_params = float(problem.param_bytes.sum())
     pairs = [(p, D // p) for p in range(1, min(D, n, len(coarse) - 1) + 1) if D % p == 0
              and (stages is None or p == stages) and (replicate or D // p == 1)]
     if not pairs:
@@ -276,120 +228,151 @@ def search_cluster(
                              f"{D} GPUs = p x replicas; give stages that divide {D}, or drop stages=")
     pruned = 0
     configs = []
-    for p, d in pairs:
-        if states * total_params / p > capacity:  # the stages' weights alone: a lower bound on the largest
-            pruned += 1
-            continue
-        for m in micro_batches:
-            if m % d == 0:
-                bound = fill(m, p, d, mode) * (m // d) * float(problem.micro_batch_times(m).min(0).sum()) / p
-                configs.append((bound, p, d, m))
+    for split in space.splits:
+        t, total_params = split.tensor, float(split.problem.param_bytes.sum())
+        for p, d in [(p, D // t // p) for p in range(1, min(D // t, n) + 1) if D % (t * p) == 0] if t > 1 else pairs:
+            if (stages is not None and p != stages) or (not replicate and d != 1) or p > len(pricers[t].cuts) - 1:
+                continue
+            for sharding in space.modes_for(d):
+                least = lower_static_bytes(total_params / p, space.rule, sharding, d, 1) if space.rule else math.nan
+                if (states * total_params / p if math.isnan(least) else least) > capacity:  # states alone: too much
+                    pruned += 1
+                    continue
+                for m in micro_batches:
+                    if m % d == 0:
+                        bound = fill(m, p, d, mode) * (m // d) * float(split.problem.micro_batch_times(m).min(0).sum())
+                        configs.append((bound / p, p, d, m, t, sharding))
     configs.sort()
     best: Candidate | None = None
     found: list[Candidate] = []
     tried: dict[str, float] = {}
     searched = 0
-    for done, (bound, p, d, m) in enumerate(configs):
-        _report(f"{p} stages x {d} replicas, {m} micro-batches", done, len(configs))
-        if best is not None and bound >= best[0]:
+    made: dict[tuple[int, int, str, int], list[Window]] = {}
+    for done, (bound, p, d, m, t, sharding) in enumerate(configs):
+        _report(f"{p} stages x {d} replicas" + (f" x {t} tensor" if t > 1 else "") + f", {m} micro-batches",
+                done, len(configs))
+        if best is not None and bound >= best.step:
             pruned += 1
             continue
         for order in orders:
             if (d == 1 or p == 1) and order != orders[0]:  # one layout whatever the order
                 continue
-            ranks = layout(p, d, order)
+            if (p, d, order, t) not in made:
+                made[p, d, order, t] = windows(cluster, layout(p, d, order, t), capacity)
             searched += 1
-            value, idx = _dp(pricer.values(windows(cluster, ranks, capacity), m, mode))
+            pricer = pricers[t]
+            value, idx = _dp(pricer.values(made[p, d, order, t], m, mode, sharding=sharding))
             step = fill(m, p, d, mode) * value
             if np.isfinite(step):
-                tried[f"{p}x{d}, m={m}, {order}"] = step
-                found.append((step, m, d, order, [int(coarse[i]) for i in idx]))
-                if best is None or step < best[0]:
+                tried[_key(p, d, m, order, t, sharding)] = step
+                found.append(Candidate(step, m, d, order, [int(pricer.cuts[i]) for i in idx], t, sharding))
+                if best is None or step < best.step:
                     best = found[-1]
     _report("refining cuts", len(configs), len(configs))
     if best is None:
-        raise _infeasible(problem, cluster, pairs, micro_batches, mode, pricer, capacity)
-    found.sort(key=lambda c: c[0])
-    distinct: dict[tuple[int, int], Candidate] = {}  # the best of each (stages, replicas)
+        raise _infeasible(space, cluster, micro_batches, mode, pricers, capacity, stages, replicate)
+    found.sort(key=lambda c: c.step)
+    distinct: dict[tuple[int, int, int, str], Candidate] = {}  # the best of each (stages, replicas, tensor, sharding)
     for candidate in found:
-        distinct.setdefault((len(candidate[4]) - 1, candidate[2]), candidate)
-    solution = solve_candidate(problem, cluster, refine(problem, cluster, best, coarse, mode), schedules)
+        distinct.setdefault((len(candidate.bounds) - 1, candidate.d, candidate.tensor, candidate.sharding), candidate)
+    solution = solve_candidate(space, cluster, refine(space, cluster, best, coarse, mode), schedules)
     solution.tried, solution.searched, solution.pruned = tried, searched, pruned
     solution.candidates, solution.cuts = list(distinct.values())[:TOP], coarse
     return solution
 
 
-def solve_candidate(problem: HybridProblem, cluster: Cluster, candidate: Candidate,
+def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
                     schedules: Sequence[str] = SCHEDULES) -> ClusterSolution:
     """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more."""
-    _, m, d, order, bounds = candidate
-    ranks = layout(len(bounds) - 1, d, order)
+    space = _space(space)
+    m, d, order, bounds, t, sharding = candidate[1:]
+    ranks = layout(len(bounds) - 1, d, order, t)
+    problem = space.split(t).problem
     wins = windows(cluster, ranks, float(problem.capacity.min()))
     schedule = "1f1b" if "1f1b" in schedules else schedules[0]
     if schedule == "1f1b" and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
-        held = [evaluate_cluster(problem, wins, bounds, m, name)[2] for name in ("gpipe", schedule)]
+        held = [evaluate_cluster(space, wins, bounds, m, name, t, sharding)[2] for name in ("gpipe", schedule)]
         schedule = "gpipe" if held[0] == held[1] else schedule
-    final, work, memory = evaluate_cluster(problem, wins, bounds, m, schedule)
-    return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory)
+    final, work, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, sharding)
+    return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory, tensor=t, sharding=sharding)
 
 
-def refine(problem: HybridProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray, mode: str) -> Candidate:
+def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray,
+           mode: str) -> Candidate:
     """Zoom in around the chosen cuts (every `finer`-th position within `stride` of each), for the chosen counts."""
-    capacity = float(problem.capacity.min())
-    step, m, d, order, bounds = best
-    wins = windows(cluster, layout(len(bounds) - 1, d, order), capacity)
+    space = _space(space)
+    step, m, d, order, bounds, t, sharding = best
+    split = space.split(t)
+    capacity = float(split.problem.capacity.min())
+    wins = windows(cluster, layout(len(bounds) - 1, d, order, t), capacity)
     stride = int(np.diff(coarse).max()) if len(coarse) > 1 else 1
     while stride > 1:
         finer = max(1, math.ceil(2 * stride * len(bounds) / ROOM))
         if finer >= stride:
             break
         around = [np.arange(b - stride, b + stride + 1, finer) for b in bounds]
-        cuts = np.unique(np.clip(np.concatenate([coarse, *around]), 0, problem.n)).astype(np.int64)
-        value, idx = _dp(_Pricer(problem, cuts).values(wins, m, mode))
+        cuts = split.allowed(np.unique(np.clip(np.concatenate([coarse, *around]), 0, split.problem.n)).astype(np.int64))
+        value, idx = _dp(_Pricer(split.problem, cuts, space).values(wins, m, mode, sharding=sharding))
         found = fill(m, len(bounds) - 1, d, mode) * value
         if found < step:
             step, bounds = found, [int(cuts[i]) for i in idx]
         coarse, stride = cuts, finer
-    return step, m, d, order, bounds
+    return Candidate(step, m, d, order, bounds, t, sharding)
 
 
 def evaluate_cluster(
-    problem: HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str
+    space: Axes | HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
+    tensor: int = 1, sharding: str = "none",
 ) -> tuple[float, list[float], list[float]]:
     """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate)."""
+    space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)
-    grid, p = Grid(problem, cuts), len(wins)
+    problem = space.split(tensor).problem
+    pricer, p = _Pricer(problem, cuts, space), len(wins)
     work, memory = [], []
     for s, window in enumerate(wins):
-        wk, static, flight = stage_parts(problem, grid, window, m, slice(s, s + 1), slice(s + 1, s + 2))
-        work.append(float(wk[0, 0]))
-        memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, window[0]) * flight[0, 0]))
+        wk, static, flight = (x[s, s + 1] for x in pricer.parts(window, m, sharding))
+        work.append(float(wk))
+        memory.append(float(static + replica_in_flight(schedule, p - s, m, window[0]) * flight))
     return fill(m, p, wins[0][0], schedule) * max(work), work, memory
 
 
+def _space(space: Axes | HybridProblem) -> Axes:
+    return space if isinstance(space, Axes) else Axes((Split(1, space),))
+
+
 def _infeasible(
-    problem: HybridProblem, cluster: Cluster, pairs: Sequence[tuple[int, int]], micro_batches: Sequence[int],
-    mode: str, pricer: _Pricer, capacity: float,
+    space: Axes, cluster: Cluster, micro_batches: Sequence[int], mode: str, pricers: dict[int, _Pricer],
+    capacity: float, stages: int | None, replicate: bool,
 ) -> InfeasibleError:
     """The error naming the memory per GPU the least demanding configuration would need."""
-    least: tuple[float, int, int, int] | None = None
-    for p, d in pairs:
-        for m in (m for m in micro_batches if m % d == 0):
-            wins = windows(cluster, layout(p, d, "replicas-together"), capacity)
-            need, _ = _dp(pricer.values(wins, m, mode, memory=True))
-            if np.isfinite(need) and (least is None or need < least[0]):
-                least = (need, p, d, m)
+    least: tuple[float, int, int, int, int, str] | None = None
+    D = cluster.size
+    for split in space.splits:
+        t = split.tensor
+        for p in (p for p in range(1, min(D // t, len(pricers[t].cuts) - 1) + 1) if D % (t * p) == 0):
+            d = D // t // p
+            if (stages is not None and p != stages) or (not replicate and d != 1):
+                continue
+            for sharding in space.modes_for(d):
+                for m in (m for m in micro_batches if m % d == 0):
+                    wins = windows(cluster, layout(p, d, "replicas-together", t), capacity)
+                    need, _ = _dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding))
+                    if np.isfinite(need) and (least is None or need < least[0]):
+                        least = (need, p, d, m, t, sharding)
+    problem = space.splits[0].problem
     if least is None:
         return InfeasibleError(
             f"no configuration puts all {cluster.size} GPUs of {cluster.shape} to work: stages x replicas must be "
             f"{cluster.size}, with at most {problem.n} stages and replicas dividing the micro-batches "
             f"{list(micro_batches)[:12]}; allow other micro-batch counts or use another cluster size", [])
-    need, p, d, m = least
+    need, p, d, m, t, sharding = least
     gib = 1024**3
+    how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "")
     return InfeasibleError(
         f"the model does not fit on {cluster.shape}: under every choice of stages, replicas and micro-batches "
         f"some stage is over the memory per GPU. At least {need / gib:.1f} GiB per GPU is needed ({p} stages x "
-        f"{d} replicas, {m} micro-batches, {mode}); a {cluster.gpu.name} has {capacity / gib:.1f} GiB usable. "
+        f"{d} replicas, {m} micro-batches, {mode}{how}); a {cluster.gpu.name} has {capacity / gib:.1f} GiB usable. "
         "Fix: more GPUs (more stages), GPUs with more memory, an optimizer with fewer states, or recomputation.",
         [int(math.ceil(need))] * cluster.size,
     )

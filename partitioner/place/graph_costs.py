@@ -22,7 +22,9 @@ from partitioner.place.hybrid import micro_batch_counts
 from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.predict.counting import device_key
 
-__all__ = ["at_batch", "batch_size", "graph_values", "hybrid_problem", "node_times", "per_micro_batch"]
+__all__ = [
+    "at_batch", "batch_size", "fixed_and_batch", "graph_values", "hybrid_problem", "node_times", "per_micro_batch",
+]
 
 
 def _affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
@@ -110,9 +112,7 @@ def node_times(
                 size_times[s][k, i] = cost.node_time(at_batch(attrs, batch=size, size=s), dev)
     fixed, batch = np.zeros((len(kinds), n)), np.zeros((len(kinds), n))
     if size is not None and size > 1:
-        whole, half = size_times[size], size_times[size // 2]
-        part = np.clip((whole - half) * size / (size - size // 2), 0.0, whole)
-        fixed, batch = whole - part, part
+        fixed, batch = fixed_and_batch(size_times, size)
     else:  # batch unknown: halve FLOPs and bytes
         for k, dev in enumerate(kinds):
             for i, name in enumerate(order):
@@ -122,6 +122,14 @@ def node_times(
                 part_s = min(max(2.0 * (whole_s - cost.node_time(halved, dev)), 0.0), whole_s)
                 fixed[k, i], batch[k, i] = whole_s - part_s, part_s
     return fixed, batch, size_times
+
+
+def fixed_and_batch(size_times: dict[int, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, whole-batch) seconds from the times at the whole batch and half of it: the part that grows
+    with the samples, clipped to the whole, and the rest (op overheads)."""
+    whole, half = size_times[size], size_times[size // 2]
+    part = np.clip((whole - half) * size / (size - size // 2), 0.0, whole)
+    return whole - part, part
 
 
 def graph_values(

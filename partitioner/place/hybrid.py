@@ -73,9 +73,10 @@ WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets
 class InfeasibleError(PartitionError):
     """No split of the devices keeps every stage within its devices' memory."""
 
-    def __init__(self, message: str, needed_bytes: list[int]) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, needed_bytes: list[int], note: str = "") -> None:
+        super().__init__(f"{message} {note}" if note else message)
         self.needed_bytes = needed_bytes  # per device, under the split that needs the least
+        self.note = note  # what else would fit (another training precision), or ""
 
 
 @dataclass

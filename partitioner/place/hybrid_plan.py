@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from cost_model.interface import CostModel
+from cost_model.precision import Precision
+from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
 from partitioner.place.cluster_plan import cluster_of, plan_on_cluster
 from partitioner.place.graph_costs import hybrid_problem, per_micro_batch
@@ -43,6 +45,8 @@ def plan_hybrid(
     optimizer: str = "adam",
     headroom: float = 0.9,
     recompute: Literal["none", "full", "auto"] = "none",
+    precision: Precision | None = None,
+    shardable: Shardable | None = None,
 ) -> Plan:
     """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
 
@@ -56,6 +60,8 @@ def plan_hybrid(
         memory_bytes: usable bytes per device (default: headroom x the spec's memory).
         recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
             without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
+        precision, shardable: on a Cluster, the training precision states are counted at (and replicas
+            may be sharded under) and the layer groups tensor parallelism may split (cluster_plan.py).
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
@@ -71,7 +77,8 @@ def plan_hybrid(
         try:
             made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
                                           schedules=schedules, stages=stages, replicate=replicate,
-                                          optimizer=optimizer, headroom=headroom, recompute=recompute)
+                                          optimizer=optimizer, headroom=headroom, recompute=recompute,
+                                          precision=precision, shardable=shardable)
             counted = made, found.step_s
         except PartitionError:
             if cluster.size > EXHAUSTIVE_GPUS:

@@ -18,7 +18,7 @@ from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import Window
 from rules.schedules import in_flight, schedule_spec, searched_names
 
-__all__ = ["Grid", "cut_candidates", "replica_in_flight", "schedule_fill", "stage_parts"]
+__all__ = ["Grid", "cut_candidates", "range_max", "replica_in_flight", "schedule_fill", "span", "stage_parts"]
 
 
 class Grid:
@@ -31,7 +31,7 @@ class Grid:
         )
         self.problem = problem
         self.params, self.saved = self._prefix(problem.param_bytes), self._prefix(problem.saved_bytes)
-        self.largest = _range_max(problem.out_bytes, cuts) if problem.out_bytes is not None else None
+        self.largest = range_max(problem.out_bytes, cuts) if problem.out_bytes is not None else None
         self._compute: dict[int, np.ndarray] = {}
 
     def _prefix(self, x: np.ndarray) -> np.ndarray:
@@ -45,7 +45,7 @@ class Grid:
         return self._compute[m]
 
 
-def _range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+def range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
     """[i, j]: the largest of values[cuts[i] : cuts[j]] (0 where empty)."""
     pieces = np.array([values[a:b].max() if b > a else 0.0 for a, b in zip(cuts[:-1], cuts[1:])])
     out = np.zeros((len(cuts), len(cuts)))
@@ -54,7 +54,7 @@ def _range_max(values: np.ndarray, cuts: np.ndarray) -> np.ndarray:
     return out
 
 
-def _diff(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
+def span(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
     out: np.ndarray = prefix[..., None, cols] - prefix[..., rows, None]
     return out
 
@@ -64,13 +64,13 @@ def stage_parts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
     r, kinds, recv_link, send_link, reduce, _ = window
-    comp = np.max(_diff(g.compute(m)[list(kinds)], rows, cols), axis=0)
+    comp = np.max(span(g.compute(m)[list(kinds)], rows, cols), axis=0)
     recv, send = g.recv[rows, cols] / m, g.send[rows, cols] / m
     t = comp
     for link, nbytes in ((recv_link, recv), (send_link, send)):
         if link is not None:
             t = t + 2 * np.where(nbytes > 0, link[0] + link[1] * nbytes, 0.0)
-    params = _diff(g.params, rows, cols)
+    params = span(g.params, rows, cols)
     work = math.ceil(m / r) * t
     if reduce is not None:
         work = work + np.where(params > 0, reduce[0] + reduce[1] * params, 0.0)
@@ -79,7 +79,7 @@ def stage_parts(
     static = (2 + p.optimizer_states) * params + 2 * (recv + send)
     if g.largest is not None:
         static = static + 3 * g.largest[rows, cols] / m
-    flight = _diff(g.saved, rows, cols) / m + recv + send
+    flight = span(g.saved, rows, cols) / m + recv + send
     return work, static, flight
 
 

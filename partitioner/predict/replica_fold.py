@@ -67,10 +67,28 @@ def fold(plan: Plan) -> Fold | None:
     if programs is None:
         return None
     representative = dict(layout.representative)
+    tensor = _tensor_ranks(plan)  # a replica's other tensor ranks run its program on their shards
+    others = {rank for ranks in tensor.values() for rank in ranks}
+    programs = [p for p in programs if p.rank not in others]
     for program in programs:  # ranks that run no stage stand for themselves
         representative.setdefault(program.rank, program.rank)
         members.setdefault(program.rank, [program.rank])
+    for rep, ranks in members.items():
+        members[rep] = [r for first in ranks for r in (first, *tensor.get(first, ()))]
+    for first, rest in tensor.items():
+        for rank in rest:
+            representative[rank] = representative.get(first, first)
     return Fold(programs, members, representative)
+
+
+def _tensor_ranks(plan: Plan) -> dict[int, list[int]]:
+    """Each replica's first rank -> its other tensor ranks ([Note: ranks of a split stage] in runtime/plan.py)."""
+    out: dict[int, list[int]] = {}
+    for stage in plan.stages:
+        for group in stage.rank_groups:
+            if len(group) > 1:
+                out.setdefault(group[0], group[1:])
+    return out
 
 
 def rank_span(ranks: Sequence[int]) -> str:

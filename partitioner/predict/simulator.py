@@ -17,6 +17,7 @@ shared cores, fixed step cost): see calibrated_sim.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, Sequence
 
 from cost_model.calibration import Calibration
@@ -100,6 +101,11 @@ def simulate(
             factors, per-task overhead, link, fixed step cost, cores shared by CPU ranks);
             see partitioner/predict/calibrated_sim.py. One row per rank.
 
+    [Note: sliced replicas as dealt ones] A plan whose replicas run every micro-batch on their slice
+    (`data_split="slice"`: m micro-batches, d replicas in lockstep) has every replica run m micro-batches
+    of batch / (m d) samples, as d replicas dealt m d micro-batches of that size do: simulated so, each
+    replica's timeline is the sliced plan's (its stage times are one slice's).
+
     Raises:
         ScheduleError: the schedule or programs are incomplete or deadlock (says where).
     """
@@ -109,6 +115,9 @@ def simulate(
     if calibration is not None:
         return simulate_calibrated(plan, calibration, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
                                    group_ms=group_ms)
+    if plan.data_split == "slice" and not plan.programs:  # see [Note: sliced replicas as dealt ones]
+        plan = replace(plan, micro_batches=plan.micro_batches * max(s.replicas for s in plan.stages),
+                       data_split="deal")
     folded = fold(plan) if rows == "replicas" else None
     if folded is None:
         programs = plan.programs or default_programs(plan)

@@ -1,0 +1,106 @@
+"""The tensor degrees and sharding modes a cluster plan searches, each degree with its problem (cluster_space.Axes).
+
+    tensor degrees   1, and each degree of the model's split groups (partitioner.capture.shardable) that
+                     divides the GPUs and a host's (tensor ranks share its NVLink / NVSwitch), and twice
+                     a host (priced across hosts; kept only where that is faster)
+    sharding modes   "none", and with a training precision given, "zero1", "zero2", "zero3" (FSDP2 over
+                     a stage's replicas, rules/sharding.py): without one, plans are priced as before
+                     precision was an input (every state at the model's dtype, the all-reduce after the
+                     backward), where sharding has nothing to gain that prices would show fairly
+
+A degree t prices the groups it splits (tensor_split.priced_groups: t among their degrees, no cut
+candidate inside) on a tensor group of t consecutive ranks from rank 0 (one host where t divides its GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import networkx as nx
+import numpy as np
+import torch
+
+from cost_model.cluster_shape import Cluster
+from cost_model.collectives import ring_of
+from cost_model.interface import CostModel
+from cost_model.precision import DTYPE_BYTES, Precision, dtype_name
+from partitioner.capture.shardable_groups import Shardable, ShardGroup
+from partitioner.errors import PartitionError
+from partitioner.place.blocks import block_ids
+from partitioner.place.cluster_space import Axes, Split, tensor_degrees
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.split_costs import StateRule
+from partitioner.place.tensor_split import crossing, priced_groups, split_problem
+from rules.sharding import SHARDING_MODES
+
+__all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomputed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitChoice:
+    """What the caller allows: tensor degrees and sharding modes (None: every one worth trying)."""
+
+    tensor: Sequence[int] | None = None
+    sharding: Sequence[str] | None = None
+
+
+ANY_SPLIT = SplitChoice()
+
+def param_itemsize(graph: nx.DiGraph) -> int:
+    """Bytes of one weight element in the graph: the dtype of the first weight read (get_attr), else of the first
+    layer with weights (its output's), else 4."""
+    for op in ("get_attr", "call_module"):
+        for _, attrs in graph.nodes(data=True):
+            if attrs.get("op") == op and attrs.get("param_bytes") and attrs.get("dtypes"):
+                try:
+                    return DTYPE_BYTES[dtype_name(attrs["dtypes"][0])]
+                except ValueError:
+                    continue
+    return 4
+
+
+def cluster_axes(
+    graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, plain: HybridProblem,
+    share: np.ndarray, cuts: np.ndarray | None, *, precision: Precision | None, shardable: Shardable | None,
+    optimizer: str = "adam", choice: SplitChoice = ANY_SPLIT,
+) -> tuple[Axes, dict[int, list[ShardGroup]]]:
+    """The Axes of a cluster search (module docstring) and the groups each tensor degree splits.
+
+    Raises:
+        PartitionError: a tensor degree or sharding mode asked for that the model or cluster cannot take.
+    """
+    legal = sorted({t for g in shardable.groups for t in g.degrees}) if shardable is not None else []
+    degrees = tensor_degrees(cluster.size, cluster.gpus_per_host, legal)
+    if choice.tensor is not None:
+        unknown = sorted(set(choice.tensor) - set(degrees))
+        if unknown:
+            raise PartitionError(f"tensor degrees {unknown} cannot split this model on {cluster.shape}; it can take "
+                                 f"{degrees} (a split group's degree that divides the GPUs and a host's, or twice a "
+                                 "host)")
+        degrees = sorted(set(choice.tensor))
+    modes = tuple(SHARDING_MODES) if precision is not None else ("none",)
+    if choice.sharding is not None:
+        wrong = [m for m in choice.sharding if m not in SHARDING_MODES]
+        if wrong or (precision is None and set(choice.sharding) != {"none"}):
+            raise PartitionError(f"sharding {list(choice.sharding)}: use modes of {list(SHARDING_MODES)}, and give "
+                                 "precision= to shard (sharded states are counted at their own dtypes)")
+        modes = tuple(choice.sharding)
+    device = torch.device("cuda:0")
+    splits, groups = [], {}
+    for t in degrees:
+        chosen = priced_groups(shardable, t, order, cuts) if shardable is not None else []
+        if t > 1 and not chosen:
+            continue
+        problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)))
+        splits.append(Split(t, problem, crossing(chosen, order)))
+        groups[t] = chosen
+    rule = StateRule(precision, param_itemsize(graph), optimizer)
+    blocks = np.array(block_ids([str(graph.nodes[x].get("module", "") or "") for x in order]), dtype=np.int64)
+    return Axes(tuple(splits), modes, rule, blocks, share), groups
+
+
+def recomputed(axes: Axes, redo: Callable[[HybridProblem], HybridProblem]) -> Axes:
+    """`axes` with every split's problem passed through `redo` (e.g. full recomputation)."""
+    return dataclasses.replace(axes, splits=tuple(dataclasses.replace(s, problem=redo(s.problem))
+                                                  for s in axes.splits))

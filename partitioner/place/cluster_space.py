@@ -1,0 +1,138 @@
+"""What the cluster search chooses among (tensor degrees, sharding modes, rank orders, micro-batches) and returns.
+
+    GPUs = t x p x d            t tensor ranks per replica (TP innermost: consecutive ranks, one host
+                                where t divides its GPUs), p stages, d replicas of each
+    rank of stage s, replica j, tensor index i = t * layout(p, d, order)[s][j] + i
+
+A `Split` is one tensor degree with the problem as each of its ranks runs it (tensor_split.py) and
+the cut positions that would fall inside a split group; `Axes` is every split tried, the sharding
+modes of the replicas and how states are counted (split_costs.StateRule; None: as plans were
+counted before training precision was an input, the only way without a rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Sequence, get_args
+
+import numpy as np
+
+from partitioner.errors import PartitionError
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.split_costs import StateRule
+
+__all__ = [
+    "PER_REPLICA", "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "default_micro_batches",
+    "layout", "tensor_degrees",
+]
+
+# Which ranks share hosts: a stage's replicas ("replicas-together": stage s on ranks s*d .. s*d+d-1, its
+# all-reduce inside hosts, pipeline neighbours across them) or one pipeline's stages ("pipelines-together":
+# replica j of stage s on rank j*p + s, neighbours inside a host, each all-reduce across hosts).
+RankOrder = Literal["replicas-together", "pipelines-together"]
+RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
+PER_REPLICA = 4  # default micro-batch counts go up to this many per replica
+
+
+class Candidate(NamedTuple):
+    """A configuration the search priced: its objective (s), counts, rank order, cuts, tensor degree, sharding."""
+
+    step: float
+    m: int
+    d: int
+    order: RankOrder
+    bounds: list[int]
+    tensor: int = 1
+    sharding: str = "none"
+
+
+@dataclass(frozen=True)
+class Split:
+    """One tensor degree: the problem as each of its t ranks runs it and the cuts it may not make."""
+
+    tensor: int
+    problem: HybridProblem
+    forbidden: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def allowed(self, cuts: np.ndarray) -> np.ndarray:
+        """`cuts` without the positions inside a split group."""
+        return cuts[~np.isin(cuts, self.forbidden)] if len(self.forbidden) else cuts
+
+
+@dataclass(frozen=True)
+class Axes:
+    """What the search tries beyond stages, replicas and micro-batches (module docstring)."""
+
+    splits: tuple[Split, ...]
+    modes: tuple[str, ...] = ("none",)
+    rule: StateRule | None = None
+    blocks: np.ndarray | None = None  # per node, its block (blocks.block_ids): the FSDP unit
+    share: np.ndarray | None = None  # per node, the forward's part of its time
+
+    def split(self, tensor: int) -> Split:
+        return next(s for s in self.splits if s.tensor == tensor)
+
+    def modes_for(self, d: int) -> tuple[str, ...]:
+        """Sharding modes worth pricing with d replicas ("none" alone for one)."""
+        return self.modes if d > 1 else ("none",)
+
+
+@dataclass
+class ClusterSolution:
+    """The chosen counts, ranks and cuts, and what the search compared."""
+
+    bounds: list[int]  # [0, b1, ..., n]
+    ranks: list[list[int]]  # per stage, its replicas' first ranks (micro-batch i on ranks[s][i % d])
+    order: RankOrder
+    micro_batches: int
+    schedule: str
+    step_s: float  # the search's objective: fill(m, p, d) * max W
+    work_s: list[float]  # W per stage
+    memory: list[float]  # bytes per replica of each stage
+    tried: dict[str, float] = field(default_factory=dict)  # "p x d, m, order" -> objective (s), best cuts
+    searched: int = 0  # configurations priced
+    pruned: int = 0  # configurations skipped by a bound
+    candidates: list[Candidate] = field(default_factory=list)  # the TOP best (p, d) by objective, first-pass cuts
+    cuts: np.ndarray | None = None  # the first pass's cut candidates (for `refine`)
+    tensor: int = 1  # ranks per replica, its layers split across them
+    sharding: str = "none"  # how the replicas shard their states (rules.sharding)
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.ranks[0])
+
+
+def layout(p: int, d: int, order: RankOrder, tensor: int = 1) -> list[list[int]]:
+    """The first rank of each replica of each of p stages with d replicas each, in `order` (see RankOrder); each
+    replica runs on `tensor` consecutive ranks from there."""
+    if order == "replicas-together":
+        return [[tensor * (s * d + j) for j in range(d)] for s in range(p)]
+    return [[tensor * (j * p + s) for j in range(d)] for s in range(p)]
+
+
+def default_micro_batches(gpus: int, batch: int | None, stages_limit: int) -> list[int]:
+    """Micro-batch counts the search tries: c * d for c <= PER_REPLICA, and the batch's divisors that some
+    replica count d divides, for every d = gpus / p with p <= stages_limit; none above the batch."""
+    ds = [gpus // p for p in range(1, min(gpus, stages_limit) + 1) if gpus % p == 0]
+    ms = {c * d for d in ds for c in range(1, PER_REPLICA + 1)}
+    if batch:
+        ms |= {x for x in range(1, batch + 1) if batch % x == 0 and any(x % d == 0 for d in ds)}
+    kept = sorted(m for m in ms if batch is None or m <= batch)
+    if not kept:
+        raise PartitionError(f"a batch of {batch} samples cannot give each of {min(ds)} or more replicas of a stage a "
+                             f"micro-batch on {gpus} GPUs; use a global batch of at least {min(ds)}, or fewer GPUs")
+    return kept
+
+
+def tensor_degrees(gpus: int, gpus_per_host: int, legal: Sequence[int]) -> list[int]:
+    """Tensor degrees worth trying: 1 and those in `legal` (a split group's) that divide the GPUs and fit in a host,
+    and twice a host (across hosts: priced on the inter-host link, kept only where it is faster)."""
+    out = {1}
+    for t in legal:
+        if t > 1 and gpus % t == 0 and (gpus_per_host % t == 0 or t == 2 * gpus_per_host):
+            out.add(t)
+    return sorted(out)

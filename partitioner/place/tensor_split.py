@@ -1,0 +1,166 @@
+"""A graph as t tensor-parallel ranks each run it: split layers' work, weights and activations / t, collectives added.
+
+A group of partitioner.capture.shardable splits across t ranks (its degrees: t divides them). Each
+rank of the group runs every node of it on 1/t of the values:
+
+    node role                     FLOPs   output bytes   shapes (what the GEMM efficiency reads)
+    output split (colwise, heads) / t     / t            linear: N / t (last dim); batched matmul: heads / t
+    output summed (rowwise, vocab) / t    whole          whole (K / t: FLOPs / (2 M N))
+    output gathered (lone head)   / t     whole          whole
+
+so a GEMM of 1/t the width is priced at its own shape's efficiency (cost_model.ops.gemm_efficiency),
+not at 1/t the time, and memory-bound ops at 1/t of their bytes. Weights split by the group are / t
+(replicated biases stay whole); what a node saves for backward follows the output bytes it reads
+(cost_model.recompute_cost), so a rowwise layer saves its split input / t and a colwise one its
+replicated input whole. Nodes outside the groups (norms, residual adds) run whole on every rank, as
+eager DTensor without sequence parallelism runs them. Each group adds its collectives
+(`ShardGroup.collectives`: an all-reduce of the summed outputs in forward and of the inputs'
+gradients in backward, an all-gather of gathered outputs) on the tensor group's ring, not
+overlapped with compute (eager DTensor waits for each).
+
+A group crossed by a cut candidate (a tied embedding and LM head at both ends of the model) cannot
+split once stages are cut there, so `priced_groups` leaves it whole, and `crossing` names the
+positions a search may not cut at once it split a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import networkx as nx
+import numpy as np
+import torch
+
+from cost_model.collectives import Ring, all_gather, all_reduce, reduce_scatter
+from cost_model.interface import CostModel
+from partitioner.capture.shardable_groups import Shardable, ShardGroup
+from partitioner.place.graph_costs import at_batch, batch_size, fixed_and_batch, graph_values
+from partitioner.place.hybrid_problem import HybridProblem
+
+__all__ = ["collective_seconds", "crossing", "priced_groups", "split_attrs", "split_graph", "split_problem"]
+
+_BATCHED = ("matmul", "bmm", "einsum", "attention", "baddbmm")
+
+
+def priced_groups(shardable: Shardable, t: int, order: Sequence[str], cuts: Any) -> list[ShardGroup]:
+    """The groups t splits (t among their degrees) that no cut candidate crosses: each lies in one stage."""
+    if t == 1:
+        return []
+    position = {name: i for i, name in enumerate(order)}
+    marks = np.asarray(sorted(cuts) if cuts is not None else [], dtype=np.int64)
+    out = []
+    for group in shardable.groups:
+        if t not in group.degrees or any(n not in position for n in group.nodes):
+            continue
+        first, last = min(position[n] for n in group.nodes), max(position[n] for n in group.nodes)
+        if not np.any((marks > first) & (marks <= last)):
+            out.append(group)
+    return out
+
+
+def crossing(groups: Sequence[ShardGroup], order: Sequence[str]) -> np.ndarray:
+    """Cut positions (0..n) that would fall inside a split group: a cut at c runs nodes c.. in the next stage."""
+    position = {name: i for i, name in enumerate(order)}
+    out: set[int] = set()
+    for group in groups:
+        first, last = min(position[n] for n in group.nodes), max(position[n] for n in group.nodes)
+        out.update(range(first + 1, last + 1))
+    return np.array(sorted(out), dtype=np.int64)
+
+
+def split_attrs(attrs: dict[str, Any], t: int, role: str) -> dict[str, Any]:
+    """A node's attributes as one of t ranks runs it: role "split" (its output split), "summed" or "gathered"."""
+    out = dict(attrs)
+    out["flops"] = (attrs.get("flops", 0) or 0) / t
+    if role != "split":
+        return out
+    out["out_bytes"] = (attrs.get("out_bytes", 0) or 0) / t
+    name = str(attrs.get("kind") or attrs.get("target") or "").lower()
+    batched = any(k in name for k in _BATCHED)
+    shapes = []
+    for shape in attrs.get("shapes") or []:
+        dims = list(shape)
+        at = 1 if batched and len(dims) >= 3 else len(dims) - 1
+        if dims and at >= 0:
+            dims[at] = max(1, round(dims[at] / t))
+        shapes.append(tuple(dims))
+    if "shapes" in attrs:
+        out["shapes"] = shapes
+    return out
+
+
+def _roles(group: ShardGroup) -> dict[str, str]:
+    outputs = {name for name, _ in group.outputs}
+    gathered = {c.value for c in group.collectives if c.kind == "all_gather" and c.phase == "forward"}
+    return {n: ("gathered" if n in gathered else "summed") if n in outputs else "split" for n in group.nodes}
+
+
+def split_graph(graph: nx.DiGraph, groups: Sequence[ShardGroup], t: int) -> nx.DiGraph:
+    """A copy of `graph` as each of t ranks runs it (module docstring): the groups' nodes and weights split."""
+    out = graph.copy()
+    if t == 1:
+        return out
+    holders: dict[str, str] = {}  # a parameter's name -> the get_attr node reading it
+    for name, attrs in graph.nodes(data=True):
+        if attrs.get("op") == "get_attr":
+            holders[str(attrs.get("target"))] = name
+    for group in groups:
+        whole = group.weight_bytes + group.replicated_bytes
+        share = (group.weight_bytes / t + group.replicated_bytes) / whole if whole else 1.0
+        for name, role in _roles(group).items():
+            attrs = split_attrs(graph.nodes[name], t, role)
+            if attrs.get("param_bytes"):
+                attrs["param_bytes"] = attrs["param_bytes"] * share
+            out.nodes[name].update(attrs)
+        for param in group.params:
+            holder = holders.get(param.name)
+            if holder is not None and param.dim is not None:
+                out.nodes[holder]["param_bytes"] = (graph.nodes[holder].get("param_bytes", 0) or 0) / t
+    return out
+
+
+def collective_seconds(graph: nx.DiGraph, group: ShardGroup, ring: Ring, size: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one group's collectives on `ring` for a micro-batch of `size` samples
+    (bytes from `graph`, annotated for its whole batch)."""
+    batch = batch_size(graph)
+    scale = size / batch if batch else 1.0
+    times = {"forward": 0.0, "backward": 0.0}
+    price = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
+    for c in group.collectives:
+        nbytes = float(graph.nodes[c.value].get("out_bytes", 0) or 0) * scale if c.value in graph else c.bytes
+        times[c.phase] += float(price[c.kind](ring, nbytes))
+    return times["forward"], times["backward"]
+
+
+def split_problem(problem: HybridProblem, graph: nx.DiGraph, order: Sequence[str], device: torch.device,
+                  cost: CostModel, t: int, groups: Sequence[ShardGroup], ring: Ring) -> HybridProblem:
+    """`problem` (cluster_plan.cluster_problem of `graph`) as each of t tensor ranks runs it: the groups' nodes
+    priced again on their split attributes (at every probed micro-batch size), their collectives added at their
+    last node, weights and saved activations from the split graph."""
+    if t == 1 or not groups:
+        return problem
+    split = split_graph(graph, groups, t)
+    position = {name: i for i, name in enumerate(order)}
+    size = batch_size(graph)
+    probes = dict(problem.size_times or {})
+    times = {s: v.copy() for s, v in probes.items()}
+    for group in groups:
+        for name in group.nodes:
+            i = position[name]
+            for s in times:
+                times[s][0, i] = cost.node_time(at_batch(split.nodes[name], batch=size, size=s), device)
+        last = max(position[n] for n in group.nodes)
+        for s in times:
+            times[s][0, last] += sum(collective_seconds(graph, group, ring, s))
+    _, _, _, params, saved = graph_values(split, order)
+    if size is not None and size > 1 and times:
+        fixed, batch = fixed_and_batch(times, size)
+    else:  # no batch to probe: scale the whole-batch arrays by each node's FLOP share kept
+        keep = np.ones(problem.n)
+        for group in groups:
+            for name in group.nodes:
+                keep[position[name]] = 1.0 / t
+        fixed, batch = problem.fixed_times * keep, problem.batch_times * keep
+    return dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, param_bytes=params, saved_bytes=saved,
+                               size_times=times or None)

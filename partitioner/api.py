@@ -10,6 +10,7 @@ from torch import nn
 from cost_model.analytic import CostModel
 from cost_model.calibration_store import CalibrationArg
 from cost_model.devices import DeviceLike
+from cost_model.precision import Precision
 from partitioner.arguments import (
     ClusterLike,
     check_model_options,
@@ -66,6 +67,7 @@ def plan(
     recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
     update: Update = "sync",
     calibration: CalibrationArg = None,
+    precision: Any = None,
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -76,7 +78,7 @@ def plan(
     a JSON/YAML file or a cost_model.Cluster (any size); every GPU is a torchrun rank
     (rank r on host r // GPUs per host: `plan.gpus_per_host`, its GPU the local cuda:{r % that}), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
-    `calibration`: as for `partition`.
+    `calibration` and `precision`: as for `partition`.
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
@@ -87,7 +89,7 @@ def plan(
         micro_batches=micro_batches, schedule=schedule, placement=placement, replicas=replicas,
         virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
-        gpus_per_host=per_host, cluster=cluster is not None)
+        gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision))
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     check_model_options(model, request)
     return DrawablePlan.from_plan(plan_model(model, args, kwargs, request))
@@ -119,6 +121,7 @@ def partition(
     staleness: int = 0,
     calibrate: int = 0,
     calibration: CalibrationArg = None,
+    precision: Any = None,
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -186,6 +189,11 @@ def partition(
             its report is `pipe.calibration_report`.
         calibration: a calibration (or its JSON path) to price with, where `pipe.calibrate` saves; default:
             the one saved on this machine for these devices (not applied over a given `cost_model`).
+        precision: the dtypes training keeps each state in, for the memory each stage is priced to hold:
+            "mixed" (torch.amp: bf16 compute, fp32 weights, gradients and Adam moments), "bf16" (every
+            state bf16), "fp32", "COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER]", a cost_model.precision.Precision,
+            or the torch optimizer you train with (mixed precision with its states). Default None: every
+            state at the model's dtype. On a cluster it also lets the planner shard replicas (ZeRO 1/2/3).
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -206,7 +214,7 @@ def partition(
         resolve(devices), processes=distributed(), micro_batches=micro_batches, schedule=schedule,
         placement=placement, replicas=replicas, virtual_stages=virtual_stages, recompute=recompute, update=update,
         input_split_spec=input_split_spec, split_points=split_points, split_spec=split_spec, cost_model=cost_model,
-        calibration=calibration)
+        calibration=calibration, precision=_precision(precision))
     run = RunOptions(threads=threads, timeout=timeout, output_merge_spec=output_merge_spec, weights=weights,
                      init=init, staleness=staleness, calibrate=calibrate)
     args, kwargs = example_call(model, example_inputs, example_kwargs)
@@ -243,3 +251,11 @@ def _given_plan(plan: Plan | str | os.PathLike[str] | None, recompute: Any) -> D
         raise PartitionError(f"recompute={recompute!r} with a given plan: the plan carries each stage's "
                              "recomputation; set plan.stages[s].recompute, or plan again with recompute=...")
     return given
+
+
+def _precision(value: Any) -> Precision | None:
+    """plan(precision=...) as a Precision (cost_model.precision.Precision.of), a bad value a PartitionError."""
+    try:
+        return Precision.of(value)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None

@@ -24,6 +24,7 @@ import torch
 
 from cost_model.analytic import CostModel
 from cost_model.calibration_store import CalibrationArg
+from cost_model.precision import Precision
 from partitioner.errors import PartitionError
 from rules.schedules import either, schedule_names, searched_names
 from runtime.materialize import Init
@@ -72,7 +73,9 @@ class PlanRequest:
     `devices`: one per rank (resolved torch devices; a described cluster's need not be here).
     `processes`: one process per rank (torchrun) rather than one process holding every device.
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
-    described cluster's ranks (plan(cluster=...)): priced from shapes, never run here.
+    described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the
+    dtypes training keeps each state in (cost_model.precision.Precision.of reads names and optimizers);
+    None: every state at the model's dtype.
     The other fields mean what partition()'s keywords of the same names mean.
     """
 
@@ -92,6 +95,7 @@ class PlanRequest:
     calibration: CalibrationArg = None
     gpus_per_host: int = 0
     cluster: bool = False
+    precision: Precision | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -121,6 +125,9 @@ class PlanRequest:
             raise PartitionError(f"replicas='auto' plans a pipeline of replicated stages for schedule "
                                  f"{either(searched_names())}, not {self.schedule!r}; pick one of those, or give "
                                  "replicas yourself")
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise PartitionError(f"precision={self.precision!r}; pass Precision.of(...) of a name ('mixed', 'bf16', "
+                                 "'fp32'), a dtype form 'COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER]' or an optimizer")
         if self.replicas is not None and not self.processes:
             raise PartitionError("replicas need one process per stage replica: launch with torchrun (or initialize "
                                  "torch.distributed)")

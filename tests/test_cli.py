@@ -253,7 +253,7 @@ def test_plan_for_a_cluster_that_is_not_here(tmp_path: Path, capsys: pytest.Capt
     model, x = _make_gpt(32)  # the same model and batch through the API, in bf16 as --dtype bf16 casts it
     model = model.to(torch.bfloat16)
     ref = partitioner.plan(model, cluster="2x8xH100", example_inputs=(x,), micro_batches=16, replicas="auto",
-                           schedule="auto")  # fmt: skip
+                           schedule="auto", precision="mixed")  # fmt: skip  (--cluster's default precision)
     assert step_ms == pytest.approx(ref.predicted_step_ms, abs=1e-4)
     step_s = ref.predicted_step_ms / 1e3
     assert samples == pytest.approx(32 / step_s, abs=0.1)
@@ -264,11 +264,13 @@ def test_plan_for_a_cluster_that_is_not_here(tmp_path: Path, capsys: pytest.Capt
     expected = 3 * counter.get_total_flops() / (step_s * 16 * peak)
     assert mfu / 100 == pytest.approx(expected, rel=1e-3, abs=5e-7)  # printed to 4 decimals of a percent
     rows = [line.split() for line in out.splitlines()]
-    for s in ref.stages:  # each stage's row: its ranks, replicas and the hosts of its ranks (rank // 8)
-        hosts = sorted({r // 8 for r in s.ranks})
-        assert s.ranks == list(range(s.ranks[0], s.ranks[-1] + 1))  # the hybrid planner gives runs of ranks
-        span = [f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0]) for v in (s.ranks, hosts)]
-        assert [str(s.index), span[0], str(len(s.ranks)), span[1]] in [r[:4] for r in rows], out
+    for s in ref.stages:  # each stage's row: its ranks (tensor ranks too), replicas, tensor degree, sharding, hosts
+        hosts = sorted({r // 8 for r in s.all_ranks})
+        assert s.all_ranks == list(range(s.all_ranks[0], s.all_ranks[-1] + 1))  # the planner gives runs of ranks
+        span = [f"{v[0]}-{v[-1]}" if len(v) > 1 else str(v[0]) for v in (s.all_ranks, hosts)]
+        assert [str(s.index), span[0], str(len(s.ranks)), str(s.tensor), s.sharding, span[1]] in [r[:6] for r in rows]
+    words = " ".join(out.split())  # rich wraps long lines at the console's width
+    assert "memory per GPU by kind" in words and "precision mixed: bf16 compute, fp32 master weights" in words
 
     loaded = DrawablePlan.from_json(saved.read_text())
     assert loaded.gpus_per_host == 8 and [s.ranks for s in loaded.stages] == [s.ranks for s in ref.stages]

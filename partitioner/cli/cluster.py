@@ -26,19 +26,21 @@ from rich.table import Table
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
 from cost_model.gpu_table import precision_of
+from cost_model.precision import Precision
 from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.errors import PartitionError
 from partitioner.place.cluster_search import reporting
 from partitioner.place.planning import device_capacity
+from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.predict.replica_fold import rank_span
 from partitioner.show.hosts import text_rows
 from partitioner.show.visualizer import simulated_timeline
 from runtime.plan import Plan, human_bytes
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
-           "parse_replicas", "plan_cluster", "throughput"]
+           "parse_precision", "parse_replicas", "plan_cluster", "plan_keywords", "throughput"]
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -60,6 +62,11 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--replicas", metavar="auto|R,R,...",
                       help="processes per stage: auto (the hybrid planner chooses stages and replicas; schedule "
                       "gpipe, 1f1b or auto) or counts such as 2,1,1 (default: one per stage). Plans for torchrun")
+    plan.add_argument("--precision", metavar="NAME",
+                      help="the dtypes training keeps each state in: mixed (torch.amp: bf16 compute, fp32 weights, "
+                      "gradients and Adam moments), bf16, fp32, COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER], or none (every "
+                      "state at the model's dtype). Default: mixed with --cluster (which then also shards replicas "
+                      "where it pays), none otherwise")
 
 
 def parse_replicas(text: str | None) -> list[int] | Literal["auto"] | None:
@@ -89,6 +96,25 @@ def cast_example(example: Example, dtype: str | None) -> Example:
     return example
 
 
+def parse_precision(text: str | None, cluster: bool) -> Precision | None:
+    """--precision: a Precision (cost_model.precision.Precision.parse), None for 'none'; default by --cluster."""
+    if text is None:
+        text = "mixed" if cluster else "none"
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return Precision.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"--precision {text}: {exc}") from None
+
+
+def plan_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """plan()'s replicas (and processes: one per replica), and precision, from `plan` without --cluster."""
+    replicas = parse_replicas(getattr(args, "replicas", None))
+    return {"replicas": replicas, "processes": True if replicas is not None else None,
+            "precision": parse_precision(getattr(args, "precision", None), cluster=False)}
+
+
 def _cluster(text: str) -> Cluster:
     try:
         return as_cluster(text)
@@ -116,7 +142,7 @@ def _check_batch(batch: int, micro_batches: int, replicas: list[int] | str | Non
 def _check_plan(plan: Plan, cluster: Cluster, capacity: int, given: bool) -> None:
     """The plan's micro-batches divide over every stage's replicas, and every stage fits its GPUs' memory."""
     for s in plan.stages:
-        if plan.micro_batches % s.replicas:
+        if plan.micro_batches % s.replicas and plan.data_split != "slice":  # sliced: every replica runs each
             raise UsageError(f"the plan puts {s.replicas} replicas on stage {s.index}, which {plan.micro_batches} "
                              f"micro-batches do not divide; " + ("use --micro-batches a multiple of "
                              f"{s.replicas}" if given else "give --micro-batches") + " or --replicas yourself")
@@ -147,6 +173,7 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
         raise UsageError("--devices with --cluster: the cluster's GPUs are the devices; drop one of them")
     cluster = _cluster(args.cluster)
     replicas = parse_replicas(args.replicas)
+    precision = parse_precision(args.precision, cluster=True)
     if isinstance(replicas, list) and sum(replicas) != cluster.size:
         fix = "too few GPUs for" if sum(replicas) > cluster.size else "GPUs left over by"
         raise UsageError(f"--replicas {args.replicas}: {fix} the stages: {len(replicas)} stages with {sum(replicas)} "
@@ -176,7 +203,7 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
                     plan = make_plan(example.model, cluster=cluster, example_inputs=example.args,
                                      example_kwargs=example.kwargs, micro_batches=m, schedule=args.schedule,
                                      replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
-                                     update=args.update)  # fmt: skip
+                                     update=args.update, precision=precision)  # fmt: skip
                 if len(tries) > 1:
                     _check_plan(plan, cluster, capacity, given=False)
                 made[m] = plan
@@ -201,9 +228,10 @@ def _one_line(exc: Exception) -> UsageError:
     """A planner error as one line; a memory error (InfeasibleError) says how much the GPUs would need."""
     needed = getattr(exc, "needed_bytes", None)
     if needed:
+        note = getattr(exc, "note", "")
         return UsageError(f"the model does not fit in memory per GPU: it needs at least {human_bytes(max(needed))} "
                           "on some GPU under every split; use a larger cluster or GPUs with more memory, --recompute "
-                          "auto, or a smaller --global-batch")
+                          "auto, or a smaller --global-batch" + (f". {note}" if note else ""))
     return UsageError(" ".join(str(exc).split()))
 
 
@@ -237,7 +265,9 @@ class Throughput:
 def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> Throughput:
     """The plan's step as samples/s, tokens/s and MFU (module docstring)."""
     nodes = (plan.graph or {}).get("nodes", [])
-    forward = float(sum(n.get("flops") or 0 for n in nodes)) * plan.micro_batches
+    sliced = plan.data_split == "slice"  # every micro-batch is sliced over the replicas: d of the graph's
+    forward = float(sum(n.get("flops") or 0 for n in nodes)) * plan.micro_batches * (
+        plan.stages[0].replicas if sliced else 1)
     step_s = plan.predicted_step_ms / 1e3
     first = example.args[0] if example.args else None
     tokens = None
@@ -249,27 +279,37 @@ def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> 
 
 
 def cluster_report(out: Console, made: ClusterPlan) -> None:
-    """Print the stages (ranks, replicas, hosts, memory per GPU) and the predicted throughput."""
+    """Print the stages (ranks, replicas, tensor degree, sharding, hosts, memory per GPU by kind) and the predicted
+    throughput."""
     plan, example, cluster, dtype, tried = made.plan, made.example, made.cluster, made.dtype, made.tried
     stages = f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}"
+    tensor = max(s.tensor for s in plan.stages)
+    split = f", {tensor} tensor ranks per replica" if tensor > 1 else ""
     # the heading on its own unwrapped line: as a table title it would wrap to the table's width
-    out.print(f"{example.name} on {cluster.shape}: {stages}, {cluster.size} GPUs on {cluster.hosts} hosts",
+    out.print(f"{example.name} on {cluster.shape}: {stages}{split}, {cluster.size} GPUs on {cluster.hosts} hosts",
               markup=False, soft_wrap=True)
     table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
-    for name in ("stage", "ranks", "replicas", "hosts", "nodes", "compute ms", "all-reduce ms", "memory per GPU",
-                 "capacity"):
-        table.add_column(name, justify="left" if name in ("ranks", "hosts") else "right")
+    for name in ("stage", "ranks", "replicas", "tensor", "sharding", "hosts", "nodes", "compute ms", "all-reduce ms",
+                 "memory per GPU", "capacity"):
+        table.add_column(name, justify="left" if name in ("ranks", "hosts", "sharding") else "right")
     for s in plan.stages:
-        hosts = sorted({plan.host_of(r) for r in s.ranks})
-        table.add_row(str(s.index), _span(s.ranks) if len(s.ranks) <= 8 else rank_span(s.ranks), str(s.replicas),
-                      _span(hosts) if len(hosts) <= 8 else rank_span(hosts), str(len(s.nodes)),
-                      f"{s.compute_ms:.3f}", f"{s.allreduce_ms:.3f}", human_bytes(s.memory_bytes),
+        hosts = sorted({plan.host_of(r) for r in s.all_ranks})
+        ranks = s.all_ranks
+        table.add_row(str(s.index), _span(ranks) if len(ranks) <= 8 else rank_span(ranks), str(s.replicas),
+                      str(s.tensor), s.sharding, _span(hosts) if len(hosts) <= 8 else rank_span(hosts),
+                      str(len(s.nodes)), f"{s.compute_ms:.3f}", f"{s.allreduce_ms:.3f}", human_bytes(s.memory_bytes),
                       human_bytes(s.capacity_bytes or made.capacity))  # fmt: skip
     out.print(table)
+    memory_table(out, plan)
     t = throughput(plan, example, cluster, dtype)
-    per = example.batch // plan.micro_batches
-    out.print(f"dtype {dtype}, global batch {example.batch} in {plan.micro_batches} micro-batches of {per}, "
-              f"schedule {plan.schedule}", markup=False)
+    sliced = plan.data_split == "slice"
+    count = plan.micro_batches * (plan.stages[0].replicas if sliced else 1)  # a sliced micro-batch is d of them
+    per = example.batch // count
+    precision = Precision.from_dict(plan.precision) if plan.precision else None
+    out.print(f"dtype {dtype}, global batch {example.batch} in {count} micro-batches of {per}"
+              + (f" ({plan.micro_batches} per replica, each sliced over the replicas)" if sliced else "")
+              + f", schedule {plan.schedule}; precision " + (_precision_text(precision) if precision else
+                                                           "none (every state at the model's dtype)"), markup=False)
     if len(tried) > 1:
         out.print("predicted step of each micro-batch count tried: "
                   + ", ".join(f"{m} {ms:.3f} ms" for m, ms in tried.items()), markup=False)
@@ -282,6 +322,27 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
     out.print(f"MFU counts 3 x forward FLOPs per step = {t.flops_per_step:.4g} FLOP, over {cluster.size} GPUs x "
               f"{t.peak_flops / 1e12:.1f} TFLOP/s ({cluster.gpu.name} dense {dtype} peak)", markup=False)
     timeline_rows(out, plan)
+
+
+def memory_table(out: Console, plan: Plan) -> None:
+    """Memory per GPU of each stage by kind (partitioner.predict.memory_kinds)."""
+    table = Table(title="memory per GPU by kind", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  show_edge=False, padding=(0, 1), collapse_padding=True)  # fmt: skip
+    for name in ("stage", *KINDS, "total"):
+        table.add_column(name, justify="right")
+    for s in plan.stages:
+        kinds = memory_kinds(plan, s)
+        table.add_row(str(s.index), *(human_bytes(kinds[k]) for k in KINDS), human_bytes(s.memory_bytes))
+    out.print(table)
+
+
+def _precision_text(precision: Precision) -> str:
+    """'mixed: bf16 compute, fp32 master weights, fp32 gradients, fp32 adam states'."""
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}
+    master = f"{short.get(precision.param, precision.param)} master weights, " if precision.mixed else ""
+    return (f"{precision.label}: {short.get(precision.compute, precision.compute)} compute, {master}"
+            f"{short.get(precision.grad, precision.grad)} gradients, {short.get(precision.state, precision.state)} "
+            f"{precision.optimizer} states")
 
 
 def timeline_rows(out: Console, plan: Plan) -> None:

@@ -25,7 +25,7 @@ from cost_model.devices import resolve_devices
 from cost_model.profiler import ProfiledCostModel
 from partitioner.api import plan as make_plan
 from partitioner.cli.calibrate import add_calibrate_parser, run_calibrate
-from partitioner.cli.cluster import add_cluster_arguments, cast_example, cluster_report, parse_replicas, plan_cluster
+from partitioner.cli.cluster import add_cluster_arguments, cast_example, cluster_report, plan_cluster, plan_keywords
 from partitioner.cli.export import add_export_parser, run_export
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.cli.profile import run_profile
@@ -268,14 +268,13 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
     with _step(err, args.quiet, f"loading {args.target}"):
         example = load_example(args.target, args.batch, micro_batches)
     example = cast_example(example, getattr(args, "dtype", None))
-    replicas = parse_replicas(getattr(args, "replicas", None))
+    options = plan_keywords(args)  # replicas (processes with them) and precision
     doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
     with _step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
                          micro_batches=micro_batches, schedule=schedule, placement=args.placement,
                          cost_model=_cost_model(args), recompute=args.recompute or "none",
-                         update=getattr(args, "update", "sync"), replicas=replicas,
-                         processes=True if replicas is not None else None)
+                         update=getattr(args, "update", "sync"), **options)
     return DrawablePlan.from_plan(plan), example
 
 

@@ -21,6 +21,7 @@ from cost_model.processes import BetweenProcesses
 from partitioner.capture.example import Example
 from partitioner.capture.fidelity import Cuts, forced_cuts, shape_graph
 from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.shardable import find_shardable
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
@@ -156,8 +157,11 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
     recomputing = recompute != "none"
     whole_graph = lambda: build_graph(gm, placing.example.flat)  # noqa: E731 - the whole batch's shapes, on demand
     if request.replicas == "auto":  # the hybrid planner wants the whole batch's shapes and chooses the layout
-        made = plan_hybrid(whole_graph(), placing.order, devices, cost, micro_batches=micro_batches,
-                           schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none")
+        whole = whole_graph()
+        made = plan_hybrid(whole, placing.order, devices, cost, micro_batches=micro_batches,
+                           schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none",
+                           precision=request.precision,
+                           shardable=find_shardable(gm, whole) if request.cluster else None)
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
         made = plan_pipeline(graph, placing.order, stage_devices, cost, micro_batches,
@@ -202,8 +206,8 @@ def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, proce
             stage.ranks, changed = [stage.index], True
         if stage.reads_from != reads:
             stage.reads_from, changed = reads, True
-    if not changed:
-        return
+    if not changed or (plan.data_split == "slice" and not plan.programs):
+        return  # sliced replicas (sharded) are lowered where they run, replica 0 over every micro-batch
     stage_ranks = [list(s.ranks) for s in plan.stages]
     groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
     finish(plan, [(list(r), st) for r, st in groups])

@@ -1,0 +1,107 @@
+"""The cluster search over tensor degrees and sharding modes, and the plans it returns, on the example GPT."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import pytest
+import torch
+
+from cost_model.analytic import AnalyticCostModel
+from cost_model.cluster_shape import Cluster
+from cost_model.memory import usable_bytes
+from cost_model.precision import MIXED, PURE_BF16
+from examples.models import make_gpt
+from partitioner.arguments import cluster_devices
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.shardable import Shardable, find_shardable
+from partitioner.capture.trace import trace
+from partitioner.place.blocks import block_cuts
+from partitioner.place.cluster_axes import SplitChoice
+from partitioner.place.cluster_plan import plan_on_cluster
+from partitioner.place.hybrid import InfeasibleError
+from partitioner.place.tensor_split import priced_groups
+from partitioner.predict.memory_kinds import KINDS, memory_kinds
+
+CLUSTER = Cluster.parse("1x8xH100")
+
+
+def traced(batch: int) -> tuple[nx.DiGraph, list[str], Shardable]:
+    torch.manual_seed(0)
+    model, (x,) = make_gpt(batch=batch)  # fp32: width 128, 4 heads, 4 blocks
+    gm = trace(model, (x,), {}).graph_module
+    graph = build_graph(gm, [x])
+    return graph, [n.name for n in compute_nodes(gm)], find_shardable(gm, graph)
+
+
+def planned(graph: nx.DiGraph, order: list[str], shardable: Shardable, **options: Any) -> Any:
+    return plan_on_cluster(graph, order, CLUSTER, AnalyticCostModel(cluster_devices(CLUSTER)[2]),
+                           shardable=shardable, **options)
+
+
+@pytest.fixture(scope="module")
+def two() -> tuple[nx.DiGraph, list[str], Shardable]:
+    return traced(2)  # a batch of 2 on 8 GPUs: at most 2 replicas, the rest pipeline or tensor ranks
+
+
+def test_the_search_keeps_the_fastest_tensor_degree(two: tuple[nx.DiGraph, list[str], Shardable]) -> None:
+    chosen, _ = planned(*two)
+    forced = {t: planned(*two, choice=SplitChoice(tensor=[t]))[0].predicted_step_ms for t in (1, 2, 4)}
+    assert chosen.predicted_step_ms == pytest.approx(min(forced.values()))
+    with pytest.raises(Exception, match=r"tensor degrees \[3\] cannot split"):
+        planned(*two, choice=SplitChoice(tensor=[3]))
+
+
+def test_a_split_plan_names_its_groups_and_its_tensor_ranks(two: tuple[nx.DiGraph, list[str], Shardable]) -> None:
+    graph, order, shardable = two
+    plan, found = planned(graph, order, shardable, choice=SplitChoice(tensor=[2]))
+    assert found.tensor == 2 and plan.programs == []  # lowered where it runs
+    cuts = block_cuts([str(graph.nodes[x].get("module", "")) for x in order])
+    groups = priced_groups(shardable, 2, order, cuts)
+    for stage in plan.stages:
+        assert stage.tensor == 2 and all(r % 2 == 0 for r in stage.ranks)  # TP innermost: runs of 2 ranks
+        assert all(len({r // 8 for r in group}) == 1 for group in stage.rank_groups)  # each inside one host
+        inside = set(stage.nodes)
+        assert stage.tensor_groups == [g.spec() for g in groups if inside.issuperset(g.nodes)] != []
+    plan.check()
+    whole, _ = planned(graph, order, shardable, choice=SplitChoice(tensor=[1]))
+    assert sum(s.param_bytes for s in plan.stages) < 0.6 * sum(s.param_bytes for s in whole.stages)
+
+
+def test_sharded_replicas_slice_every_micro_batch() -> None:
+    graph, order, shardable = traced(16)
+    plan, found = planned(graph, order, shardable, precision=MIXED, micro_batches=8,
+                          choice=SplitChoice(tensor=[1], sharding=["zero3"]))
+    assert found.sharding == "zero3" and found.replicas == 8 and plan.data_split == "slice"
+    assert plan.micro_batches == 1 and plan.precision == MIXED.to_dict()  # 8 micro-batches, each over 8 replicas
+    stage = plan.stages[0]
+    assert stage.sharding == "zero3"
+    kinds = memory_kinds(plan, stage)
+    assert sum(kinds.values()) == stage.memory_bytes and list(kinds) == list(KINDS)
+    params = stage.param_bytes / 2  # the bf16 compute copy's bytes: 2 per element
+    assert kinds["optimizer"] == -(-int(2 * params) // 8) * 4 and kinds["master"] == -(-int(params) // 8) * 4
+    plan.check()
+
+
+def test_each_state_is_counted_at_its_dtype() -> None:
+    graph, order, shardable = traced(16)
+    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "choice": SplitChoice(tensor=[1], sharding=["none"])}
+    before, _ = planned(graph, order, shardable, **pin)  # every state fp32, as the model: 16 bytes per parameter
+    mixed, _ = planned(graph, order, shardable, precision=MIXED, **pin)  # bf16 copy 2 + master 4 + grads 4 + Adam 8
+    params = before.stages[0].param_bytes // 4
+    assert mixed.stages[0].param_bytes == 2 * params  # the weights forward reads: bf16
+    assert mixed.stages[0].memory_bytes - before.stages[0].memory_bytes == 2 * params
+    assert memory_kinds(mixed, mixed.stages[0])["optimizer"] == 8 * params
+
+
+def test_a_model_that_fits_under_another_precision_says_so() -> None:
+    graph, order, shardable = traced(16)
+    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "choice": SplitChoice(tensor=[1], sharding=["none"])}
+    bf16, _ = planned(graph, order, shardable, precision=PURE_BF16, **pin)
+    mixed, _ = planned(graph, order, shardable, precision=MIXED, **pin)
+    between = (bf16.stages[0].memory_bytes + mixed.stages[0].memory_bytes) / 2
+    headroom = between / CLUSTER.gpu.memory_bytes  # capacity between what the two need
+    with pytest.raises(InfeasibleError, match=r"Under mixed nothing fits; under pure bf16 \(1 stages x 8 replicas\)"):
+        planned(graph, order, shardable, precision=MIXED, headroom=headroom, **pin)
+    assert usable_bytes(CLUSTER.gpu.memory_bytes, "cuda") > between

@@ -2,14 +2,16 @@
 
 For each cluster (hosts x 8 H100, bf16, global batch 1536 sequences of 2048 tokens: the
 GPT-3 paper's batch, divisible by every power of two up to 512), prints the plan time and the
-plan the cluster search (partitioner/place/cluster_search.py) chooses: stages, replicas, micro-batches,
-schedule, recomputation (searched with none first, then full: GPT-3's activations at 1F1B's depth
-do not fit 80 GB otherwise), rank placement, memory per GPU, predicted step (simulated), samples/s
-and MFU. Clusters that cannot hold the weights print the InfeasibleError, which names the memory
-per GPU needed.
+plan the cluster search (partitioner/place/cluster_search.py) chooses with every axis searched:
+tensor degree (the model's split groups, partitioner.capture.shardable), stages, replicas and their
+sharding (mixed precision: fp32 master weights, gradients and Adam moments), micro-batches, schedule,
+recomputation (searched with none first, then full), rank placement, memory per GPU, predicted step
+(simulated), samples/s and MFU. Clusters that cannot hold the weights print the InfeasibleError,
+which names the memory per GPU needed.
 
-Plan time = node times at each micro-batch size + the search + building the Plan (assemble and
-simulate); the model is traced once (printed apart, not included). The 10,000-node synthetic graph
+Plan time = node times at each micro-batch size + each tensor degree's split problem + the search +
+building the Plan (assemble and simulate); the model is traced and its split groups found once
+(printed apart, not included). The 10,000-node synthetic graph
 of benchmarks/planner.py onto 64 and 128 GPUs (8 per host) is planned by today's device-list
 search (hybrid.py; 128 GPUs only with --slow: over a minute) and by the count search, each with
 its objective. Timings on a busy 2-core machine: medians of --repeat runs, interleaved.
@@ -34,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/ and
 from benchmarks.planner import synthetic_graph  # noqa: E402
 from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
+from cost_model.precision import MIXED  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from partitioner.arguments import cluster_devices  # noqa: E402
 from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
+from partitioner.capture.shardable import Shardable, find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster  # noqa: E402
 from partitioner.place.cluster_search import fill, search_cluster  # noqa: E402
@@ -49,8 +53,9 @@ GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)
 BATCH = 1536
 
 
-def gpt3_graph() -> tuple[object, list[str], float]:
-    """The GPT-3-shaped model on meta in bf16, traced and annotated for the global batch; seconds taken."""
+def gpt3_graph() -> tuple[object, list[str], Shardable, float]:
+    """The GPT-3-shaped model on meta in bf16, traced and annotated for the global batch, its split groups;
+    seconds taken."""
     start = time.perf_counter()
     with torch.device("meta"):
         model = GPT(GPT3).to(torch.bfloat16)
@@ -59,21 +64,23 @@ def gpt3_graph() -> tuple[object, list[str], float]:
         traced = trace(model, (tokens,), {})
         swaps.add(model, [traced.graph_module])
         graph = build_graph(traced.graph_module, [tokens])
+        shardable = find_shardable(traced.graph_module, graph)
     order = [n.name for n in compute_nodes(traced.graph_module)]
-    return graph, order, time.perf_counter() - start
+    return graph, order, shardable, time.perf_counter() - start
 
 
 def forward_flops(graph: object) -> float:
     return float(sum(a.get("flops") or 0 for _, a in graph.nodes(data=True)))  # type: ignore[attr-defined]
 
 
-def plan_gpt3(graph: object, order: list[str], gpus: int) -> tuple[float, str]:
+def plan_gpt3(graph: object, order: list[str], shardable: Shardable, gpus: int) -> tuple[float, str]:
     """Plan time and a one-line description of the plan (or of why none fits)."""
     cluster = Cluster.parse(f"{gpus // 8}x8xH100")
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     start = time.perf_counter()
     try:
-        plan, found = plan_on_cluster(graph, order, cluster, cost, recompute="auto")  # type: ignore[arg-type]
+        plan, found = plan_on_cluster(graph, order, cluster, cost, recompute="auto",  # type: ignore[arg-type]
+                                      precision=MIXED, shardable=shardable)
     except InfeasibleError as exc:
         needs = re.search(r"At least (.*? GiB per GPU) is needed (\(.*?\))", str(exc))
         return time.perf_counter() - start, f"InfeasibleError: needs {needs.group(1)} {needs.group(2)}" if needs \
@@ -82,9 +89,10 @@ def plan_gpt3(graph: object, order: list[str], gpus: int) -> tuple[float, str]:
     step_s = plan.predicted_step_ms / 1e3
     mfu = 3 * forward_flops(graph) / (step_s * gpus * cluster.gpu.peak("bf16"))
     memory = max(s.memory_bytes for s in plan.stages)
-    hosts = {plan.host_of(r) for r in plan.stages[0].ranks}
-    line = (f"{found.stages} stages x {found.replicas} replicas, {plan.micro_batches} micro-batches of "
-            f"{BATCH / plan.micro_batches:g}, {plan.schedule}, recompute {plan.stages[0].recompute}, {found.order} "
+    hosts = {plan.host_of(r) for r in plan.stages[0].all_ranks}
+    line = (f"{found.stages} stages x {found.replicas} replicas x tensor {found.tensor}, sharding {found.sharding}, "
+            f"{found.micro_batches} micro-batches of {BATCH / found.micro_batches:g}, {plan.schedule}, recompute "
+            f"{plan.stages[0].recompute}, {found.order} "
             f"(stage 0 on {len(hosts)} hosts), "
             f"memory/GPU {human_bytes(memory)}, step {plan.predicted_step_ms / 1e3:.2f} s (objective "
             f"{found.step_s:.2f} s), {BATCH / step_s:.1f} samples/s, MFU {mfu:.1%}; "
@@ -125,14 +133,15 @@ def main() -> None:
     parser.add_argument("--slow", action="store_true")
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    graph, order, traced_s = gpt3_graph()
+    graph, order, shardable, traced_s = gpt3_graph()
     print(f"GPT-3 shape (96 layers, hidden 12288, 96 heads, seq 2048, vocab 50257) on meta, bf16: {len(order)} "
-          f"compute nodes, traced and annotated once in {traced_s:.1f} s (not in the plan times); global batch {BATCH}")
+          f"compute nodes, {len(shardable.groups)} split groups, traced and annotated once in {traced_s:.1f} s (not in "
+          f"the plan times); global batch {BATCH}, mixed precision, every axis searched")
     times: dict[int, list[float]] = {g: [] for g in sizes}
     lines: dict[int, str] = {}
     for _ in range(args.repeat):  # interleaved rounds: a busy moment spreads over every size
         for gpus in sizes:
-            seconds, lines[gpus] = plan_gpt3(graph, order, gpus)
+            seconds, lines[gpus] = plan_gpt3(graph, order, shardable, gpus)
             times[gpus].append(seconds)
     for gpus in sizes:
         print(f"{gpus:>6} GPUs ({gpus // 8} hosts x 8 H100): plan {statistics.median(times[gpus]):.2f} s: "

@@ -317,8 +317,8 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
         out.print("predicted step of each candidate compared: "
                   + ", ".join(f"{n} {ms:.3f} ms" for n, ms in plan.alternatives.items()), markup=False)
     tokens = f"tokens/s {t.tokens_per_s:.1f}, " if t.tokens_per_s is not None else ""
-    out.print(f"predicted step {t.step_ms:.4f} ms, samples/s {t.samples_per_s:.1f}, {tokens}MFU {t.mfu:.4%}",
-              markup=False)
+    out.print(f"predicted step {t.step_ms:.4f} ms, samples/s {t.samples_per_s:.1f}, {tokens}MFU {t.mfu:.4%}, "
+              f"{t.mfu * t.peak_flops / 1e12:.1f} TFLOP/s per GPU (model FLOPs)", markup=False)
     out.print(f"MFU counts 3 x forward FLOPs per step = {t.flops_per_step:.4g} FLOP, over {cluster.size} GPUs x "
               f"{t.peak_flops / 1e12:.1f} TFLOP/s ({cluster.gpu.name} dense {dtype} peak)", markup=False)
     timeline_rows(out, plan)

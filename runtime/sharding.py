@@ -100,15 +100,22 @@ def data_mesh(ranks: Sequence[int], *, replicate: int = 1, device_type: str = "c
     me = dist.get_rank()
     shard_groups = [dist.new_group(row) for row in rows]
     if replicate == 1:
-        return DeviceMesh.from_group(shard_groups[0], device_type) if me in ranks else None
+        return DeviceMesh.from_group(_joined(shard_groups[0]), device_type) if me in ranks else None
     columns = [[row[j] for row in rows] for j in range(shard)]
     replicate_groups = [dist.new_group(col) for col in columns]
     if me not in ranks:
         return None
     row = next(i for i, r in enumerate(rows) if me in r)
     col = rows[row].index(me)
-    return DeviceMesh.from_group([replicate_groups[col], shard_groups[row]], device_type, mesh=torch.tensor(rows),
-                                 mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group([_joined(replicate_groups[col]), _joined(shard_groups[row])], device_type,
+                                 mesh=torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
+
+
+def _joined(group: Any) -> dist.ProcessGroup:
+    """A group this rank is in (newer torch types new_group as a group or the non-member marker)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"this rank ({dist.get_rank()}) is not in the group it builds a mesh from")
+    return group
 
 
 class ShardedStage(nn.Module):

@@ -23,6 +23,7 @@ from partitioner.place.cluster_plan import plan_on_cluster
 from partitioner.place.hybrid import InfeasibleError
 from partitioner.place.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
+from partitioner.show.visualizer import DrawablePlan, page_data
 
 CLUSTER = Cluster.parse("1x8xH100")
 
@@ -105,3 +106,21 @@ def test_a_model_that_fits_under_another_precision_says_so() -> None:
     with pytest.raises(InfeasibleError, match=r"Under mixed nothing fits; under pure bf16 \(1 stages x 8 replicas\)"):
         planned(graph, order, shardable, precision=MIXED, headroom=headroom, **pin)
     assert usable_bytes(CLUSTER.gpu.memory_bytes, "cuda") > between
+
+
+def test_a_cluster_plan_shows_its_split_and_memory_by_kind() -> None:
+    graph, order, shardable = traced(16)
+    plan, _ = planned(graph, order, shardable, precision=MIXED, micro_batches=8,
+                      choice=SplitChoice(tensor=[2], sharding=["zero2"]))
+    drawable = DrawablePlan.from_plan(plan)
+    lines = drawable.summary().splitlines()
+    header = next(line for line in lines if line.startswith("stage") and "tensor" in line).split()
+    assert header == ["stage", "ranks", "replicas", "tensor", "sharding", *KINDS, "memory"]
+    assert any(line.split()[3:5] == ["2", "zero2"] for line in lines) and "precision mixed" in lines[-1]
+    data = page_data(drawable)
+    assert data["title"].startswith(f"{len(plan.stages)}-stage plan on 8 GPUs (1 hosts x 8), 2 tensor ranks")
+    for row, stage in zip(data["devices"], plan.stages):  # a row per stage: one rank's memory by kind
+        assert row["name"].startswith(f"stage {stage.index}: ranks ")
+        assert sum(row["kinds"].values()) == stage.memory_bytes
+    pipeline, _ = planned(graph, order, shardable, stages=8, micro_batches=8)  # nothing replicated, split or sharded
+    assert "tensor" not in DrawablePlan.from_plan(pipeline).summary()

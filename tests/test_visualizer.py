@@ -160,7 +160,10 @@ def test_page_data(gpt_plan: DrawablePlan) -> None:
                                 "param_bytes": sum(s.param_bytes for s in gpt_plan.stages),
                                 "activation_bytes": sum(s.activation_bytes for s in gpt_plan.stages),
                                 "grad_bytes": sum(s.param_bytes for s in gpt_plan.stages),
-                                "capacity_bytes": data["devices"][0]["capacity_bytes"]}]  # fmt: skip
+                                "capacity_bytes": data["devices"][0]["capacity_bytes"],
+                                "kinds": data["devices"][0]["kinds"]}]  # fmt: skip
+    kinds = data["devices"][0]["kinds"]  # memory by kind (partitioner.predict.memory_kinds): the stages' own sum
+    assert sum(kinds.values()) == sum(s.memory_bytes for s in gpt_plan.stages)
     (predicted,) = data["timelines"]
     assert len(predicted["rows"]) == 2 and predicted["makespan"] > 0
     assert sum(e["kind"] == "F" for e in predicted["rows"][0]["events"]) == 4

@@ -50,5 +50,7 @@ def memory_kinds(plan: Plan, stage: StagePlan) -> dict[str, int]:
             weights = params * (precision.itemsize("compute") if precision.mixed else precision.itemsize("param"))
         held = {"weights": int(weights), "master": int(master), "gradients": int(gradients),
                 "optimizer": int(optimizer)}
+    room = total - held["weights"] - held["master"] - held["gradients"]
+    held["optimizer"] = max(0, min(held["optimizer"], room))  # a planner that counted fewer states (SGD)
     held["activations"] = max(0, total - sum(held.values()))
     return held

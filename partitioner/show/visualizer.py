@@ -19,11 +19,14 @@ from partitioner.errors import PartitionError
 from partitioner.export.from_torch import ActionsSource, from_torch_schedule
 from partitioner.export.torch_schedule import TorchSchedule, to_torch_schedule
 from partitioner.export.torchtitan import to_torchtitan
+from partitioner.predict.memory_kinds import memory_kinds
+from partitioner.predict.replica_fold import rank_span
 from partitioner.predict.simulator import simulate
 from partitioner.show.hosts import by_host
 from partitioner.show.html import render_html
 from partitioner.show.measured import with_stage_errors
 from partitioner.show.rows import timeline_data
+from partitioner.show.split import split_summary
 from partitioner.show.static import render_static, to_dot
 from runtime import plan as runtime_plan
 
@@ -59,6 +62,12 @@ class DrawablePlan(runtime_plan.Plan):
         """torchtitan's [parallelism] config for the plan as TOML, naming the schedule CSV at `csv_path`; see
         `partitioner.export.to_torchtitan`."""
         return to_torchtitan(self, csv_path, microbatch=microbatch)
+
+    def summary(self) -> str:
+        """The plan as a fixed-width table, one row per stage, and where a stage is split, sharded or replicated
+        across a cluster, how: ranks, replicas, tensor degree, sharding and memory per GPU by kind."""
+        split = split_summary(self)
+        return super().summary() + (f"\n{split}" if split else "")
 
     @classmethod
     def from_torch_schedule(cls, source: ActionsSource, plan: runtime_plan.Plan, *,
@@ -103,20 +112,26 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
             "backward_ms": s.backward_ms, "comm_ms": s.comm_ms, "param_bytes": s.param_bytes,
             "activation_bytes": s.activation_bytes, "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes,
             "allreduce_ms": s.allreduce_ms, "memory_bytes": s.memory_bytes, "capacity_bytes": s.capacity_bytes,
-            "ranks": list(s.ranks), "reads_from": list(s.reads_from),
+            "ranks": list(s.ranks), "reads_from": list(s.reads_from), "replicas": s.replicas, "tensor": s.tensor,
+            "sharding": s.sharding, "kinds": memory_kinds(plan, s),
         }
         for s in plan.stages
     ]
     devices: dict[str, dict[str, Any]] = {}
-    for s in plan.stages:
-        d = devices.setdefault(s.device, {"name": s.device, "stages": [], "param_bytes": 0, "activation_bytes": 0})
+    for s in plan.stages:  # a cluster plan's stages sit on ranks of their own: a row each (one rank's memory)
+        key = f"stage {s.index}: ranks {rank_span(s.all_ranks)}" if plan.gpus_per_host else s.device
+        d = devices.setdefault(key, {"name": key, "stages": [], "param_bytes": 0, "activation_bytes": 0})
         d["stages"].append(s.index)
         d["param_bytes"] += s.param_bytes
         d["activation_bytes"] += s.activation_bytes
+        kinds = memory_kinds(plan, s)
+        d["kinds"] = {k: d.get("kinds", {}).get(k, 0) + v for k, v in kinds.items()}
     known = {s.device: s.capacity_bytes for s in plan.stages if s.capacity_bytes is not None}  # the planner's, first
+    by_stage = {s.index: s.capacity_bytes for s in plan.stages}
     for d in devices.values():
         d["grad_bytes"] = d["param_bytes"]
-        d["capacity_bytes"] = known.get(d["name"], capacity.get(d["name"]))
+        name = plan.stages[d["stages"][0]].device if plan.gpus_per_host else d["name"]
+        d["capacity_bytes"] = by_stage[d["stages"][0]] if plan.gpus_per_host else known.get(name, capacity.get(name))
     timelines = []
     if timeline is not None:
         timelines.append(by_host(timeline_data(timeline, "predicted (simulator)"), timeline,
@@ -127,7 +142,7 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         notes.append("no graph attached: plans made by partition() carry one; attach one to a loaded plan "
                      "with partitioner.predict.graph_data.attach_graph(plan, build_graph(...))")  # fmt: skip
     return with_stage_errors({
-        "title": f"{len(plan.stages)}-stage plan on {', '.join(dict.fromkeys(plan.devices))}",
+        "title": _title(plan),
         "plan": {"micro_batches": plan.micro_batches, "schedule": plan.schedule, "placement": plan.placement,
                  "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms,
                  "allreduce_ms": sum(s.allreduce_ms for s in plan.stages), "alternatives": dict(plan.alternatives)},
@@ -137,6 +152,21 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         "timelines": timelines,
         "notes": notes,
     })
+
+
+def _title(plan: runtime_plan.Plan) -> str:
+    """'2-stage plan on cpu, cuda:0'; a cluster plan: its GPUs, hosts, tensor degree, sharding and precision."""
+    stages = f"{len(plan.stages)}-stage plan"
+    if not plan.gpus_per_host:
+        return f"{stages} on {', '.join(dict.fromkeys(plan.devices))}"
+    ranks = {r for s in plan.stages for r in s.all_ranks}
+    hosts = {plan.host_of(r) for r in ranks}
+    tensor = max(s.tensor for s in plan.stages)
+    sharding = sorted({s.sharding for s in plan.stages} - {"none"})
+    extra = (f", {tensor} tensor ranks per replica" if tensor > 1 else "") + (
+        f", replicas sharded {'/'.join(sharding)}" if sharding else "") + (
+        f", precision {plan.precision.get('name') or plan.precision.get('compute')}" if plan.precision else "")
+    return f"{stages} on {len(ranks)} GPUs ({len(hosts)} hosts x {plan.gpus_per_host}){extra}"
 
 
 def visualize(

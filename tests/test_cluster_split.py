@@ -13,6 +13,7 @@ from cost_model.cluster_shape import Cluster
 from cost_model.memory import usable_bytes
 from cost_model.precision import MIXED, PURE_BF16
 from examples.models import make_gpt
+from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
@@ -124,3 +125,13 @@ def test_a_cluster_plan_shows_its_split_and_memory_by_kind() -> None:
         assert sum(row["kinds"].values()) == stage.memory_bytes
     pipeline, _ = planned(graph, order, shardable, stages=8, micro_batches=8)  # nothing replicated, split or sharded
     assert "tensor" not in DrawablePlan.from_plan(pipeline).summary()
+
+
+def test_plan_keeps_the_split_stages_numbers_when_recomputation_is_chosen_per_stage() -> None:
+    torch.manual_seed(0)
+    model, (x,) = make_gpt(batch=2)
+    made = {rec: make_plan(model, cluster="1x8xH100", example_inputs=(x,), micro_batches=2, replicas="auto",
+                                  schedule="1f1b", precision="mixed", recompute=rec) for rec in ("none", "auto")}
+    assert made["none"].precision == MIXED.to_dict()
+    assert [s.memory_bytes for s in made["auto"].stages] == [s.memory_bytes for s in made["none"].stages]
+    assert made["auto"].predicted_step_ms == made["none"].predicted_step_ms

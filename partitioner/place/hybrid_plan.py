@@ -69,7 +69,7 @@ def plan_hybrid(
     On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
     (partitioner/place/cluster_plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
     up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
-    plan simulated faster is kept.
+    plan simulated faster is kept (not with a `precision`: that search counts every state at the model's dtype).
     """
     cluster = cluster_of(cost) if memory_bytes is None else None
     counted: tuple[Plan, float] | None = None
@@ -81,10 +81,10 @@ def plan_hybrid(
                                           precision=precision, shardable=shardable)
             counted = made, found.step_s
         except PartitionError:
-            if cluster.size > EXHAUSTIVE_GPUS:
+            if cluster.size > EXHAUSTIVE_GPUS or precision is not None:
                 raise
-        if counted is not None and cluster.size > EXHAUSTIVE_GPUS:
-            return counted[0]
+        if counted is not None and (cluster.size > EXHAUSTIVE_GPUS or precision is not None):
+            return counted[0]  # the device-list search counts states at the model's dtype only
     problem = hybrid_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import networkx as nx
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from partitioner.capture.trace import trace
 from partitioner.place.blocks import block_cuts
 from partitioner.place.cluster_axes import SplitChoice
 from partitioner.place.cluster_plan import plan_on_cluster
+from partitioner.place.cluster_space import Split
 from partitioner.place.hybrid import InfeasibleError
 from partitioner.place.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
@@ -135,3 +137,15 @@ def test_plan_keeps_the_split_stages_numbers_when_recomputation_is_chosen_per_st
     assert made["none"].precision == MIXED.to_dict()
     assert [s.memory_bytes for s in made["auto"].stages] == [s.memory_bytes for s in made["none"].stages]
     assert made["auto"].predicted_step_ms == made["none"].predicted_step_ms
+
+
+def test_every_stage_of_a_split_plan_splits_a_group() -> None:
+    split = Split(2, traced_problem_stub(), spans=np.array([[3, 5], [8, 9]]))
+    holds = split.holds_a_group(np.array([0, 3, 6, 8, 10]))
+    assert holds is not None and holds.astype(int).tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1],
+                                                                [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
+    assert Split(1, traced_problem_stub()).holds_a_group(np.array([0, 3])) is None
+
+
+def traced_problem_stub() -> Any:
+    return None  # the problem is not read by holds_a_group

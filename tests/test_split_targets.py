@@ -73,6 +73,7 @@ def test_llama_7b_trained_in_mixed_precision_fits_and_is_no_slower_than_before(l
     params = plan.stages[0].param_bytes / 2
     assert kinds["master"] >= 4 * params / found.replicas and kinds["optimizer"] >= 8 * params / found.replicas
     assert plan.predicted_step_ms <= before.predicted_step_ms
+    plan.check()
     with pytest.raises(InfeasibleError, match="does not fit"):  # that plan, its states counted as trained: over
         on("16x8xH100", llama_7b, precision=MIXED, choice=SplitChoice(tensor=[1], sharding=["none"]), stages=1)
 
@@ -92,6 +93,7 @@ def test_gpt3_175b_on_1024_a100_splits_layers_8_ways_inside_hosts(gpt3: Traced) 
     assert found.tensor == 8
     assert all(len({r // 8 for r in group}) == 1 for s in plan.stages for group in s.rank_groups)
     assert all(s.memory_bytes <= s.capacity_bytes for s in plan.stages)
+    plan.check()
 
 
 def test_gpt3_175b_on_1024_h100_shards_where_it_pays(gpt3: Traced) -> None:
@@ -101,3 +103,4 @@ def test_gpt3_175b_on_1024_h100_shards_where_it_pays(gpt3: Traced) -> None:
         kinds = memory_kinds(plan, stage)
         assert sum(kinds.values()) == stage.memory_bytes <= stage.capacity_bytes
         assert kinds["optimizer"] < 8 * stage.param_bytes / 2  # Adam's fp32 moments are sharded
+    plan.check()

@@ -93,7 +93,10 @@ def cluster_axes(
         if t > 1 and not chosen:
             continue
         problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)))
-        splits.append(Split(t, problem, crossing(chosen, order)))
+        position = {name: i for i, name in enumerate(order)}
+        spans = np.array([[min(position[n] for n in g.nodes), max(position[n] for n in g.nodes)] for g in chosen],
+                         dtype=np.int64).reshape(-1, 2)
+        splits.append(Split(t, problem, crossing(chosen, order), spans))
         groups[t] = chosen
     rule = StateRule(precision, param_itemsize(graph), optimizer)
     blocks = np.array(block_ids([str(graph.nodes[x].get("module", "") or "") for x in order]), dtype=np.int64)

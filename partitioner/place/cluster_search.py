@@ -118,8 +118,10 @@ def windows(cluster: Cluster, ranks: Sequence[Sequence[int]], capacity: float) -
 class _Pricer:
     """Stage value matrices on one cut grid, cached by window, micro-batches and sharding (equal keys, equal costs)."""
 
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray, space: Axes | None = None) -> None:
+    def __init__(self, problem: HybridProblem, cuts: np.ndarray, space: Axes | None = None,
+                 split: Split | None = None) -> None:
         self.problem, self.cuts, self.space = problem, cuts, space
+        self.holds = split.holds_a_group(cuts) if split is not None else None
         if space is None or space.rule is None:
             self.grid: Grid = Grid(problem, cuts)
         else:
@@ -138,6 +140,9 @@ class _Pricer:
                                                self.space.rule)
             else:
                 self._parts[key] = stage_parts(self.problem, self.grid, window, m, full, full)
+            if self.holds is not None:  # a stage of a split plan splits a group at least
+                work, static, flight = self._parts[key]
+                self._parts[key] = (np.where(self.holds, work, np.inf), static, flight)
         return self._parts[key]
 
     def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False,
@@ -219,7 +224,7 @@ def search_cluster(
     given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
     coarse = given if given is not None else cut_candidates(problem, COARSE)
     space = axes if axes is not None else Axes((Split(1, problem),))
-    pricers = {s.tensor: _Pricer(s.problem, s.allowed(coarse), space) for s in space.splits}
+    pricers = {s.tensor: _Pricer(s.problem, s.allowed(coarse), space, s) for s in space.splits}
     states = 2 + problem.optimizer_states
     pairs = [(p, D // p) for p in range(1, min(D, n, len(coarse) - 1) + 1) if D % p == 0
              and (stages is None or p == stages) and (replicate or D // p == 1)]
@@ -312,7 +317,7 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
             break
         around = [np.arange(b - stride, b + stride + 1, finer) for b in bounds]
         cuts = split.allowed(np.unique(np.clip(np.concatenate([coarse, *around]), 0, split.problem.n)).astype(np.int64))
-        value, idx = _dp(_Pricer(split.problem, cuts, space).values(wins, m, mode, sharding=sharding))
+        value, idx = _dp(_Pricer(split.problem, cuts, space, split).values(wins, m, mode, sharding=sharding))
         found = fill(m, len(bounds) - 1, d, mode) * value
         if found < step:
             step, bounds = found, [int(cuts[i]) for i in idx]
@@ -327,8 +332,8 @@ def evaluate_cluster(
     """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate)."""
     space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)
-    problem = space.split(tensor).problem
-    pricer, p = _Pricer(problem, cuts, space), len(wins)
+    split = space.split(tensor)
+    pricer, p = _Pricer(split.problem, cuts, space, split), len(wins)
     work, memory = [], []
     for s, window in enumerate(wins):
         wk, static, flight = (x[s, s + 1] for x in pricer.parts(window, m, sharding))

@@ -53,10 +53,21 @@ class Split:
     tensor: int
     problem: HybridProblem
     forbidden: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))  # each group's first, last
 
     def allowed(self, cuts: np.ndarray) -> np.ndarray:
         """`cuts` without the positions inside a split group."""
         return cuts[~np.isin(cuts, self.forbidden)] if len(self.forbidden) else cuts
+
+    def holds_a_group(self, cuts: np.ndarray) -> np.ndarray | None:
+        """[i, j]: whether a stage [cuts[i], cuts[j]) holds a split group (a split stage splits one at least:
+        runtime.plan's check); None for t = 1."""
+        if self.tensor == 1:
+            return None
+        first, last = self.spans[:, 0], self.spans[:, 1]
+        starts = cuts[:, None, None] <= first[None, None, :]
+        ends = last[None, None, :] < cuts[None, :, None]
+        return np.asarray((starts & ends).any(axis=2))
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                       "tracing (tf32: fp32 tensors, products on the TF32 peak); default: the model's own dtype")
     plan.add_argument("--replicas", metavar="auto|R,R,...",
                       help="processes per stage: auto (the hybrid planner chooses stages and replicas; schedule "
-                      "gpipe, 1f1b or auto) or counts such as 2,1,1 (default: one per stage). Plans for torchrun")
+                      "gpipe, 1f1b or auto) or counts such as 2,1,1 (default: auto with --cluster, else one per "
+                      "stage). Plans for torchrun")
     plan.add_argument("--precision", metavar="NAME",
                       help="the dtypes training keeps each state in: mixed (torch.amp: bf16 compute, fp32 weights, "
                       "gradients and Adam moments), bf16, fp32, COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER], or none (every "
@@ -172,7 +173,7 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
     if args.devices:
         raise UsageError("--devices with --cluster: the cluster's GPUs are the devices; drop one of them")
     cluster = _cluster(args.cluster)
-    replicas = parse_replicas(args.replicas)
+    replicas = parse_replicas(args.replicas) if args.replicas is not None else "auto"  # a cluster: searched
     precision = parse_precision(args.precision, cluster=True)
     if isinstance(replicas, list) and sum(replicas) != cluster.size:
         fix = "too few GPUs for" if sum(replicas) > cluster.size else "GPUs left over by"

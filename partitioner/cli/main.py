@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Split the model into one pipeline stage per device, print the plan as a "
                                "table and write its picture.", **kw)  # fmt: skip
     _common(plan)
-    plan.add_argument("--schedule", choices=schedule_choices(), default="gpipe",
-                      help=schedule_help() + " (default gpipe)")
+    plan.add_argument("--schedule", choices=schedule_choices(),
+                      help=schedule_help() + " (default gpipe; auto with --cluster)")
     plan.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="none", help=RECOMPUTE_HELP)
     plan.add_argument("--update", choices=UPDATES, default="sync",
                       help="how weights update: sync (after each step), 2bw or stash (no flush; --schedule 1f1b)")
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if args.command == "plan" and args.schedule is None:  # a cluster's schedule is searched with its stages
+        args.schedule = "auto" if getattr(args, "cluster", None) else "gpipe"
     out = Console(width=max(80, shutil.get_terminal_size((120, 40)).columns), highlight=False)
     err = Console(stderr=True, highlight=False)
     try:

@@ -107,15 +107,18 @@ def plan_traced(model: nn.Module, example: Example, request: PlanRequest, cost_m
     if request.placement != "pipeline":
         return store_graph(_place(placing, "gpipe", layout), graph, cost)  # branches run GPipe only
     made: dict[str, Plan] = {}
-    refused: list[str] = []
+    refused: dict[str, PartitionError] = {}
     for name, ranks in schedule_layouts(layout, request.micro_batches, hybrid=auto).items():
         try:
             made[name] = _place(placing, name, ranks)
         except PartitionError as exc:  # this layout cannot run it (or cannot fit at all): not a candidate
-            refused.append(f"{name}: {exc}")
+            refused[name] = exc
     if not made:
+        needs = {n: max(getattr(e, "needed_bytes", None) or [0]) for n, e in refused.items()}
+        if all(needs.values()):  # none fits in memory: the error of the one that came closest, as it is
+            raise refused[min(needs, key=lambda n: needs[n])]
         raise PartitionError("schedule='auto' found no schedule that can run this model here:\n"
-                             + "\n".join(f"- {r}" for r in refused))
+                             + "\n".join(f"- {n}: {e}" for n, e in refused.items()))
     fits = {name: fits_memory(p, cost) for name, p in made.items()}
     pool = [name for name in made if fits[name]] or list(made)
     best = min(pool, key=lambda name: made[name].predicted_step_ms)
@@ -206,8 +209,9 @@ def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, proce
             stage.ranks, changed = [stage.index], True
         if stage.reads_from != reads:
             stage.reads_from, changed = reads, True
-    if not changed or (plan.data_split == "slice" and not plan.programs):
-        return  # sliced replicas (sharded) are lowered where they run, replica 0 over every micro-batch
+    split = plan.data_split == "slice" or any(s.tensor > 1 for s in plan.stages)
+    if not changed or (split and not plan.programs):
+        return  # sliced replicas and split layers are lowered where they run (runtime.program.plan_programs)
     stage_ranks = [list(s.ranks) for s in plan.stages]
     groups = weight_groups(gm, plan.stage_of(), stage_ranks, model) if processes else []
     finish(plan, [(list(r), st) for r, st in groups])

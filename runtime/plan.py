@@ -144,7 +144,8 @@ class Plan:
     @property
     def ranks(self) -> int:
         """How many programs (processes under torchrun, workers in one process) the plan runs on."""
-        return len(self.programs) or 1 + max((r for s in self.stages for r in s.ranks), default=len(self.stages) - 1)
+        last = max((r for s in self.stages for r in s.all_ranks), default=len(self.stages) - 1)
+        return len(self.programs) or 1 + last
 
     def host_of(self, rank: int) -> int:
         """The host of `rank` on the cluster the plan is for (0 when `gpus_per_host` is not known)."""

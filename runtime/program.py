@@ -23,10 +23,25 @@ Batch t only waits for work of ticks below t, so by induction every batch comple
 rank pair can wait on each other, whatever NCCL serializes. All-reduces of a group of ranks
 come after the tick of the group's last backward (B or W), in one global order. A W (the
 weight part of a split backward) waits for its B on the same rank and moves nothing.
+
+Split layers ([Note: ranks of a split stage] in runtime/plan.py) keep this order. `plan_programs`
+lowers over each replica's first rank (a sliced plan as the dealt one of m * d micro-batches: slice
+j of micro-batch i is piece i * d + j of the batch), then copies each program to the t - 1 tensor
+peers of its rank (`split_programs`). A message from stage a (degree ta) to stage b (degree tb) goes
+to every rank k_b of b's group from rank k_b mod ta of a's (values at a stage boundary are whole on
+every tensor rank), so the sender's one SEND becomes a SEND to each such k_b, in rank order, and an
+all-reduce group moves to the ranks of the same tensor index. The ops two ranks exchange at tick t
+are copies of those their leaders exchange at tick t, sorted by the leaders' key on both sides, and
+tensor peers compute at their leader's ticks, so batch t still waits only for ticks below t. The
+collectives inside an F or B (DTensor's, over the tensor group; FSDP2's, over a sharded stage's
+replicas) are posted by every rank of their group in the same op of the same program position:
+tensor peers run one program, sliced replicas the same program on their own micro-batches (see
+[Note: one order of TP collectives] in runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from runtime.ops import Op, OpKind, Program, format_program, parse_program
@@ -35,7 +50,7 @@ from runtime.schedule import Action
 from runtime.schedule_ranks import rank_schedule
 
 __all__ = ["Op", "OpKind", "Program", "action_deps", "format_program", "lower", "parse_program", "plan_programs",
-           "stage_readers"]
+           "split_programs", "stage_readers"]
 
 
 def stage_readers(producers: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -172,22 +187,83 @@ def plan_programs(
     """The programs of `plan`: its schedule's action lists (runtime.schedule_ranks.rank_schedule), lowered.
 
     Stage s runs on `plan.stages[s].ranks` (default: rank s) and reads `reads_from`. `groups`
-    are (ranks, stages) of weights held by several ranks. Every rank up to the highest in
-    `devices` or the stages gets a program; one that runs no stage (an unused device slot)
-    only STEP. A rank's device is `devices[rank]`, else that of its first stage. A stage
-    that recomputes selectively runs its backward whole (no W): torch's selective checkpoint
-    allows one backward per region, and a split backward needs two.
+    are (ranks, stages) of weights held by several ranks (ranks: each replica's first rank); a
+    group of one sharded stage's weights gets no all-reduce (FSDP2 reduces them). Every rank up to
+    the highest in `devices` or the stages gets a program; one that runs no stage (an unused
+    device slot) only STEP. A rank's device is `devices[rank]`, else that of its first stage. A
+    stage that recomputes selectively runs its backward whole (no W): torch's selective checkpoint
+    allows one backward per region, and a split backward needs two. Split layers and sliced
+    replicas: see [Note: one agreed order].
     """
     stage_ranks = [list(s.ranks) or [s.index] for s in plan.stages]
     producers = [list(s.reads_from) for s in plan.stages]
     names: dict[int, str] = dict(devices or {})
     for s, ranks in zip(plan.stages, stage_ranks):
         for r in ranks:
-            names.setdefault(r, s.device)
+            for peer in range(r, r + s.tensor):
+                names.setdefault(peer, s.device)
     world = 1 + max(names)
-    lists = rank_schedule(plan.schedule, plan.micro_batches, stage_ranks, producers)
+    sharded = {s.index for s in plan.stages if s.sharding != "none"}
+    groups = [(r, st) for r, st in groups if not (len(set(st)) == 1 and st[0] in sharded)]
+    split = any(s.tensor > 1 for s in plan.stages)
+    leaders = sorted({r for ranks in stage_ranks for r in ranks}) if split else list(range(world))
+    index = {r: i for i, r in enumerate(leaders)}  # split layers: lowered over the first ranks, numbered 0, 1, ...
+    if split:
+        stage_ranks = [[index[r] for r in ranks] for ranks in stage_ranks]
+        groups = [([index[r] for r in ranks], st) for ranks, st in groups]
+    micro_batches = plan.micro_batches * (max(len(r) for r in stage_ranks) if plan.data_split == "slice" else 1)
+    lists = rank_schedule(plan.schedule, micro_batches, stage_ranks, producers)
     whole = {s.index for s in plan.stages if s.recompute == "selective"}
     lists = [[a for a in actions if not (a.kind == "W" and a.stage in whole)] for actions in lists]
-    lists += [[] for _ in range(world - len(lists))]
-    return lower(lists, producers, stage_ranks, [names.get(r, "cpu") for r in range(world)], groups,
-                 forward_only=forward_only)
+    lists += [[] for _ in range(len(leaders) - len(lists))]
+    programs = lower(lists, producers, stage_ranks, [names.get(r, "cpu") for r in leaders], groups,
+                     forward_only=forward_only)
+    if not split:
+        return programs
+    by_rank = {r: Program(r, names.get(r, "cpu"), [Op("STEP")]) for r in range(world)}
+    for p in programs:  # back to the first ranks' own numbers
+        by_rank[leaders[p.rank]] = Program(leaders[p.rank], p.device, [
+            replace(op, peer=leaders[op.peer] if op.peer >= 0 else -1, group=tuple(leaders[g] for g in op.group))
+            for op in p.ops])
+    return split_programs([by_rank[r] for r in range(world)], plan)
+
+
+def split_programs(programs: Sequence[Program], plan: Plan) -> list[Program]:
+    """Programs lowered over each replica's first rank, copied to its tensor peers (see [Note: one agreed order]).
+
+    `programs[r]` is rank r's; a tensor peer's own (nothing to run) is replaced by its first rank's, with
+    messages and all-reduce groups moved to the ranks of its tensor index.
+
+    Raises:
+        ValueError: an all-reduce over ranks of different tensor degrees (a weight two stages share whose
+            degrees differ: give them one degree).
+    """
+    tensor = [s.tensor for s in plan.stages]
+    place: dict[int, tuple[int, int, int]] = {}  # rank -> (its group's first rank, its index, the group's degree)
+    for s in plan.stages:
+        for group in s.rank_groups:
+            for k, r in enumerate(group):
+                place[r] = (group[0], k, s.tensor)
+
+    def degree(r: int) -> int:
+        return place.get(r, (r, 0, 1))[2]
+
+    out: list[Program] = []
+    for program in programs:
+        first, k, _ = place.get(program.rank, (program.rank, 0, 1))
+        ops: list[Op] = []
+        for op in programs[first].ops:
+            if op.kind == "SEND":  # to every rank of the reader's group whose index is k modulo the sender's degree
+                ops += [replace(op, peer=op.peer + kb) for kb in range(k, tensor[op.dst], tensor[op.src])]
+            elif op.kind == "RECV":
+                ops.append(replace(op, peer=op.peer + k % tensor[op.src]))
+            elif op.kind == "AR":
+                if len({degree(r) for r in op.group}) > 1:
+                    raise ValueError(f"ranks {list(op.group)} all-reduce weights they share, but their stages split "
+                                     f"layers {[degree(r) for r in op.group]} ways; stages sharing a weight need one "
+                                     "tensor degree")
+                ops.append(replace(op, group=tuple(r + k for r in op.group)))
+            else:
+                ops.append(op)
+        out.append(Program(program.rank, program.device, ops))
+    return out

@@ -7,6 +7,7 @@ import pytest
 from runtime.plan import Plan, StagePlan
 from runtime.program import Op, format_program, lower, parse_program, plan_programs
 from runtime.schedule import Action
+from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
 
 def texts(plan: Plan, groups: list[tuple[list[int], list[int]]] | None = None) -> list[str]:
@@ -147,3 +148,75 @@ def test_a_stage_that_recomputes_selectively_runs_its_backward_whole() -> None:
     rank0, rank1 = plan_programs(plan)
     assert any(op.kind == "W" for op in rank0.ops) and all(op.split for op in rank0.ops if op.kind == "B")
     assert not any(op.kind == "W" or op.split for op in rank1.ops)
+
+
+SPLIT = [TensorParallelGroup("g", (ShardedParam("w", "colwise", 0),))]
+
+
+def test_split_layers_copy_each_program_to_the_tensor_peers_literal() -> None:
+    # stage 0 split over ranks 0 and 1, stage 1 whole on rank 2: each peer of stage 0 receives the gradients from
+    # rank 2 (index k mod 1), and stage 0's activations go to rank 2 from index 0 only (k_b mod 2 == 0)
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0], tensor=2, tensor_groups=SPLIT),
+                 StagePlan(1, "cpu", ["b"], ranks=[2], reads_from=[0])], micro_batches=2)
+    assert texts(plan) == [
+        "F s0 mb0 t0\nSEND s0->s1 mb0 r2 t0\nF s0 mb1 t1\nSEND s0->s1 mb1 r2 t1\n"
+        "RECV s1->s0 mb1 r2 t3\nB s0 mb1 t4\nRECV s1->s0 mb0 r2 t4\nB s0 mb0 t5\nSTEP",
+        "F s0 mb0 t0\nF s0 mb1 t1\nRECV s1->s0 mb1 r2 t3\nB s0 mb1 t4\nRECV s1->s0 mb0 r2 t4\nB s0 mb0 t5\nSTEP",
+        "RECV s0->s1 mb0 r0 t0\nF s1 mb0 t1\nRECV s0->s1 mb1 r0 t1\nF s1 mb1 t2\nB s1 mb1 t3\n"
+        "SEND s1->s0 mb1 r0 t3\nSEND s1->s0 mb1 r1 t3\nB s1 mb0 t4\nSEND s1->s0 mb0 r0 t4\nSEND s1->s0 mb0 r1 t4\nSTEP",
+    ]
+
+
+def test_one_weird_trick_data_parallel_then_split_literal() -> None:
+    # convolutions on 2 replicas dealt micro-batches (ranks 0, 1), fully connected layers split over ranks 2, 3: a
+    # replica sends its activations to both tensor ranks; gradients come back from index 0; the replicas all-reduce
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1]),
+                 StagePlan(1, "cpu", ["b"], ranks=[2], tensor=2, tensor_groups=SPLIT, reads_from=[0])],
+                micro_batches=2)
+    assert texts(plan, [([0, 1], [0])]) == [
+        "F s0 mb0 t0\nSEND s0->s1 mb0 r2 t0\nSEND s0->s1 mb0 r3 t0\nRECV s1->s0 mb0 r2 t4\nB s0 mb0 t5\n"
+        "AR r0,1 t5\nSTEP",
+        "F s0 mb1 t0\nSEND s0->s1 mb1 r2 t0\nSEND s0->s1 mb1 r3 t0\nRECV s1->s0 mb1 r2 t3\nB s0 mb1 t4\n"
+        "AR r0,1 t5\nSTEP",
+        "RECV s0->s1 mb0 r0 t0\nRECV s0->s1 mb1 r1 t0\nF s1 mb0 t1\nF s1 mb1 t2\nB s1 mb1 t3\n"
+        "SEND s1->s0 mb1 r1 t3\nB s1 mb0 t4\nSEND s1->s0 mb0 r0 t4\nSTEP",
+        "RECV s0->s1 mb0 r0 t0\nRECV s0->s1 mb1 r1 t0\nF s1 mb0 t1\nF s1 mb1 t2\nB s1 mb1 t3\nB s1 mb0 t4\nSTEP",
+    ]
+
+
+def test_sliced_sharded_replicas_run_the_dealt_plan_and_reduce_per_tensor_index_literal() -> None:
+    # 2 stages x 2 replicas x tensor 2 (8 ranks), one micro-batch sliced over the replicas: as 2 micro-batches
+    # dealt; stage 0 is sharded (FSDP2 reduces its weights: no AR), stage 1 is not: AR per tensor index
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 2], tensor=2, tensor_groups=SPLIT, sharding="zero3"),
+                 StagePlan(1, "cpu", ["b"], ranks=[4, 6], tensor=2, tensor_groups=SPLIT, reads_from=[0])],
+                micro_batches=1, schedule="1f1b", data_split="slice")
+    assert texts(plan, [([0, 2], [0]), ([4, 6], [1])]) == [
+        "F s0 mb0 t0\nSEND s0->s1 mb0 r4 t0\nRECV s1->s0 mb0 r4 t2\nB s0 mb0 t3\nSTEP",
+        "F s0 mb0 t0\nSEND s0->s1 mb0 r5 t0\nRECV s1->s0 mb0 r5 t2\nB s0 mb0 t3\nSTEP",
+        "F s0 mb1 t0\nSEND s0->s1 mb1 r6 t0\nRECV s1->s0 mb1 r6 t2\nB s0 mb1 t3\nSTEP",
+        "F s0 mb1 t0\nSEND s0->s1 mb1 r7 t0\nRECV s1->s0 mb1 r7 t2\nB s0 mb1 t3\nSTEP",
+        "RECV s0->s1 mb0 r0 t0\nF s1 mb0 t1\nB s1 mb0 t2\nSEND s1->s0 mb0 r0 t2\nAR r4,6 t2\nSTEP",
+        "RECV s0->s1 mb0 r1 t0\nF s1 mb0 t1\nB s1 mb0 t2\nSEND s1->s0 mb0 r1 t2\nAR r5,7 t2\nSTEP",
+        "RECV s0->s1 mb1 r2 t0\nF s1 mb1 t1\nB s1 mb1 t2\nSEND s1->s0 mb1 r2 t2\nAR r4,6 t2\nSTEP",
+        "RECV s0->s1 mb1 r3 t0\nF s1 mb1 t1\nB s1 mb1 t2\nSEND s1->s0 mb1 r3 t2\nAR r5,7 t2\nSTEP",
+    ]
+
+
+def test_split_interleaved_lowers_over_the_first_ranks_and_pairs_agree() -> None:
+    plan = Plan([StagePlan(s, "cpu", [str(s)], ranks=[2 * (s % 2)], tensor=2, tensor_groups=SPLIT,
+                           reads_from=[s - 1] if s else []) for s in range(4)],
+                micro_batches=2, schedule="interleaved", virtual_stages=2)
+    programs = plan_programs(plan)
+    assert [p.compute() for p in programs[:2]] == [programs[0].compute()] * 2  # peers run their first rank's compute
+    for a in programs:  # every pair posts the same messages in the same order, each side seen from the other
+        for b in programs:
+            sent = [(op.key(), op.tick) for op in a.ops if op.kind == "SEND" and op.peer == b.rank]
+            got = [(op.key(), op.tick) for op in b.ops if op.kind == "RECV" and op.peer == a.rank]
+            assert sent == got
+
+
+def test_a_weight_shared_by_stages_of_other_tensor_degrees_is_named() -> None:
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0], tensor=2, tensor_groups=SPLIT),
+                 StagePlan(1, "cpu", ["b"], ranks=[2], reads_from=[0])], micro_batches=2)
+    with pytest.raises(ValueError, match=r"split layers \[2, 1\] ways; stages sharing a weight need one tensor degree"):
+        plan_programs(plan, [([0, 2], [0, 1])])

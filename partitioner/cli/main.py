@@ -7,13 +7,10 @@ Exit codes: 0 success, 1 the work itself failed (a model that cannot be traced, 
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from rich import box
@@ -29,12 +26,12 @@ from partitioner.cli.cluster import add_cluster_arguments, cast_example, cluster
 from partitioner.cli.export import add_export_parser, run_export
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.cli.profile import run_profile
+from partitioner.cli.progress import phase_lines, step
 from partitioner.errors import PartitionError, TraceError
 from partitioner.predict.assemble import finish
 from partitioner.predict.simulator import simulate
 from partitioner.request import PLACEMENTS, RECOMPUTE_CHOICES
 from partitioner.show.visualizer import DrawablePlan, simulated_timeline, visualize
-from rules.progress import LOGGER
 from rules.schedules import schedule_names, schedule_spec
 from runtime.plan import UPDATES, human_bytes
 
@@ -169,11 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     try:
         _check(args)
-        with _phase_lines(err, args.quiet):
+        with phase_lines(err, args.quiet):
             if args.command == "calibrate":
-                return run_calibrate(args, out, err, _devices(args.devices), lambda text: _step(err, args.quiet, text))
+                return run_calibrate(args, out, err, _devices(args.devices), lambda text: step(err, args.quiet, text))
             if args.command == "profile":
-                return run_profile(args, out, lambda text: _step(err, args.quiet, text))
+                return run_profile(args, out, lambda text: step(err, args.quiet, text))
             if args.command == "export":
                 return run_export(args, out)
             return {"plan": _plan, "simulate": _simulate}[args.command](args, out, err)
@@ -215,42 +212,6 @@ def _check(args: argparse.Namespace) -> None:
                          "MODULE:FACTORY --schedule auto instead")
 
 
-@contextmanager
-def _step(err: Console, quiet: bool, text: str) -> Iterator[None]:
-    """A long step on stderr: a spinner on a terminal, else its name as it starts; its time when it ends."""
-    start = time.perf_counter()
-    if quiet:
-        yield
-        return
-    if err.is_terminal:
-        with err.status(f"{text} ...", spinner="dots"):
-            yield
-    else:  # a pipe or a log: a spinner draws nothing there, so say what runs now
-        err.print(f"{text} ...", markup=False, highlight=False)
-        yield
-    err.print(f"[dim]{text}: {time.perf_counter() - start:.1f} s[/dim]")
-
-
-@contextmanager
-def _phase_lines(err: Console, quiet: bool) -> Iterator[None]:
-    """Where stderr is not a terminal, the library's phase lines (tracing, profiling n of N nodes, planning: the
-    `rules.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead."""
-    if quiet or err.is_terminal:
-        yield
-        return
-    log = logging.getLogger(LOGGER)
-    handler = logging.StreamHandler(err.file)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-
-
 def _devices(text: str | None) -> list[str]:
     if not text:
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu", "cpu"]
@@ -267,12 +228,12 @@ def _make_plan(args: argparse.Namespace, err: Console, schedule: str, micro_batc
         resolve_devices(devices)
     except ValueError as exc:
         raise UsageError(f"--devices: {exc}") from None
-    with _step(err, args.quiet, f"loading {args.target}"):
+    with step(err, args.quiet, f"loading {args.target}"):
         example = load_example(args.target, args.batch, micro_batches)
     example = cast_example(example, getattr(args, "dtype", None))
     options = plan_keywords(args)  # replicas (processes with them) and precision
     doing = f"planning on {len(devices)} devices ({example.batch} samples, {micro_batches} micro-batches)"
-    with _step(err, args.quiet, doing):
+    with step(err, args.quiet, doing):
         plan = make_plan(example.model, devices, example_inputs=example.args, example_kwargs=example.kwargs,
                          micro_batches=micro_batches, schedule=schedule, placement=args.placement,
                          cost_model=_cost_model(args), recompute=args.recompute or "none",
@@ -318,7 +279,7 @@ def plan_table(plan: Any, title: str = "", width: int = 120) -> Table:
 
 def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.cluster:
-        made = plan_cluster(args, err, lambda text: _step(err, args.quiet, text))
+        made = plan_cluster(args, err, lambda text: step(err, args.quiet, text))
         cluster_report(out, made)
         return _write(args, out, err, DrawablePlan.from_plan(made.plan), None)
     plan, example = _make_plan(args, err, args.schedule, args.micro_batches or 1)
@@ -351,7 +312,7 @@ def _write(args: argparse.Namespace, out: Console, err: Console, plan: Any, time
         Path(args.save).write_text(plan.to_json(), encoding="utf-8")
         out.print(f"saved the plan to {args.save}", markup=False)
     if args.out:
-        with _step(err, args.quiet, f"writing {args.out}"):
+        with step(err, args.quiet, f"writing {args.out}"):
             visualize(plan, args.out, timeline=timeline or simulated_timeline(plan)[0], depth=args.depth)
         out.print(f"wrote {args.out}", markup=False)
     return 0
@@ -395,7 +356,7 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(table)
     out.print(f"makespan {timeline.makespan_ms:.3f} ms, bubble fraction {timeline.bubble_fraction:.1%}", markup=False)
     if args.out:
-        with _step(err, args.quiet, f"writing {args.out}"):
+        with step(err, args.quiet, f"writing {args.out}"):
             visualize(plan, args.out, timeline=timeline)
         out.print(f"wrote {args.out}", markup=False)
     return 0

@@ -83,8 +83,10 @@ def test_the_command_line_in_a_pipe_says_each_phase_on_a_line_of_its_own(
     lines = err.splitlines()
     planning = "planning on 2 devices (7 samples, 1 micro-batches)"
     assert lines[0] == "loading tests.zoo:mlp ..." and lines[1].startswith("loading tests.zoo:mlp: ")
-    assert lines[2:4] == [f"{planning} ...", f"profiling {nodes} nodes on cpu (7 runs each)"]
-    assert lines[4].startswith(f"{planning}: ")
+    assert lines[2:6] == [f"{planning} ...", "tracing MLP",
+                          f"planning {nodes} nodes on 2 devices (gpipe, 1 micro-batches)",
+                          f"profiling {nodes} nodes on cpu (7 runs each)"]
+    assert lines[6].startswith(f"{planning}: ")
     assert out.splitlines()[0].strip() == "tests.zoo:mlp: 2 stages"  # the table starts on a line of its own
     assert main(["plan", "tests.zoo:mlp", "--devices", "cpu,cpu", "--profile", "--quiet"]) == 0
     assert capsys.readouterr().err == ""

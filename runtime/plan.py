@@ -61,7 +61,7 @@ class StagePlan:
     backward_ms: float = 0.0
     comm_ms: float = 0.0
     allreduce_ms: float = 0.0  # the gradient all-reduce over the replicas, once per step
-    param_bytes: int = 0
+    param_bytes: int = 0  # one rank's weights at the compute dtype (split groups: its 1/tensor share)
     activation_bytes: int = 0  # activations held for backward across all micro-batches in flight
     memory_bytes: int = 0  # predicted peak on each device of the stage (0: not predicted)
     capacity_bytes: int | None = None  # usable bytes of that device, where the planner knew them

@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-from typing import Any, Callable, Literal, Mapping, Sequence, cast
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,60 +30,23 @@ from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.calibration_hook import Calibratable, StepCall
 from runtime.comm import Comm, TorchComm
 from runtime.errors import PartitionError
-from runtime.hier_allreduce import all_reduce, replica_group
+from runtime.grad_groups import grad_groups
 from runtime.interpreter import Interpreter
 from runtime.launch import wire_device
+from runtime.layer_split import ShardedRun
 from runtime.microbatch import SplitDim
 from runtime.nccl_rules import NcclRulesComm
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
 from runtime.program import Op, plan_programs
 from runtime.stage import Stage, tensor_stages
-from runtime.staleness import Reduction, StaleReductions, check_staleness
+from runtime.staleness import StaleReductions, check_staleness
 from runtime.steps import StepInputs, train_step_inputs, transaction, write_back
 from runtime.transport_p2p import P2PTransport
 
 __all__ = ["DistributedPipeline", "NCCL_RULES_ENV"]
 
-_BUCKET_BYTES = 25 << 20
 NCCL_RULES_ENV = "PARTITIONER_NCCL_RULES"  # "1": run messages through runtime.nccl_rules (tests on gloo)
-
-
-class _GradGroup:
-    """Weights held by the same set of ranks, all-reduced together in buckets.
-
-    `reductions` keeps the last `staleness` steps' all-reduces in flight (runtime.staleness):
-    `finish` gives the weights the sums of step t - staleness (0: this step's, waited for now).
-    """
-
-    def __init__(self, ranks: tuple[int, ...], params: list[nn.Parameter], handle: Any,
-                 wire: torch.device | None = None, staleness: int = 0) -> None:
-        self.ranks = ranks
-        self.params = params
-        self.group = handle
-        self.wire = wire  # where the reduction runs (the CPU where a rank of the group has no GPU)
-        self.pending: list[Reduction] = []
-        self.reductions = StaleReductions(staleness)
-
-    def start(self, comm: Comm) -> None:
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in [*self.params, None]:
-            if p is None or (bucket and size + p.numel() * p.element_size() > _BUCKET_BYTES):
-                if bucket:
-                    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in bucket]
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    if self.wire is not None and flat.device != self.wire:
-                        flat = flat.to(self.wire)
-                    self.pending.append(Reduction(all_reduce(comm, flat, self.group), flat, bucket))
-                bucket, size = [], 0
-            if p is not None:
-                bucket.append(p)
-                size += p.numel() * p.element_size()
-
-    def finish(self, wait: Callable[[Any], None]) -> None:
-        pending, self.pending = self.pending, []
-        self.reductions.step(pending, self.params, wait)
 
 
 class DistributedPipeline(Calibratable, nn.Module):
@@ -130,8 +93,12 @@ class DistributedPipeline(Calibratable, nn.Module):
                 f"the plan has programs for {len(plan.programs)} ranks but the job has {dist.get_world_size()}"
             )
         self._program = plan.programs[self.rank].ops
+        # a sliced plan runs as the dealt one of m * d micro-batches (see [Note: one agreed order])
+        self._pieces = plan.micro_batches * (max(s.replicas for s in plan.stages) if plan.data_split == "slice" else 1)
+        self._sharded = {s.index: s.module for s in stages if isinstance(s.module, ShardedRun)}
         readers = tensor_stages(gm, plan.stage_of())
-        self._groups = self._make_groups(model, readers)
+        self._groups, self._loss_group = grad_groups(plan, model, readers, self.rank, self._wire,
+                                                     checked=os.environ.get(NCCL_RULES_ENV) == "1")
         reduced = {op.group for op in self._program if op.kind == "AR"}
         missing = [g.ranks for g in self._groups if g.ranks not in reduced]
         if missing:
@@ -222,31 +189,8 @@ class DistributedPipeline(Calibratable, nn.Module):
         return ranks[microbatch % len(ranks)]
 
     def describe_rank(self, rank: int) -> str:
-        stages = [s.index for s in self.plan.stages if rank in s.ranks]
+        stages = [s.index for s in self.plan.stages if rank in s.all_ranks]
         return f"rank {rank} (stage {', '.join(map(str, stages))})"
-
-    def _make_groups(self, model: nn.Module, readers: dict[int, tuple[torch.Tensor, list[int]]]) -> list[_GradGroup]:
-        names = {id(p): n for n, p in model.named_parameters()}
-        by_ranks: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]] = {}
-        for t, stages in readers.values():
-            if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in names:
-                ranks = tuple(sorted({r for s in stages for r in self.plan.stages[s].ranks}))
-                by_ranks.setdefault(ranks, []).append((names[id(t)], t))
-        last_ranks = tuple(sorted(self.plan.stages[self._last].ranks))
-        all_sets = sorted({k for k in by_ranks if len(k) > 1} | ({last_ranks} if len(last_ranks) > 1 else set()))
-        groups: list[_GradGroup] = []
-        self._loss_group = None
-        for ranks in all_sets:  # every rank creates every group, in the same order
-            handle = dist.new_group(list(ranks))
-            reducer = replica_group(ranks, gpus_per_host=self.plan.gpus_per_host, flat=handle)  # every rank
-            if self.rank not in ranks:
-                continue
-            if ranks == last_ranks:
-                self._loss_group = cast(dist.ProcessGroup, handle)  # this rank is in it: a group
-            if ranks in by_ranks:
-                params = [p for _, p in sorted(by_ranks[ranks], key=lambda e: e[0])]
-                groups.append(_GradGroup(ranks, params, reducer, self._wire(*ranks)))
-        return groups
 
     def _wire(self, *ranks: int) -> torch.device:
         """Where tensors between this rank and `ranks` travel: see runtime.launch.wire_device."""
@@ -308,7 +252,7 @@ class DistributedPipeline(Calibratable, nn.Module):
         ranks get the previous batch's loss (runtime.async_updates; `flush` ends the stream).
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
-                                 self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+                                 self._pieces, loss_reduction, self._mutated, self._input_dims)
         self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
@@ -316,6 +260,8 @@ class DistributedPipeline(Calibratable, nn.Module):
         bns = list(dict.fromkeys(bn for stage in self._stages.values() for bn in stage.deferred_bns))
         with transaction(self._params, bns, grads=True):
             interpreter, program = self._mode()
+            for index, run in self._sharded.items():  # FSDP2 reduces in this stage's last backward of the step
+                run.expect(sum(op.kind == "B" and op.stage == index for op in program))
             self.transport.begin_step((self.model.training, _signature(step.envs)))
             interpreter.begin(step, {})
             interpreter.run(program)

@@ -268,10 +268,9 @@ class Interpreter:
         """Post one batch of SEND/RECV ops of one tick, with the values this rank's ops left to send."""
         start = self._mark()
         outgoing: dict[Key, list[Any]] = {}
-        for op in batch:
-            if op.kind == "SEND":
-                key = op.key()
-                outgoing[key] = self.outgoing.pop(key)
+        for op in batch:  # a message to several tensor ranks is several SENDs of one key (runtime.program)
+            if op.kind == "SEND" and op.key() not in outgoing:
+                outgoing[op.key()] = self.outgoing.pop(op.key())
         self.transport.post(batch, outgoing, self.device)
         if self.tracing:
             self._record("send" if outgoing else "recv", batch[0].src, batch[0].microbatch, start, batch[0].peer)

@@ -17,16 +17,24 @@ posting order. A send completes only once the peer has started the receive it pa
     control group, tags 1 and 2:  sender ──header(bytes, dtype)──► receiver
                                   sender ◄──ack(bytes, dtype)───── receiver  (when its receive starts)
     data group, tag 0 (tags ignored, FIFO per rank pair):  sender ──bytes──► receiver
+
+Rule 5 (collectives in one order on every rank of a group) for the groups of split layers (tensor and
+data-parallel groups, whose collectives DTensor and FSDP2 post) and of gradient all-reduces:
+`collective_checks` creates them as PyTorch's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL's
+checker), which before every collective compares its fingerprint (sequence number, op, shapes,
+dtypes) across the group's ranks on a gloo helper group, so a collective posted out of order is an
+error naming both ranks' collectives, before it runs, instead of a hang or a wrong sum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -34,7 +42,7 @@ import torch.distributed as dist
 
 from runtime.comm import P2P, Work
 
-__all__ = ["NcclRuleError", "NcclRulesComm"]
+__all__ = ["NcclRuleError", "NcclRulesComm", "collective_checks"]
 
 _HEADER, _ACK = 1, 2  # control-group tags: the sender's description, the receiver's answer
 _META_BYTES = 32  # byte count (8), batch number (4), op index (4), dtype name (16)
@@ -46,6 +54,24 @@ _REDUCE_HANG = "a batch posted before it holds it back, or a rank of the group n
 
 class NcclRuleError(RuntimeError):
     """The protocol breaks one of NCCL's point-to-point rules: under NCCL it would hang or corrupt data."""
+
+
+@contextlib.contextmanager
+def collective_checks(on: bool) -> Iterator[None]:
+    """While inside (and `on`), new process groups check NCCL's rule 5 before each collective (module docstring).
+
+    Every rank must create the same groups inside it. The debug level is the process's own, so it is set
+    only for the groups made here and put back after.
+    """
+    if not on:
+        yield
+        return
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(before)
 
 
 class _Meta(NamedTuple):

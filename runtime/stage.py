@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, cast
+from typing import Any, Callable, Collection, Sequence, cast
 
 import torch
 import torch.fx
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
 from runtime.mutation import after, check_cuts, mutated_inputs
 from runtime.plan import Plan
 from runtime.recompute import wrap
+from runtime.tensor_parallel import parallelize_stage, rebind
 
 __all__ = ["Stage", "build_stages", "stage_io", "switches_state", "tensor_stages", "weight_groups"]
 
@@ -215,6 +217,8 @@ def build_stages(
     local: Collection[int] | None = None,
     device: torch.device | None = None,
     materialize: Materialize | None = None,
+    tensor_mesh: DeviceMesh | None = None,
+    owners: Sequence[nn.Module] = (),
 ) -> tuple[list[Stage], Callable[[], None]]:
     """Build the stage modules of `plan` and move the model's weights to their devices.
 
@@ -229,6 +233,10 @@ def build_stages(
     `materialize` (runtime.materialize.Materializer) gives storage to the tensors on `meta`
     (and any others it loads), called with every (tensor, device) this process holds; it
     returns the ids it handled and its own undo. Without it, a weight on meta is an error.
+
+    `tensor_mesh` (with `local`): this process's tensor-parallel mesh; a stage with `tensor` > 1 has its
+    `tensor_groups` split on it (runtime.tensor_parallel) before recomputation wraps it, and the modules
+    of `gm` and `owners` (the model) then hold the split parameters.
 
     Returns the stages and an `undo` function that restores every weight as it was.
     """
@@ -254,7 +262,11 @@ def build_stages(
     filled: set[int] = set()
     undo_filled: list[Callable[[], None]] = []
 
+    swapped: list[tuple[nn.Module, str, Any]] = []  # attributes pointed at split parameters (tensor_mesh)
+
     def undo() -> None:
+        for module, name, p in reversed(swapped):
+            module._parameters[name] = p
         # Restore the very storage each tensor had: lossless whatever device it went to.
         for t, data, grad in original:
             if id(t) not in filled:
@@ -280,7 +292,10 @@ def build_stages(
             elif t.device != dev:
                 _move(t, dev)
         wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp] = {}
-        built = [_build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers) for s in wanted]
+        built = []
+        for s in wanted:
+            split = (tensor_mesh, [gm, *owners], swapped) if tensor_mesh is not None else None
+            built.append(_build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers, split))
     except BaseException:
         undo()
         raise
@@ -296,6 +311,7 @@ def _build_one(
     nodes: dict[str, torch.fx.Node],
     homes: dict[int, tuple[torch.Tensor, torch.device | None]],
     wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp],
+    split: tuple[DeviceMesh, list[nn.Module], list[tuple[nn.Module, str, Any]]] | None = None,
 ) -> Stage:
     inputs, outputs = io
     own = [nodes[name] for name in plan.stages[s].nodes if nodes[name].target not in _DROP_TARGETS]
@@ -366,6 +382,12 @@ def _build_one(
     graph.output(tuple(env[name] for name in outputs))
     module = torch.fx.GraphModule(attrs, graph, f"stage{s}")
     writes = mutated_inputs(module)
+    if split is not None and plan.stages[s].tensor > 1:  # on the bare graph, before recomputation wraps it
+        mesh, roots, swapped = split
+        before = dict(module.named_parameters(remove_duplicate=False))
+        parallelize_stage(module, mesh, plan.stages[s].tensor_groups)
+        after = dict(module.named_parameters(remove_duplicate=False))
+        swapped += rebind(roots, {id(p): after[n] for n, p in before.items() if n in after})
     if plan.recomputes:  # every stage, "none" ones too: see [Note: recomputation replays the stage's random numbers]
         module = wrap(module, plan.stages[s].recompute, device, deferred, writes)
     return Stage(s, device, module, inputs, outputs, deferred, writes)

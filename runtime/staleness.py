@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Reduction", "StaleReductions", "check_staleness"]
 
@@ -73,13 +74,16 @@ class StaleReductions:
                 wait(work)
             self._waited.discard(id(work))
             offset = 0
-            for q in bucket:
-                part = flat[offset : offset + q.numel()].view_as(q).to(q.device)
-                offset += q.numel()
+            for q in bucket:  # what was reduced: the local part of each gradient (a DTensor's: its shard)
+                grad = q.grad if q.grad is not None else q
+                mine = grad.to_local() if isinstance(grad, DTensor) else grad
+                part = flat[offset : offset + mine.numel()].view_as(mine).to(q.device)
+                offset += mine.numel()
                 if q.grad is None:
-                    q.grad = part.clone()
+                    q.grad = part.clone() if not isinstance(q, DTensor) else DTensor.from_local(
+                        part.clone(), q.device_mesh, q.placements, shape=q.shape, stride=q.stride())
                 else:
-                    q.grad.copy_(part)
+                    mine.copy_(part)
 
     def drain(self, wait: Callable[[Any], None]) -> None:
         """Wait for every reduction still in flight (they stay queued and are applied at their step)."""

@@ -57,7 +57,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from runtime.tensor_parallel_ops import FusedLinear, FusedSplit, LocalAttention, ToDTensor, ToPlain
 from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
-__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "region", "restore_state"]
+__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "rebind", "region", "restore_state"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
@@ -172,6 +172,8 @@ def _distribute(gm: torch.fx.GraphModule, mesh: DeviceMesh, params: list[Sharded
             loose.append((p.name, placement(p)))
     for owner, specs in by_leaf.items():
         leaf = gm.get_submodule(owner)
+        if any(isinstance(p, DTensor) for p in leaf.parameters(recurse=False)):
+            continue  # split already, by the other train/eval mode's stage sharing this leaf (and its hooks)
         style = _style(leaf, specs)
         if style is not None:
             parallelize_module(leaf, mesh, style)
@@ -181,6 +183,8 @@ def _distribute(gm: torch.fx.GraphModule, mesh: DeviceMesh, params: list[Sharded
             loose.append((f"{owner}.{attr}", placement(spec) if spec is not None else Replicate()))
     for name, where in loose:
         old = gm.get_parameter(name)
+        if isinstance(old, DTensor):
+            continue
         new = nn.Parameter(distribute_tensor(old.detach(), mesh, [where]), requires_grad=old.requires_grad)
         for alias in aliases[name]:
             owner, _, attr = alias.rpartition(".")
@@ -316,6 +320,20 @@ def parallelize_stage(
     module.graph.lint()
     module.recompile()
     return module
+
+
+def rebind(roots: Iterable[nn.Module], swaps: Mapping[int, nn.Parameter]) -> list[tuple[nn.Module, str, Any]]:
+    """Point every attribute of `roots`' modules holding a parameter that `parallelize_stage` replaced (by id) at
+    its DTensor, so the model's own modules (its state_dict, its optimizer) hold what the split stage holds;
+    returns (module, name, old parameter) to put back."""
+    undo: list[tuple[nn.Module, str, Any]] = []
+    for root in roots:
+        for module in root.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in swaps and swaps[id(p)] is not p:
+                    undo.append((module, name, p))
+                    module._parameters[name] = swaps[id(p)]
+    return undo
 
 
 def checkpoint_state(module: nn.Module, model: nn.Module | None = None) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,12 +27,13 @@ from partitioner.errors import PartitionError
 from partitioner.make.modes import same_cuts
 from partitioner.place.planning import finish_plan
 from partitioner.request import PlanRequest, RunOptions
-from runtime.distributed import DistributedPipeline
+from runtime.distributed import NCCL_RULES_ENV, DistributedPipeline
 from runtime.launch import init_process_group, joined_devices
+from runtime.layer_split import RankSplit, shard_stages, split_groups, splits_layers
 from runtime.materialize import Materializer
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan
-from runtime.stage import Stage, build_stages, stage_io, weight_groups
+from runtime.stage import Stage, build_stages, stage_io, tensor_stages, weight_groups
 
 __all__ = ["build_pipeline", "on_devices", "traced_call"]
 
@@ -99,7 +101,7 @@ def _rank_devices(plan: Plan) -> list[str]:
         return [p.device for p in sorted(plan.programs, key=lambda p: p.rank)]
     found: dict[int, str] = {}
     for stage in plan.stages:
-        for r in stage.ranks or [stage.index]:
+        for r in stage.all_ranks or [stage.index]:
             found.setdefault(r, stage.device)
     return [found[r] for r in sorted(found)]
 
@@ -107,6 +109,12 @@ def _rank_devices(plan: Plan) -> list[str]:
 def _local(model: nn.Module, example: Example, plan: Plan, request: PlanRequest, run: RunOptions,
            fill: Materializer | None) -> Pipeline:
     traced, gm = example.traced, example.graph_module
+    if splits_layers(plan):
+        raise PartitionError("the plan splits layers across tensor ranks or shards weights over replicas "
+                             f"(tensor {[s.tensor for s in plan.stages]}, sharding "
+                             f"{[s.sharding for s in plan.stages]}), which runs one process per rank: launch with "
+                             "torchrun --nproc_per_node="
+                             f"{plan.ranks}, or use a plan with tensor=1 and sharding='none' on every stage")
     batched = shaped(model, traced, batched_outputs, traced, example.flat, example.first_chunk, example.dims,
                      request.micro_batches)
     stages, undo = _build(gm, plan, fill=fill)
@@ -137,13 +145,21 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
     traced, gm = example.traced, example.graph_module
     rank = dist.get_rank()
     finish_plan(plan, gm, model, processes=True, regenerate=False)
-    mine = [s.index for s in plan.stages if rank in s.ranks]
+    mine = [s.index for s in plan.stages if rank in s.all_ranks]
     if not mine:
         raise PartitionError(f"the plan gives rank {rank} no stage; every rank needs one")
     io = stage_io(gm, plan)
-    stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill)
+    split = split_groups(plan, devices[rank].type, run.timeout, checked=os.environ.get(NCCL_RULES_ENV) == "1") \
+        if splits_layers(plan) else RankSplit()  # every rank makes every group, before any stage uses one
+    if traced.other_mode is not None and any(s.sharding != "none" for s in plan.stages):
+        raise PartitionError("sharding (FSDP2) of a model whose forward reads self.training (two graphs, one per "
+                             "mode) is not supported yet; use sharding='none', or a model without that branch")
+    owners = [model] + ([traced.other_mode] if traced.other_mode is not None else [])
+    stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill, tensor_mesh=split.tensor_mesh,
+                          owners=owners)
     undos = [undo]
     try:
+        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()))
         _, placeholders, constants = _graph_io(gm)
         groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         other = None
@@ -151,7 +167,7 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
             other_plan = same_cuts(traced.other_mode, plan, gm)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
             other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
-                                              fill=fill)
+                                              fill=fill, tensor_mesh=split.tensor_mesh, owners=[model, gm])
             undos.append(other_undo)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,
@@ -168,11 +184,12 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
 
 
 def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
-           device: torch.device | None = None, fill: Materializer | None = None
-           ) -> tuple[list[Stage], Callable[[], None]]:
+           device: torch.device | None = None, fill: Materializer | None = None, tensor_mesh: Any = None,
+           owners: Sequence[nn.Module] = ()) -> tuple[list[Stage], Callable[[], None]]:
     """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
     try:
-        return build_stages(gm, plan, local=local, device=device, materialize=fill)
+        return build_stages(gm, plan, local=local, device=device, materialize=fill, tensor_mesh=tensor_mesh,
+                            owners=owners)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 

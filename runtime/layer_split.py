@@ -1,0 +1,172 @@
+"""A rank's share of a plan that splits layers: its tensor and data-parallel groups, its stages split and sharded.
+
+Every rank creates every group in one order (`dist.new_group` is collective), then keeps its own:
+
+    tensor groups   ranks[j] .. ranks[j] + t - 1 of every stage replica (TP innermost), sorted
+    data groups     per sharded stage and tensor index k: ranks[j] + k of every replica j (FSDP2's mesh)
+
+`split_groups` makes them (under runtime.nccl_rules.collective_checks, so CI checks NCCL's rule 5 on
+them); runtime.stage.build_stages splits a stage's layers on its tensor mesh (runtime.tensor_parallel)
+before recomputation wraps it, and `shard_stages` hands sharded stages to FSDP2 (runtime.sharding),
+wrapped so each backward first tells FSDP2 whether it is the step's last for that stage:
+
+    program:  F s0 mb0  F s0 mb2  B s0 mb0  B s0 mb2          (this rank's micro-batches of a sliced plan)
+    FSDP2:    gather    gather    last=False last=True -> reduce-scatter once (gradient_sync "last")
+
+Gradients are summed over replicas (the runtime weighs each micro-batch's loss by its share of the whole
+batch), so FSDP2 reduces with SUM (divide factor 1), as the runtime's own all-reduce does.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from runtime.nccl_rules import collective_checks
+from runtime.plan import Plan, StagePlan
+from runtime.sharding import ShardedStage, ShardingConfig, shard_stage
+from runtime.stage import Stage
+
+__all__ = ["RankSplit", "ShardedRun", "shard_stages", "sharding_config", "split_groups", "splits_layers",
+           "tensor_index"]
+
+
+def splits_layers(plan: Plan) -> bool:
+    """Whether any stage splits layers over tensor ranks or shards its weights over replicas."""
+    return any(s.tensor > 1 or s.sharding != "none" for s in plan.stages)
+
+
+def tensor_index(plan: Plan, rank: int) -> int:
+    """`rank`'s index in its tensor group (0 where its stages split nothing)."""
+    for s in plan.stages:
+        for group in s.rank_groups:
+            if rank in group:
+                return group.index(rank)
+    return 0
+
+
+@dataclass
+class RankSplit:
+    """This rank's groups: its tensor mesh (None: its stages split nothing) and each sharded stage's data mesh."""
+
+    tensor_index: int = 0
+    tensor_mesh: DeviceMesh | None = None
+    data_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
+
+
+def split_groups(plan: Plan, device_type: str, timeout_s: float, *, checked: bool = False) -> RankSplit:
+    """Create every tensor and data-parallel group of `plan` on every rank, in one order; return this rank's.
+
+    Call on every rank at the same point. `checked`: the groups check that their ranks post the same
+    collectives in the same order (runtime.nccl_rules.collective_checks).
+    """
+    rank = dist.get_rank()
+    tensor_groups = sorted({tuple(g) for s in plan.stages if s.tensor > 1 for g in s.rank_groups})
+    data_groups = sorted({tuple(r + k for r in s.ranks) for s in plan.stages if s.sharding != "none"
+                          for k in range(s.tensor)})
+    timeout = datetime.timedelta(seconds=timeout_s)
+    split = RankSplit(tensor_index(plan, rank))
+    meshes: dict[tuple[int, ...], DeviceMesh] = {}
+    with collective_checks(checked):
+        for ranks in [*tensor_groups, *data_groups]:
+            handle = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                meshes[ranks] = DeviceMesh.from_group(handle, device_type)
+    for ranks in tensor_groups:
+        if rank in ranks:
+            split.tensor_mesh = meshes[ranks]
+    for s in plan.stages:
+        if s.sharding != "none":
+            mine = tuple(r + split.tensor_index for r in s.ranks)
+            if mine in meshes and rank in s.all_ranks:
+                split.data_meshes[s.index] = meshes[mine]
+    return split
+
+
+def sharding_config(plan: Plan, stage: StagePlan) -> ShardingConfig:
+    """FSDP2's settings for `stage`: its mode, and the plan's precision as FSDP2's mixed-precision policy
+    (compute dtype: the gathered weights; grad dtype: the reduction), None where it is the weights' own."""
+    precision = plan.precision or {}
+
+    def dtype(key: str) -> torch.dtype | None:
+        name = precision.get(key)
+        return getattr(torch, name) if name else None
+
+    compute, param, grad = dtype("compute"), dtype("param"), dtype("grad")
+    return ShardingConfig(stage.sharding, compute if compute != param else None,
+                          grad if grad not in (None, compute if compute is not None else param) else None)
+
+
+class ShardedRun(nn.Module):
+    """A sharded stage run by the interpreter: before each backward, FSDP2 is told whether it is the step's last.
+
+    `expect(n)`: the step runs n backwards of this stage on this rank (its micro-batches); the n-th is the last.
+    """
+
+    def __init__(self, stage: ShardedStage) -> None:
+        super().__init__()
+        self.stage = stage
+        self._expected = 0
+        self._seen = 0
+
+    def expect(self, backwards: int) -> None:
+        self._expected, self._seen = backwards, 0
+
+    def forward(self, *args: Any) -> Any:
+        out = self.stage(*args)
+        tensors = [t for t in _leaves(out) if t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._before_backward, mode="any")
+        return out
+
+    def _before_backward(self, _: Any) -> None:
+        self._seen += 1
+        self.stage.before_backward(last=self._seen >= self._expected)
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _leaves(v)]
+    return []
+
+
+def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: nn.Module,
+                 readers: Mapping[int, tuple[torch.Tensor, list[int]]]) -> list[ShardedRun]:
+    """Hand this rank's sharded stages to FSDP2 (in stage order: one order of collectives), in place.
+
+    A weight another stage also reads (a tied embedding) stays whole: the runtime all-reduces it over both
+    stages' ranks. Every rank of a stage's data mesh calls this with the same stages.
+
+    Raises:
+        ValueError: a sharded stage that also recomputes (not supported together yet).
+    """
+    runs: list[ShardedRun] = []
+    for stage in sorted(stages, key=lambda s: s.index):
+        spec = plan.stages[stage.index]
+        if spec.sharding == "none":
+            continue
+        if spec.recompute != "none":
+            raise ValueError(f"stage {stage.index} shards its weights ({spec.sharding}) and recomputes "
+                             f"({spec.recompute}); run one of them: set recompute='none' or sharding='none'")
+        tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
+        sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,
+                              unsharded=tied)
+        for module in sharded.root.modules():
+            if isinstance(module, FSDPModule):  # a sum over replicas, as the runtime's own all-reduce
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        run = ShardedRun(sharded)
+        stage.module = run  # type: ignore[assignment]
+        runs.append(run)
+    return runs

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 from rules.schedules import schedule_names
 from rules.sharding import SHARDING_MODES, ShardingMode
 from runtime.ops import Op, Program
+from runtime.program_check import program_problems
 from runtime.tensor_parallel_spec import TensorParallelGroup
 
 __all__ = ["DATA_SPLITS", "RECOMPUTE_MODES", "UPDATES", "DataSplit", "Placement", "Plan", "RecomputeMode", "Schedule",
@@ -215,6 +216,10 @@ class Plan:
             problems.append(f"data_split='slice' runs replica j of every stage as pipeline j, so every stage needs "
                             f"as many replicas; they have {[s.replicas for s in self.stages]}")
         problems += _rank_problems(self)
+        if not any(p.startswith("micro_batches=") for p in problems):  # programs against stages, ranks, devices
+            problems += program_problems(self.programs, [s.ranks for s in self.stages], self.devices,
+                                         self.micro_batches, self.data_split == "deal" and
+                                         all(s.tensor == 1 for s in self.stages))
         if self.precision is not None and not set(self.precision) <= _PRECISION_KEYS:
             problems.append(f"precision names {sorted(set(self.precision) - _PRECISION_KEYS)}; it holds "
                             f"{', '.join(sorted(_PRECISION_KEYS))}")

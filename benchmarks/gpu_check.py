@@ -161,6 +161,14 @@ def equivalence(device: torch.device) -> bool:
             kwargs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, kwargs)
             reference = copy.deepcopy(model)
             with precision(device, dtype):
+                try:
+                    copy.deepcopy(reference)(*args, **kwargs)
+                except RuntimeError as exc:  # the plain model cannot run here (tensor_default: a CPU default on
+                    refused = _refuses(model, device, args, kwargs)  # the GPU): equal means the pipeline refuses too
+                    ok = ok and refused
+                    print(f"  {dtype} {name:<16} the plain model raises here ({str(exc).splitlines()[0][:60]}); "
+                          f"the pipeline {'refuses too: ok' if refused else 'does not: FAILED'}")
+                    continue
                 pipe = partition(model, [device, device], example_inputs=args, example_kwargs=kwargs,
                                  micro_batches=3)
                 out, ref = pipe(*args, **kwargs), reference(*args, **kwargs)
@@ -175,6 +183,15 @@ def equivalence(device: torch.device) -> bool:
             ok = ok and good
             print(f"  {dtype} {name:<16} worst relative error {worst:.1e} {'ok' if good else 'FAILED'}")
     return ok
+
+
+def _refuses(model: nn.Module, device: torch.device, args: Any, kwargs: Any) -> bool:
+    """Whether partitioning or running `model` raises, as the plain model does."""
+    try:
+        partition(model, [device, device], example_inputs=args, example_kwargs=kwargs, micro_batches=3)(*args, **kwargs)
+    except (RuntimeError, ValueError):  # PartitionError is a ValueError
+        return True
+    return False
 
 
 def _has_transformers() -> bool:

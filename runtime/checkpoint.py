@@ -4,7 +4,9 @@ Each rank saves the weights it holds under the model's own state_dict keys (repl
 weight are written once), plus its optimizer state as `optim/<key>/<name>`. A checkpoint
 loads into the same plan or a different one (each rank reads the keys it now holds), and
 `consolidate` turns it into one plain state_dict that the un-partitioned model loads with
-strict=True.
+strict=True. A weight split over tensor ranks or sharded by FSDP2 is a DTensor under its model
+key: DCP writes each rank's part of the whole (a fused q/k/v weight's strided split as a plain row
+split, runtime.tensor_parallel.savable) and reads back whatever part a rank holds now.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from runtime.tensor_parallel import savable
 
 __all__ = ["consolidate", "load", "save"]
 
@@ -36,11 +41,11 @@ def _param_keys(pipe: Any) -> dict[str, nn.Parameter]:
 
 def save(pipe: Any, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write this rank's share of the checkpoint; every rank calls it with the same path."""
-    state: dict[str, Any] = dict(_held(pipe))
+    state: dict[str, Any] = {k: savable(v) for k, v in sorted(_held(pipe).items())}
     if optimizer is not None:
-        for key, p in _param_keys(pipe).items():
+        for key, p in sorted(_param_keys(pipe).items()):
             for name, value in optimizer.state.get(p, {}).items():
-                state[f"{_OPTIM}{key}/{name}"] = value
+                state[f"{_OPTIM}{key}/{name}"] = savable(value) if isinstance(value, torch.Tensor) else value
     dcp.save(state, checkpoint_id=str(path))
 
 
@@ -51,25 +56,35 @@ def load(pipe: Any, path: str | os.PathLike[str], optimizer: torch.optim.Optimiz
         KeyError: the checkpoint lacks a weight this rank needs (a checkpoint of another model?).
     """
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state: dict[str, Any] = dict(_held(pipe))
+    live = dict(sorted(_held(pipe).items()))
+    state: dict[str, Any] = {k: savable(v) for k, v in live.items()}  # loaded in place, or into a copy (strided)
     missing = [k for k in state if k not in metadata]
     if missing:
         raise KeyError(f"checkpoint {path} has no {missing[:3]}; was it saved from this model?")
     slots: list[tuple[nn.Parameter, str, str]] = []
     if optimizer is not None:
-        for key, p in _param_keys(pipe).items():
+        for key, p in sorted(_param_keys(pipe).items()):
             prefix = f"{_OPTIM}{key}/"
             for entry, meta in metadata.items():
                 if entry.startswith(prefix):
                     name = entry[len(prefix):]
-                    if isinstance(meta, TensorStorageMetadata):
+                    if isinstance(meta, TensorStorageMetadata) and isinstance(p, DTensor) and meta.size == p.shape:
+                        state[entry] = savable(torch.zeros_like(p, dtype=meta.properties.dtype))  # p's part
+                    elif isinstance(meta, TensorStorageMetadata):
                         state[entry] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
                     else:
                         state[entry] = None
                     slots.append((p, name, entry))
     dcp.load(state, checkpoint_id=str(path))
+    with torch.no_grad():
+        for key, t in live.items():  # a redistributed copy (a strided split) back into the live weight
+            if state[key] is not t and isinstance(t, DTensor):
+                t.copy_(state[key].redistribute(t.device_mesh, t.placements))
     for p, name, entry in slots:
-        optimizer.state[p][name] = state[entry]  # type: ignore[union-attr]
+        value = state[entry]
+        if isinstance(p, DTensor) and isinstance(value, DTensor) and value.placements != p.placements:
+            value = value.redistribute(p.device_mesh, p.placements)
+        optimizer.state[p][name] = value  # type: ignore[union-attr]
 
 
 def consolidate(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -57,7 +57,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from runtime.tensor_parallel_ops import FusedLinear, FusedSplit, LocalAttention, ToDTensor, ToPlain
 from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
-__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "rebind", "region", "restore_state"]
+__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "rebind", "region", "restore_state",
+           "savable"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
@@ -355,14 +356,16 @@ def checkpoint_state(module: nn.Module, model: nn.Module | None = None) -> dict[
             if source is not None:
                 named.update(dict.fromkeys(names, held[source]))
         held = named
-    state: dict[str, torch.Tensor] = {}
-    for key in sorted(held):
-        t = held[key].detach()
-        if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
-            t = t.redistribute(t.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p
-                                               for p in t.placements])
-        state[key] = t
-    return state
+    return {key: savable(held[key].detach()) for key in sorted(held)}
+
+
+def savable(t: torch.Tensor) -> torch.Tensor:
+    """`t` as torch.distributed.checkpoint saves it: a fused q/k/v weight's strided split (or its optimizer state)
+    redistributed to a plain row split (a collective of its mesh), any other tensor itself."""
+    if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
+        return t.redistribute(t.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p
+                                              for p in t.placements])
+    return t
 
 
 def restore_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from cost_model.interface import CostModel, forward_time
 from cost_model.machine_params import CALIBRATION_VERSION, Calibration, measured_stage_ms, stage_records
+from cost_model.op_mix import Shares
 from cost_model.run_fit import fit_run
 
 __all__ = ["CALIBRATION_VERSION", "CalibratedCostModel", "Calibration", "fit_calibration", "measured_stage_ms",
@@ -37,10 +38,12 @@ __all__ = ["CALIBRATION_VERSION", "CalibratedCostModel", "Calibration", "fit_cal
 
 def fit_calibration(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float,
                     previous: Calibration | None = None, cores: float | None = None,
-                    backend: str = "gloo", priced_with: Calibration | None = None) -> Calibration:
-    """`previous` refined by one traced run of a plan: see cost_model/run_fit.py."""
+                    backend: str = "gloo", priced_with: Calibration | None = None,
+                    shares: Sequence[Shares] | None = None) -> Calibration:
+    """`previous` refined by one traced run of a plan: see cost_model/run_fit.py (`shares`: each stage's
+    compute by operator group, cost_model.op_mix.stage_shares, for factors that carry to other models)."""
     return fit_run(plan_data, trace, step_ms=step_ms, previous=previous, cores=cores, backend=backend,
-                   priced_with=priced_with)
+                   priced_with=priced_with, shares=shares)
 
 
 class CalibratedCostModel:

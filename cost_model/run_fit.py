@@ -7,8 +7,14 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
                      (the stage's forward_ms / backward_ms), each measured op first divided
                      by its processor-sharing slowdown max(1, k / cores), k = ranks of the
                      host computing during it (averaged over the op)
+    group factors    with `shares` (each stage's compute by operator group, cost_model.op_mix):
+                     per device and kind, one factor per group and a fixed ms per op, from the
+                     same ops (normal equations kept in the Calibration, solved there), so the
+                     factors carry to a model with another mix of groups
     cores            the c in that slowdown, by a search over c minimizing the log error, only
-                     where more ranks computed at once than the host has cores (else its count)
+                     where more ranks computed at once than the host has cores (else its count);
+                     1 where one process ran every stage in one thread (runtime/inline.py), whose
+                     messages untraced steps skip: no SEND, RECV or WAKE cost, no link
     task overhead    per rank: time between its traced events, shared out over its F/B/W ops
                      (Python dispatch, autograd set-up); "SEND": the time posting batches with
                      sends ("send" events) per SEND op of the programs
@@ -38,8 +44,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from cost_model.links import loopback_link
 from cost_model.machine_params import Calibration
+from cost_model.op_mix import GROUPS, Shares
 
-__all__ = ["allreduce_base_ms", "compute_events", "fit_run", "plan_dict", "sharing"]
+__all__ = ["allreduce_base_ms", "compute_events", "compute_ops", "fit_run", "plan_dict", "sharing"]
 
 _KINDS = {"forward": "F", "backward": "B", "weight": "W", "F": "F", "B": "B", "W": "W"}
 _RANK = re.compile(r"\((?:rank|worker) (\d+)\)")
@@ -90,6 +97,11 @@ def predicted_op_ms(stage: Mapping[str, Any], kind: str, split: bool) -> float:
 
 def compute_events(plan: Mapping[str, Any], step: Mapping[str, Any]) -> list[tuple[str, str, float, float, float]]:
     """(device, kind, predicted ms, measured ms, ranks computing at once) of every traced F/B/W of a step."""
+    return [(device, kind, p, m, k) for device, kind, _, p, m, k in compute_ops(plan, step)]
+
+
+def compute_ops(plan: Mapping[str, Any], step: Mapping[str, Any]) -> list[tuple[str, str, int, float, float, float]]:
+    """(device, kind, stage, predicted ms, measured ms, ranks computing at once) of every traced F/B/W of a step."""
     stages = plan.get("stages", [])
     split = {(int(m.group(1)), int(m.group(2))) for p in plan.get("programs", []) for op in p.get("ops", [])
              if (m := _WAIT.match(str(op)))}
@@ -107,7 +119,7 @@ def compute_events(plan: Mapping[str, Any], step: Mapping[str, Any]) -> list[tup
                 continue
             overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)  # includes itself once
             split_b = (s, int(e.get("microbatch", -1))) in split
-            out.append((str(stages[s].get("device", "cpu")), kind, predicted_op_ms(stages[s], kind, split_b),
+            out.append((str(stages[s].get("device", "cpu")), kind, s, predicted_op_ms(stages[s], kind, split_b),
                         end - start, overlap / (end - start)))
     return out
 
@@ -134,11 +146,29 @@ def _fit_cores(events: Sequence[tuple[str, str, float, float, float]], default: 
     return min(grid, key=error)
 
 
-def _overhead_ms(steps: Sequence[Mapping[str, Any]]) -> float | None:
-    """Per F/B/W op: each rank's untraced time between its events, over its ops."""
+def _one_thread(steps: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the rows are workers of one process whose compute never overlapped: the one-process runtime
+    running every program in one thread (runtime/inline.py), its stages handing values over directly."""
+    for step in steps:
+        rows = list(step.get("devices", []))
+        if len(rows) < 2 or any("(worker" not in str(r.get("device", "")) for r in rows):
+            return False
+        busy = sorted((float(e["start"]), float(e["end"])) for _, events in _rows(step) for e in events
+                      if e.get("kind") in _KINDS)
+        if any(b[0] < a[1] - 1e-3 for a, b in zip(busy, busy[1:])):
+            return False
+    return bool(steps)
+
+
+def _overhead_ms(steps: Sequence[Mapping[str, Any]], one_thread: bool = False) -> float | None:
+    """Per F/B/W op: each rank's untraced time between its events, over its ops (`one_thread`: the rows'
+    events together, as the one thread that ran them)."""
     spare, ops = 0.0, 0
     for step in steps:
-        for _, events in _rows(step):
+        rows = _rows(step)
+        if one_thread:
+            rows = [(0, sorted((e for _, events in rows for e in events), key=lambda e: float(e["start"])))]
+        for _, events in rows:
             if not events:
                 continue
             span = max(float(e["end"]) for e in events) - float(events[0]["start"])
@@ -251,7 +281,8 @@ def _blend(old: float, new: float | None, w_old: float) -> float:
 
 
 def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previous: Calibration | None = None,
-            cores: float | None = None, backend: str = "gloo", priced_with: Calibration | None = None) -> Calibration:
+            cores: float | None = None, backend: str = "gloo", priced_with: Calibration | None = None,
+            shares: Sequence[Shares] | None = None) -> Calibration:
     """`previous` (or a fresh Calibration) refined by one traced run; `previous` itself is not changed.
 
     Args:
@@ -263,6 +294,7 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
         backend: the link the messages took.
         priced_with: the calibration whose device factors the plan's stage times already carry
             (planned with CalibratedCostModel): they are divided out, so factors scale the base model.
+        shares: each stage's compute by operator group (cost_model.op_mix.stage_shares): group factors too.
 
     Raises:
         ValueError: step_ms is not positive.
@@ -273,32 +305,49 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
     steps = _steps(trace)
     made = Calibration.from_dict(previous.to_dict()) if previous is not None else Calibration()
     w_old = made.runs * made.decay
-    events = [e for step in steps for e in compute_events(plan, step)]
+    ops = [e for step in steps for e in compute_ops(plan, step)]
+    events = [(device, kind, p, m, k) for device, kind, _, p, m, k in ops]
+    one_thread = _one_thread(steps)
+    if one_thread:  # one process, one thread: its stages run one at a time and hand values over directly
+        cores = 1.0
     host_cores = cores if cores is not None else (made.cores or float(os.cpu_count() or 1))
     fitted_cores = host_cores if cores is not None else _fit_cores(events, host_cores)
-    made.cores = fitted_cores if w_old == 0 else _blend(made.cores, fitted_cores, w_old)
+    made.cores = fitted_cores if w_old == 0 or one_thread else _blend(made.cores, fitted_cores, w_old)
     for sums in made.sums.values():
         sums[0] *= made.decay
         sums[1] *= made.decay
-    for device, kind, p, m, k in events:
+    for eq in made.groups.values():
+        for row in eq:
+            row[:] = [x * made.decay for x in row]
+    rows: dict[str, list[tuple[list[float], float]]] = {}
+    for device, kind, s, p, m, k in ops:
         p = p / priced_with.factor(device) if priced_with is not None else p
         if p > 0:
             deflated = m / sharing(k, made.cores)
             made.observe(f"{device}/{kind}", p / 1e3, deflated / 1e3)
             made.observe(device, p / 1e3, deflated / 1e3)
-    overhead = _overhead_ms(steps)
+            if shares is not None and s < len(shares) and shares[s] and deflated > 0:
+                key = f"{device}/{'B' if kind == 'W' else kind}"
+                rows.setdefault(key, []).append(([p * shares[s].get(g, 0.0) for g in GROUPS] + [1.0], deflated))
+    for key, group_rows in rows.items():
+        made.add_group_rows(key, group_rows)
+    overhead = _overhead_ms(steps, one_thread)
     if overhead is not None:
         for kind in ("F", "B", "W"):
             made.task_ms[kind] = _blend(made.task_ms.get(kind, 0.0), overhead, w_old)
-    post = _post_ms(plan, steps)
-    if post is not None:
-        made.task_ms["SEND"] = _blend(made.task_ms.get("SEND", 0.0), post, w_old)
-    latency, per_ms = made.links.get(backend) or _default_link(backend)
-    made.links[backend] = [latency, per_ms]  # the cached loopback measurement: a blocked receiver's wait is "WAKE"
-    recv, wake = _receive_costs(plan, steps, made.task_ms.get("SEND", 0.0), latency, per_ms)
-    for key, value in (("RECV", recv), ("WAKE", wake)):
-        if value is not None:
-            made.task_ms[key] = _blend(made.task_ms.get(key, 0.0), value, w_old)
+    if one_thread:  # untraced steps skip the messages between its stages (only a trace posts them)
+        for key in ("SEND", "RECV", "WAKE"):
+            made.task_ms[key] = 0.0
+    else:
+        post = _post_ms(plan, steps)
+        if post is not None:
+            made.task_ms["SEND"] = _blend(made.task_ms.get("SEND", 0.0), post, w_old)
+        latency, per_ms = made.links.get(backend) or _default_link(backend)
+        made.links[backend] = [latency, per_ms]  # the cached loopback measurement: a blocked receiver waits "WAKE"
+        recv, wake = _receive_costs(plan, steps, made.task_ms.get("SEND", 0.0), latency, per_ms)
+        for key, value in (("RECV", recv), ("WAKE", wake)):
+            if value is not None:
+                made.task_ms[key] = _blend(made.task_ms.get(key, 0.0), value, w_old)
     base = sum(allreduce_base_ms(plan, made, backend).values())
     measured_ar = _allreduce_ms(steps)
     if base > 0 and measured_ar is not None:

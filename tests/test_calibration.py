@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import pytest
 import torch
 
-from cost_model.calibration import CalibratedCostModel, Calibration, stage_records
+from cost_model.calibration import CalibratedCostModel, Calibration, fit_calibration, stage_records
 
 CPU = torch.device("cpu")
 
@@ -135,3 +135,58 @@ def test_fit_recovers_a_known_wake_up_and_receive_cost_from_a_synthetic_trace() 
     assert fitted.task_ms["WAKE"] == pytest.approx(0.7)
     assert fitted.task_ms["RECV"] == pytest.approx(0.3)
     assert fitted.links["gloo"] == pytest.approx([0.5, 1000.0])
+
+
+TRUE_F = {"gemm": 1.5, "conv": 0.8, "memory": 2.0}  # measured / base of each group's share of a forward
+TRUE_B = {"gemm": 1.2, "conv": 1.0, "memory": 1.5}
+FIXED_F = 0.1  # ms each forward pays whatever its size
+
+
+def _group_run(shares: list[dict[str, float]], scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two cpu stages on ranks 0 and 1 (forward `scale` x (2, 3) ms, backward twice that), 4 micro-batches each,
+    one after another; each op lasts what the true group factors say of its shares."""
+    stages = [{"index": s, "device": "cpu", "forward_ms": scale * (2 + s), "backward_ms": 2 * scale * (2 + s),
+               "reads_from": [s - 1] if s else [], "ranks": [s]} for s in range(2)]
+    rows, clock = [], 0.0
+    for s, share in enumerate(shares):
+        events = []
+        for kind, base, factors, fixed in (("forward", stages[s]["forward_ms"], TRUE_F, FIXED_F),
+                                           ("backward", stages[s]["backward_ms"], TRUE_B, 0.0)):
+            for mb in range(4):
+                ms = base * sum(factors[g] * v for g, v in share.items()) + fixed
+                events.append({"kind": kind, "stage": s, "microbatch": mb, "start": clock, "end": clock + ms})
+                clock += ms
+        rows.append({"device": f"cpu (rank {s})", "events": events})
+    return {"stages": stages, "programs": []}, {"devices": rows}
+
+
+def test_group_factors_fitted_on_two_models_price_a_third_with_another_mix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cost_model.machine_params.RIDGE", 1e-9)  # the data alone (the prior: next test)
+    gemm_model = [{"gemm": 0.8, "memory": 0.2}, {"gemm": 0.5, "memory": 0.5}]
+    conv_model = [{"conv": 0.9, "memory": 0.1}, {"conv": 0.6, "memory": 0.4}]
+    made = None
+    for shares, scale in ((gemm_model, 1.0), (conv_model, 1.0), (gemm_model, 3.0)):
+        plan, trace = _group_run(shares, scale)
+        made = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0, previous=made, shares=shares)
+    assert made is not None
+    factors, fixed = made.group_factors("cpu", "F") or ({}, 0.0)
+    assert {g: factors[g] for g in TRUE_F} == pytest.approx(TRUE_F, rel=1e-6) and fixed == pytest.approx(FIXED_F)
+    mixed = {"gemm": 0.3, "conv": 0.3, "memory": 0.4}  # a model neither run had
+    assert made.stage_ms("cpu", "F", 10.0, mixed) == pytest.approx(10 * (0.45 + 0.24 + 0.8) + FIXED_F)
+    assert made.stage_ms("cpu", "B", 10.0, mixed) == pytest.approx(10 * (0.36 + 0.3 + 0.6), abs=1e-6)
+    # the pooled factor alone would price that model as the average of the runs it saw: off by far more
+    assert abs(10 * made.compute_factor("cpu", "F") - 14.9) > 1.0
+    again = Calibration.from_dict(made.to_dict())  # the normal equations travel in the JSON
+    assert again.stage_ms("cpu", "F", 10.0, mixed) == pytest.approx(made.stage_ms("cpu", "F", 10.0, mixed))
+
+
+def test_a_group_never_seen_takes_the_pooled_factor_and_a_rarely_seen_one_stays_near_it() -> None:
+    plan, trace = _group_run([{"gemm": 0.8, "memory": 0.2}, {"gemm": 0.5, "memory": 0.5}], 1.0)
+    made = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0, shares=[{"gemm": 0.8, "memory": 0.2},
+                                                                          {"gemm": 0.5, "memory": 0.5}])
+    factors, _ = made.group_factors("cpu", "F") or ({}, 0.0)
+    assert factors["conv"] == factors["attention"] == factors["*"]  # no conv was seen: the pooled factor
+    assert min(TRUE_F["gemm"], factors["*"]) <= factors["gemm"] <= max(TRUE_F["gemm"], factors["*"])
+    assert made.group_factors("cuda:0", "F") is None and made.stage_ms("cuda:0", "F", 1.0, {"gemm": 1.0}) is None
+    plain = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0)  # no shares: the pooled factors only
+    assert plain.groups == {} and "groups" not in plain.to_dict()

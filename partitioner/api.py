@@ -119,7 +119,7 @@ def partition(
     init: Init | None = None,
     update: Update = "sync",
     staleness: int = 0,
-    calibrate: int = 0,
+    calibrate: int | None = None,
     calibration: CalibrationArg = None,
     precision: Any = None,
 ) -> Pipeline | DistributedPipeline:
@@ -185,8 +185,12 @@ def partition(
             `staleness` steps those weights get no gradient, so the optimizer leaves them). 0 (the
             default) is the synchronous all-reduce. Call `pipe.wait_gradients()` on every rank
             before destroy_process_group. See [Note: bounded staleness] in runtime.staleness.
-        calibrate: run `pipe.calibrate(steps=calibrate)` once built (partitioner.calibrate.decide; 0: not now);
-            its report is `pipe.calibration_report`.
+        calibrate: None (the default): calibrated by default: the first 10 `train_step` calls are timed
+            (the last 3 traced; nothing else changes), then the machine's calibration is refitted and saved,
+            `pipe.plan.predicted_step_ms` and the plan's alternatives are updated and "auto" choices are
+            predicted again (partitioner.calibrate.passive). N >= 1: run `pipe.calibrate(steps=N)` now instead
+            (it measures N extra steps and may switch plans; partitioner.calibrate.decide). 0: neither. The
+            report is `pipe.calibration_report`.
         calibration: a calibration (or its JSON path) to price with, where `pipe.calibrate` saves; default:
             the one saved on this machine for these devices (not applied over a given `cost_model`).
         precision: the dtypes training keeps each state in, for the memory each stage is priced to hold:

@@ -165,7 +165,8 @@ class RunOptions:
     """How a plan runs once made: threads, timeouts, output merging, where weights come from, staleness.
 
     The fields mean what partition()'s keywords of the same names mean; `calibrate` is the number of
-    calibration steps to run once built (0: none).
+    calibration steps to run once built, None (the default) to refit from the first training steps,
+    0 for neither.
     """
 
     threads: bool | None = None
@@ -174,7 +175,7 @@ class RunOptions:
     weights: Weights | None = None
     init: Init | None = None
     staleness: int = 0
-    calibrate: int = 0
+    calibrate: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -191,5 +192,7 @@ class RunOptions:
             check_staleness(self.staleness)
         except ValueError as exc:
             raise PartitionError(str(exc)) from None
-        if isinstance(self.calibrate, bool) or not isinstance(self.calibrate, int) or self.calibrate < 0:
-            raise PartitionError(f"calibrate={self.calibrate!r}; give the number of calibration steps (0: none)")
+        if self.calibrate is not None and (isinstance(self.calibrate, bool) or not isinstance(self.calibrate, int)
+                                           or self.calibrate < 0):
+            raise PartitionError(f"calibrate={self.calibrate!r}; give the number of calibration steps to run now, "
+                                 "None to refit from the first training steps (the default), or 0 for neither")

@@ -10,6 +10,11 @@ by hand has no hook, and `calibrate` says how to get one.
 the last `train_step` call (the default inputs and loss of a calibration), holds the hook and
 lets the pipeline adopt another pipeline's whole state (a re-plan in place: same object,
 same model and weights, new stages and programs).
+
+A pipeline is calibrated by default from its own first training steps: `partition` also
+installs a `StepWatch` (partitioner.calibrate.passive), which `train_step` calls as each step
+starts (from `remember_step`, before the step runs). It may switch tracing on for a step and
+refit once; it never runs a step of its own. `set_step_watch(None)` removes it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from runtime.errors import PartitionError
 
-__all__ = ["CalibrationHook", "Calibratable", "StepCall"]
+__all__ = ["CalibrationHook", "Calibratable", "StepCall", "StepWatch"]
 
 
 @dataclass
@@ -42,15 +47,26 @@ class CalibrationHook(Protocol):
     def __call__(self, pipe: Any, *, steps: int, step: StepCall | None, path: str | None) -> Any: ...
 
 
+class StepWatch(Protocol):
+    """What `train_step` calls as each step starts, with the pipeline (see the module docstring)."""
+
+    def __call__(self, pipe: Any) -> None: ...
+
+
 class Calibratable:
-    """Mixin of the runtimes: `calibrate`, the hook behind it, the last step's call and `adopt`."""
+    """Mixin of the runtimes: `calibrate`, the hook behind it, the step watch, the last step's call and `adopt`."""
 
     _calibrator: CalibrationHook | None = None
+    _step_watch: StepWatch | None = None
     last_step: StepCall | None = None
 
     def set_calibrator(self, hook: CalibrationHook | None) -> None:
         """Install the routine `calibrate` runs (partitioner.partition does; None removes it)."""
         self.__dict__["_calibrator"] = hook
+
+    def set_step_watch(self, watch: StepWatch | None) -> None:
+        """Install what `train_step` calls as each step starts (partitioner.partition does; None removes it)."""
+        self.__dict__["_step_watch"] = watch
 
     def calibrate(
         self,
@@ -87,8 +103,12 @@ class Calibratable:
         return hook(self, steps=steps, step=step, path=path)
 
     def remember_step(self, call: StepCall) -> None:
-        """Record the arguments of a `train_step` (the default of a later `calibrate`)."""
+        """Record the arguments of a `train_step` (the default of a later `calibrate`), as the step starts;
+        then call the step watch, if one is installed."""
         self.__dict__["last_step"] = call
+        watch = self.__dict__.get("_step_watch")
+        if watch is not None:
+            watch(self)
 
     def adopt(self, other: Any) -> None:
         """Take over `other`'s whole state (a pipeline of the same model built from another plan).
@@ -101,7 +121,7 @@ class Calibratable:
         close = getattr(self, "close", None)
         if callable(close):
             close()
-        keep = {"_calibrator": self.__dict__.get("_calibrator"), "last_step": self.__dict__.get("last_step")}
+        keep = {k: self.__dict__.get(k) for k in ("_calibrator", "_step_watch", "last_step")}
         self.__dict__.update(other.__dict__)
         self.__dict__.update(keep)
         other.__dict__["_pools"] = {}  # its worker threads now serve this object

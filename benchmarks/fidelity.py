@@ -41,22 +41,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from fidelity_worker import CONFIGS  # noqa: E402
+from fidelity_worker import CONFIGS, ROUNDS, _data  # noqa: E402
 
 from cost_model.calibration import Calibration, fit_calibration  # noqa: E402
 from cost_model.links import loopback_link  # noqa: E402
-from partitioner.predict.simulator import simulate  # noqa: E402
+from cost_model.op_mix import module_kinds, stage_shares  # noqa: E402
+from partitioner.calibrate.predict import calibrated_step_ms  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 
 TIMEOUT_S = 240
 
 
-def run_config(name: str, folder: Path) -> dict[str, Any]:
-    """One torchrun job of fidelity_worker.py for `name`; its JSON result."""
-    out = folder / f"{abs(hash(name))}.json"
+def run_config(name: str, folder: Path, rounds: int, part: int = 0) -> dict[str, Any]:
+    """One torchrun job of fidelity_worker.py for `name` (`rounds` rounds); its JSON result."""
+    out = folder / f"{abs(hash(name))}-{part}.json"
     ranks = CONFIGS[name][4]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(ROOT / "benchmarks" / "fidelity_worker.py"), name, str(out)]
+           str(ROOT / "benchmarks" / "fidelity_worker.py"), name, str(out), str(rounds)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     if proc.returncode != 0 or not out.is_file():
@@ -65,63 +66,104 @@ def run_config(name: str, folder: Path) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def fit(results: list[dict[str, Any]]) -> Calibration | None:
-    """One calibration from the traced steps of `results`, run after run."""
+def run_all(names: list[str], folder: Path, passes: int) -> list[dict[str, Any]]:
+    """Every config's rounds in `passes` jobs taken in turn (config 1, 2, ..., then again), merged per config:
+    on a machine shared with other work, every config then samples the same stretch of load."""
+    rounds = max(1, ROUNDS // passes)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in range(passes):
+        for name in names:
+            load = os.getloadavg()[0]
+            got = run_config(name, folder, rounds, part)
+            into = merged.setdefault(name, {**got, "traced": [], "traced_ms": [], "measured_ms": [], "load": []})
+            for key in ("traced", "traced_ms", "measured_ms"):
+                into[key] += got[key]
+            into["load"].append(round(load, 2))
+            print(f"ran {name} (pass {part + 1} of {passes}, load average {load:.2f})", flush=True)
+    return [merged[name] for name in names]
+
+
+def with_shares(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each result with its stages' compute by operator group (from its plan and the model's module classes)."""
+    kinds = {kind: module_kinds(_data(kind)[0]) for kind in {CONFIGS[r["config"]][0] for r in results}}
+    return [{**r, "shares": stage_shares(json.loads(r["plan"]), kinds[CONFIGS[r["config"]][0]])} for r in results]
+
+
+def fit(results: list[dict[str, Any]], groups: bool = True) -> Calibration | None:
+    """One calibration from the traced steps of `results`, run after run (`groups`: group factors too)."""
     made: Calibration | None = None
     for r in results:
         made = fit_calibration(Plan.from_json(r["plan"]), {"steps": r["traced"]},
-                               step_ms=statistics.median(r["traced_ms"]), previous=made)
+                               step_ms=statistics.median(r["traced_ms"]), previous=made,
+                               shares=r["shares"] if groups else None)
     return made
+
+
+def predict(r: dict[str, Any], fitted: list[dict[str, Any]], groups: bool = True) -> float:
+    """`r`'s step (ms) as a calibration fitted on `fitted` predicts it; NaN when `fitted` is empty."""
+    made = fit(fitted, groups)
+    if made is None:
+        return float("nan")
+    plan = Plan.from_json(r["plan"])
+    return calibrated_step_ms(plan, made, r["shares"] if groups else None)
 
 
 def error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
 
+def spread(name: str, errors: list[float]) -> str:
+    kept = [e for e in errors if e == e]
+    return f"{name}: median {statistics.median(kept):.1%}, worst {max(kept):.1%}" if kept else f"{name}: -"
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    """The table and the summary lines (see the module docstring)."""
+    results = with_shares(results)
+    model = [r["config"].split()[0] for r in results]
+    rows = []
+    for k, r in enumerate(results):
+        others = results[:k] + results[k + 1:]
+        same = [o for j, o in enumerate(results) if j != k and model[j] == model[k]]
+        other = [o for j, o in enumerate(results) if model[j] != model[k]]
+        rows.append((r["config"], Plan.from_json(r["plan"]).predicted_step_ms, statistics.median(r["measured_ms"]),
+                     predict(r, [r]), predict(r, others), predict(r, others, groups=False), predict(r, same),
+                     predict(r, other), statistics.fmean(r.get("load", [float("nan")]))))
+    print(f"\n{'config':<26} {'before':>7} {'measured':>8} {'after':>7} {'held out':>8} {'pooled':>7} "
+          f"{'before/':>7} {'after/':>7} {'held/':>7} {'pooled/':>7} {'load':>5}")
+    for name, before, measured, after, held, pooled, _, _, load in rows:
+        print(f"{name:<26} {before:>7.1f} {measured:>8.1f} {after:>7.1f} {held:>8.1f} {pooled:>7.1f} "
+              f"{before / measured:>7.2f} {after / measured:>7.2f} {held / measured:>7.2f} {pooled / measured:>7.2f} "
+              f"{load:>5.2f}")
+    print("(ms per step; after: fitted on its own traced steps; held out: on every other config's, by operator "
+          "group; pooled: the same with one factor per kind; x/: over measured; load: 1-min load average)")
+    print(spread("held-out, pooled factors per kind (fitted on the other configs)", [error(x[5], x[2]) for x in rows]))
+    print(spread("held-out, same model only", [error(x[6], x[2]) for x in rows]))
+    print(spread("held-out, the other model only", [error(x[7], x[2]) for x in rows]))
+    print(spread("before calibration", [error(x[1], x[2]) for x in rows]))
+    print(spread("step-time error after calibration", [error(x[3], x[2]) for x in rows]))
+    print(spread("held-out calibration by operator group (fitted on the other configs)",
+                 [error(x[4], x[2]) for x in rows]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--keep", default=None, help="folder for the workers' JSON (default: a temporary one)")
+    parser.add_argument("--passes", type=int, default=3, help="jobs per config, taken in turn (default 3)")
+    parser.add_argument("--again", default=None, help="report on the results.json a --keep run left in this folder")
     args = parser.parse_args()
+    if args.again:
+        report(json.loads((Path(args.again) / "results.json").read_text()))
+        return
     link = loopback_link()
     print(f"gloo loopback link: latency {link.latency_s * 1e3:.3f} ms, {link.bandwidth / 1e9:.2f} GB/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        results = []
-        for name in args.configs:
-            results.append(run_config(name, folder))
-            print(f"ran {name}", flush=True)
-    rows: list[tuple[str, float, float, float, float]] = []
-    family: list[float] = []
-    for k, r in enumerate(results):
-        plan = Plan.from_json(r["plan"])
-        measured = statistics.median(r["measured_ms"])
-        own = fit([r])
-        others = fit(results[:k] + results[k + 1:])
-        after = simulate(plan, calibration=own).makespan_ms if own else plan.predicted_step_ms
-        held = simulate(plan, calibration=others).makespan_ms if others else float("nan")
-        kin = fit([o for j, o in enumerate(results) if j != k and o["config"].split()[0] == r["config"].split()[0]])
-        family.append(error(simulate(plan, calibration=kin).makespan_ms, measured) if kin else float("nan"))
-        rows.append((r["config"], plan.predicted_step_ms, measured, after, held))
-    print(f"\n{'config':<26} {'before ms':>9} {'measured':>9} {'after ms':>9} {'held out':>9} "
-          f"{'before/meas':>11} {'after/meas':>10} {'held/meas':>9}")
-    for name, before, measured, after, held in rows:
-        print(f"{name:<26} {before:>9.1f} {measured:>9.1f} {after:>9.1f} {held:>9.1f} "
-              f"{before / measured:>11.2f} {after / measured:>10.2f} {held / measured:>9.2f}")
-    before_err = [error(b, m) for _, b, m, _, _ in rows]
-    after_err = [error(a, m) for _, _, m, a, _ in rows]
-    held_err = [error(h, m) for _, _, m, _, h in rows if h == h]
-    if held_err:
-        print(f"held-out calibration (fitted on the other configs): median {statistics.median(held_err):.1%}, "
-              f"worst {max(held_err):.1%}")
-    family = [e for e in family if e == e]
-    if family:
-        print(f"held-out calibration, same model (fitted on its other configs): "
-              f"median {statistics.median(family):.1%}, worst {max(family):.1%}")
-    print(f"before calibration: median {100 * statistics.median(before_err):.1f}%, worst {100 * max(before_err):.1f}%")
-    print(f"step-time error after calibration: median {100 * statistics.median(after_err):.1f}%, "
-          f"worst {100 * max(after_err):.1f}%")
+        results = run_all(args.configs, folder, args.passes)
+        (folder / "results.json").write_text(json.dumps(results))
+    report(results)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,12 @@ def test_one_process_refuses_a_split_plan_naming_torchrun() -> None:
     made.stages[1].ranks, made.programs = [2], []
     with pytest.raises(PartitionError, match="torchrun --nproc_per_node=3"):
         partition(model, ["cpu"] * 3, example_inputs=(x,), plan=made)
+
+
+def test_one_weird_trick_example_trains_like_the_plain_model() -> None:
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "one_weird_trick.py")
+    proc = torchrun(4, "--steps", "3", worker=example, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "The planner's choice for 4 GPUs" in proc.stdout and "The plan that runs" in proc.stdout
+    steps = re.findall(r"step +\d+  loss ([\d.]+)  plain model ([\d.]+)", proc.stdout)
+    assert len(steps) == 3 and all(abs(float(a) - float(b)) <= 1e-5 * float(b) for a, b in steps), proc.stdout[-2000:]

@@ -79,8 +79,9 @@ def training_memory(
     buffer_bytes: int = 0,
     units: Sequence[int] = (),
     state_elements: int | None = None,
+    in_flight: int = 1,
 ) -> TrainingMemory:
-    """Peak bytes of one rank of a stage, by kind (see the module docstring).
+    """Peak bytes of one rank of a stage, by kind, at the moment of the peak (see the module docstring).
 
     Args:
         params: the stage's trainable parameter elements, P.
@@ -96,6 +97,11 @@ def training_memory(
             `params` is the root's. Empty: one unit, the whole stage.
         state_elements: optimizer state elements (Precision.state_elements of the shapes, for
             Adafactor); default: the dense count.
+        in_flight: micro-batches the stage holds at once (`activation_bytes` is what they hold). When
+            every micro-batch of the step is in flight before the first backward (micro_batches <=
+            in_flight: no forward follows a backward), the activations' peak (the first backward's start,
+            no gradient yet) and the gradients' (once the first backward has freed its micro-batch)
+            never coincide: the peak is the larger of the two moments, by kind at that moment.
 
     Raises:
         ValueError: negative sizes, degree < 1, units summing past params, an unknown mode.
@@ -112,8 +118,15 @@ def training_memory(
                         gradient_sync=gradient_sync, root=root, unit=largest[0], second=largest[1],
                         state_elements=states)
     weights, master, gradients, optimizer = (int(k) for k in kinds)
+    activations = activation_bytes
+    if in_flight > 1 and micro_batches <= in_flight and gradients:
+        after = activation_bytes * (in_flight - 1) // in_flight  # the first backward has freed its micro-batch
+        if activation_bytes >= after + gradients:
+            gradients = 0  # the peak is the first backward's start: every activation held, no gradient yet
+        else:
+            activations = after
     return TrainingMemory(weights=weights + buffer_bytes, master=master, gradients=gradients, optimizer=optimizer,
-                          activations=activation_bytes)
+                          activations=activations)
 
 
 def state_bytes(

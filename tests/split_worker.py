@@ -251,7 +251,7 @@ def predicted(pipe: Any, case: str, x: torch.Tensor) -> tuple[int, int]:
     units = [sum(q.numel() for q in u.parameters()) for u in stage.module.stage.units]
     mode = plan_.stages[s].sharding
     want = training_memory(sharded, FP32, mode=mode, degree=2, micro_batches=pieces // 2,
-                           activation_bytes=held_.activations + held_.buffers, units=units,
+                           activation_bytes=held_.activations + held_.buffers, units=units, in_flight=flight[s],
                            buffer_bytes=sum(b.nbytes for b in stage.module.buffers()))
     whole = training_memory(sum(q.numel() for q in weights if not isinstance(q, DTensor)), FP32)
     return want.total + whole.total, flight[s]
@@ -269,9 +269,7 @@ def memory(case: str) -> bool:
             opt.step()
     want, flight = predicted(pipe, case, x)
     err = meter.peak / want - 1
-    # training_memory adds the activations' peak (the first backward, every micro-batch in flight) to the gradients'
-    # (the last backward: unsharded accumulation and the reduce-scatter input); with one in flight they coincide
-    ok = abs(err) <= 0.10 if flight == 1 else -0.20 <= err <= 0.0
+    ok = abs(err) <= 0.10
     print(f"RESULT memory case={case} rank={dist.get_rank()} stage={pipe.stages[0].index} in_flight={flight} "
           f"measured={meter.peak} predicted={want} err={err:+.1%} ok={ok}", flush=True)
     return ok

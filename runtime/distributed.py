@@ -35,6 +35,7 @@ from runtime.interpreter import Interpreter
 from runtime.launch import wire_device
 from runtime.layer_split import ShardedRun
 from runtime.microbatch import SplitDim
+from runtime.mutation import inputs_written_with_grad
 from runtime.nccl_rules import NcclRulesComm
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
@@ -43,6 +44,7 @@ from runtime.stage import Stage, tensor_stages
 from runtime.staleness import StaleReductions, check_staleness
 from runtime.steps import StepInputs, train_step_inputs, transaction, write_back
 from runtime.transport_p2p import P2PTransport
+from runtime.weight_grads import WeightGradHook, check_self_computed, check_whole_modules
 
 __all__ = ["DistributedPipeline", "NCCL_RULES_ENV"]
 
@@ -126,6 +128,8 @@ class DistributedPipeline(Calibratable, nn.Module):
         self._async: AsyncTrainer | None = None  # update="2bw"/"stash": the stream of calls
         self._drains = 0  # drains of asynchronous streams so far (each a fresh header exchange)
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
+        self._leaf_writes = {n for s in stages + extra if s.writes for g in s.module.modules()  # runtime.steps
+                             if isinstance(g, torch.fx.GraphModule) for n in inputs_written_with_grad(g)}
         self._held = {k for k, (_, st) in readers.items() if any(x in self._stages for x in st)}
         if self.rank == 0:
             everything = list(model.parameters()) + list(model.buffers())
@@ -252,7 +256,8 @@ class DistributedPipeline(Calibratable, nn.Module):
         ranks get the previous batch's loss (runtime.async_updates; `flush` ends the stream).
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
-                                 self._pieces, loss_reduction, self._mutated, self._input_dims)
+                                 self._pieces, loss_reduction, self._mutated, self._input_dims,
+                                 leaf_writes=self._leaf_writes)
         self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
@@ -266,6 +271,8 @@ class DistributedPipeline(Calibratable, nn.Module):
             interpreter.begin(step, {})
             interpreter.run(program)
             self.transport.flush()
+            if interpreter.self_computed and interpreter.weight_grad_hook is None:  # see runtime.weight_grads
+                check_self_computed([c for cs in interpreter.self_computed.values() for c in cs], len(step.envs))
             for g in self._groups:
                 start = interpreter.clock.mark()
                 try:
@@ -275,6 +282,7 @@ class DistributedPipeline(Calibratable, nn.Module):
                     raise self.transport.group_failure(g.ranks, exc) from None
                 interpreter._record("allreduce-wait", min(self._stages), -1, start)
         write_back(step)
+        interpreter.end()  # the step's activations go with its graph (runtime.interpreter)
         loss = interpreter.loss
         if loss is None:
             return None
@@ -284,6 +292,13 @@ class DistributedPipeline(Calibratable, nn.Module):
             except Exception as exc:  # noqa: BLE001
                 raise self.transport.group_failure(self.plan.stages[self._last].ranks, exc) from None
         return loss
+
+    def set_weight_grad_hook(self, hook: WeightGradHook | None) -> None:
+        """As Pipeline.set_weight_grad_hook, for this rank's stages (runtime.weight_grads)."""
+        for interpreter, _ in self._modes.values():
+            if hook is not None:
+                check_whole_modules([c for cs in interpreter.self_computed.values() for c in cs])
+            interpreter.weight_grad_hook = hook
 
     # ---- asynchronous updates (runtime.async_updates) ----
 

@@ -15,74 +15,30 @@ the last stage computes the loss, a backward sends its inputs' gradients back (a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
-from runtime.boundary import as_leaves, detached, gradients, leaves, summed, writable
+from runtime.boundary import as_leaves, detached, gradients, leaves, summed
+from runtime.caller_backward import at_backward_end, trace_backward
 from runtime.clock import Clock, Mark
 from runtime.microbatch import graph_output, to_device
+from runtime.mutation import own_copies
 from runtime.program import Op
+from runtime.routes import Routes, stage_aliases
 from runtime.split_backward import WeightWork, backward_input, backward_weight
 from runtime.stage import Stage, switches_state
-from runtime.steps import StepInputs
+from runtime.steps import StepInputs, micro_batch_loss
 from runtime.thread_state import caller_state
+from runtime.transport import Key, Span, Transport, batch_spans
 from runtime.versions import StageVersions
+from runtime.weight_grads import SelfComputed, WeightGradHook, check_self_computed, self_computed
 
 __all__ = ["Interpreter", "Routes", "Transport"]
 
-Key = tuple[int, int, int]  # (src stage, dst stage, micro-batch)
-_Span = tuple[int, int, bool]  # a batch of a program: (first op, end, has a send)
+_NO_STEP = StepInputs([], "forward")  # between steps
 _HOST = Clock("cpu")  # marks are time.time() values: one clock serves every step that is not traced
-
-
-class Transport(Protocol):
-    """Moves values between ranks: `post` a batch of SEND/RECV ops, then `take` what arrived.
-
-    `can_post_early`: receive-only batches may be posted ahead of their turn (in order) now.
-    """
-
-    @property
-    def can_post_early(self) -> bool: ...
-
-    def post(self, ops: Sequence[Op], outgoing: Mapping[Key, list[Any]], device: Any) -> None: ...
-
-    def take(self, key: Key, device: Any) -> list[Any]: ...
-
-
-@dataclass
-class Routes:
-    """Which value names each stage reads from and sends to every other stage.
-
-    `reads[s][t]`: names stage s reads from stage t; `sends[t][s]`: the same, seen by t.
-    Values only the model output reads are routed to the last stage, which assembles it.
-    """
-
-    reads: list[dict[int, list[str]]]
-    sends: list[dict[int, list[str]]]
-
-    @classmethod
-    def of(cls, io: Sequence[tuple[list[str], list[str]]], output_node: torch.fx.Node) -> Routes:
-        producer = {name: s for s, (_, outs) in enumerate(io) for name in outs}
-        last = len(io) - 1
-        out_names: list[str] = []
-        torch.fx.node.map_arg(output_node.args[0], lambda n: out_names.append(n.name) or n)  # type: ignore[func-returns-value]
-        needs = [list(ins) for ins, _ in io]
-        needs[last] += [n for n in dict.fromkeys(out_names) if producer.get(n, last) != last and n not in needs[last]]
-        reads: list[dict[int, list[str]]] = [{} for _ in io]
-        sends: list[dict[int, list[str]]] = [{} for _ in io]
-        for s, names in enumerate(needs):
-            for name in names:
-                if name in producer:
-                    reads[s].setdefault(producer[name], []).append(name)
-                    sends[producer[name]].setdefault(s, []).append(name)
-        return cls(reads, sends)
-
-    def producers(self) -> list[list[int]]:
-        return [sorted(r) for r in self.reads]
 
 
 class Interpreter:
@@ -104,7 +60,7 @@ class Interpreter:
         self.device = stages[0].device if stages else torch.device("cpu")  # this rank's
         # Stages whose graph switches grad mode or autocast: only around those is the caller's state restored.
         self._restores = {s.index for s in stages if switches_state(s.module)}
-        self._batches: dict[int, tuple[Sequence[Op], list[_Span]]] = {}  # id(program ops) -> its batches, see `run`
+        self._batches: dict[int, tuple[Sequence[Op], list[Span]]] = {}  # id(program ops) -> its batches, see `run`
         self.shared: frozenset[tuple[int, int]] = frozenset()  # see `begin`
         self.routes = routes
         self.transport = transport
@@ -126,6 +82,11 @@ class Interpreter:
         self.weighted_backward = True  # False (stash): each micro-batch's update uses its own loss, unweighted
         self.batch_losses: dict[int, tuple[torch.Tensor, int]] = {}  # stream: batch -> (loss so far, forwards)
         self._micro: dict[int, tuple[StepInputs, int]] = {}  # micro-batch -> (its step, its index there)
+        self.aliases = stage_aliases(stages, routes)  # values that are pipeline inputs (runtime.mutation)
+        self.weight_grad_hook: WeightGradHook | None = None  # see runtime.weight_grads
+        self.self_computed: dict[int, list[SelfComputed]] = {}
+        for call in self_computed(stages):
+            self.self_computed.setdefault(call.stage, []).append(call)
 
     @property
     def trace(self) -> list[dict[str, Any]]:
@@ -160,12 +121,15 @@ class Interpreter:
         self._streaming = False
 
     def end(self) -> None:
-        """End a step: let go of the values it held for later ops (stage outputs, received values), so
-        autograd frees them with the rest of the graph, as the plain model's, not the next step
-        (`outputs` and `loss` stay for the caller)."""
+        """End a step, even one that failed: let go of the values it held for later ops (stage outputs,
+        received values, what backwards were to use), so autograd frees them with the rest of the graph,
+        as the plain model's, not the next step (`outputs` and `loss` stay for the caller)."""
         self.envs = {}
         self._micro = {}
         self.local = {}
+        if self.saved or self.weight_work or self.outgoing:  # a failed step
+            self.saved, self.weight_work, self.outgoing = {}, {}, {}
+        self.step = _NO_STEP
 
     def begin_stream(self, local: dict[Key, list[Any]]) -> None:
         """Start a stream of calls (runtime.stream): what forwards save lives on from call to call."""
@@ -208,26 +172,18 @@ class Interpreter:
                 posted = self._post_early(ops, spans, b + 1)
             k = end
 
-    def _spans(self, ops: Sequence[Op]) -> list[_Span]:
+    def _spans(self, ops: Sequence[Op]) -> list[Span]:
         """(first op, end, has a send) of each batch of `ops`: walked once per program, not per step."""
         cached = self._batches.get(id(ops))
         if cached is not None and cached[0] is ops:
             return cached[1]
-        spans: list[_Span] = []
-        k = 0
-        while k < len(ops):
-            end = k + 1
-            if ops[k].is_p2p:
-                while end < len(ops) and ops[end].is_p2p and ops[end].tick == ops[k].tick:
-                    end += 1
-                spans.append((k, end, any(op.kind == "SEND" for op in ops[k:end])))
-            k = end
+        spans = batch_spans(ops)
         if len(self._batches) >= 8:  # a stream's calls are new lists each time: keep the plan's few
             self._batches.clear()
         self._batches[id(ops)] = (ops, spans)  # holding `ops` keeps its id from being reused
         return spans
 
-    def _post_early(self, ops: Sequence[Op], spans: list[_Span], posted: int) -> int:
+    def _post_early(self, ops: Sequence[Op], spans: list[Span], posted: int) -> int:
         while posted < len(spans) and not spans[posted][2] and self.transport.can_post_early:
             first, end, _ = spans[posted]
             self.post(list(ops[first:end]))
@@ -312,10 +268,12 @@ class Interpreter:
             values = self._value((t, s, i), stage.device)
             if train:
                 values = received[t] = as_leaves(values)
-                if stage.writes:  # a leaf cannot be written in place; its clone can, gradients still reach it
-                    values = [writable(v) if n in stage.writes else v for n, v in zip(names, values)]
             env.update(zip(names, values))
         inputs = [to_device(env[name], stage.device) for name in stage.inputs]
+        if stage.writes:  # its own copies (runtime.mutation): the caller's tensors get them (steps.write_back)
+            inputs = own_copies(stage.inputs, inputs, stage.writes)
+            step.envs[j].update((self.aliases[n], v) for n, v in zip(stage.inputs, inputs)
+                                if n in stage.writes and self.aliases.get(n) in step.written)
         start = self.clock.mark() if self.tracing else 0.0
         if s in self._restores:
             with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
@@ -333,8 +291,7 @@ class Interpreter:
         if s == self.last:
             out = graph_output(self._output_node, env, self._constants)
             if train:  # the loss sees what the model returns; pipe(x) gathers raw outputs, then unflattens
-                assert step.loss_fn is not None and self.loss is not None
-                raw = step.loss_fn(self._unflatten(out), to_device(step.targets[j], stage.device))
+                raw = micro_batch_loss(step, j, self._unflatten(out), stage.device)
                 loss = raw * step.weights[j]
                 self._count_loss(i, loss.detach())
                 if not self.weighted_backward:
@@ -343,34 +300,22 @@ class Interpreter:
                 self.outputs[i] = out
         if train:
             self.saved[(s, i)] = (received, dict(zip(stage.outputs, outputs)), loss)
-        elif self.tracing:
-            self._trace_backward(s, i, inputs, outputs)
+            return
+        if self.tracing:
+            clock = self.clock  # the hooks may fire after the next step has begun
+            trace_backward(inputs, outputs, clock.mark, lambda b: self._record("backward", s, i, b, clock=clock))
+        if self.weight_grad_hook is not None:
+            hook = self.weight_grad_hook
+            at_backward_end(outputs, lambda: hook(stage.module))
+        elif s in self.self_computed and len(step.envs) > 1:
+            calls, m = self.self_computed[s], len(step.envs)
+            at_backward_end(outputs, lambda: check_self_computed(calls, m))
 
     def _call(self, stage: Stage, i: int, inputs: list[Any]) -> Any:
         if stage.index in self.versions:  # asynchronous updates: the version of the weights micro-batch i reads
             weights = self.versions[stage.index].weights(stage.module, i)
             return torch.func.functional_call(stage.module, weights, tuple(inputs))
         return stage.module(*inputs)
-
-    def _trace_backward(self, s: int, i: int, inputs: list[Any], outputs: Any) -> None:
-        """Forward mode: record the stage's backward under the caller's autograd, from its outputs'
-        gradients arriving to its inputs' being done (stages whose inputs need none have no event)."""
-        outs = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not outs or not ins or not torch.is_grad_enabled():
-            return
-        began: list[Mark] = []
-        clock = self.clock  # the hooks may fire after the next step has begun
-
-        def first(_: Any) -> None:
-            began.append(clock.mark())
-
-        def done(_: Any) -> None:
-            if began:
-                self._record("backward", s, i, began[0], clock=clock)
-
-        torch.autograd.graph.register_multi_grad_hook(outs, first, mode="any")
-        torch.autograd.graph.register_multi_grad_hook(ins, done, mode="all")
 
     def _backward(self, s: int, i: int, split: bool = False) -> None:
         """Gradients from the outputs' back to the inputs (sent on); with `split`, the weights' wait for W."""
@@ -391,11 +336,15 @@ class Interpreter:
                     grads.append(grad.to(value.device))
         if roots:
             start = self._mark()
-            if split:  # see runtime.split_backward
+            if split and self.weight_grad_hook is None:  # see runtime.split_backward
                 inputs = [x for x in leaves(received) if isinstance(x, torch.Tensor) and x.requires_grad]
                 self.weight_work[(s, i)] = backward_input(roots, grads, inputs)
-            else:
+            else:  # whole; with a weight-gradient hook W runs only the hook (runtime.weight_grads)
                 torch.autograd.backward(roots, grads)
+                if split:
+                    self.weight_work[(s, i)] = WeightWork()
+                elif self.weight_grad_hook is not None:
+                    self.weight_grad_hook(self.stages[s].module)
             self._record("backward", s, i, start)
         if s in self.versions:
             self.versions[s].backward_done(i)
@@ -423,6 +372,8 @@ class Interpreter:
         if work is not None:
             start = self._mark()
             backward_weight(work)
+            if self.weight_grad_hook is not None:
+                self.weight_grad_hook(self.stages[s].module)
             self._record("weight", s, i, start)
 
     def _record(

@@ -12,8 +12,14 @@ refuses a plan that would let a stage read `x` from a copy the write never reach
     x ─────────────► reader   =>
     v = x[0]; v.add_(1); x ─► r   =>  after(x, add_) ─► r    (a view written: x, read after the write)
 
-`mutated_inputs` names the placeholders the graph writes into, so micro-batches of those
-inputs get their own storage (views of one batch share a version counter).
+`mutated_inputs` names the placeholders the graph writes into; `inputs_written_with_grad` those
+it writes outside its own `no_grad` regions; `input_aliases` the values that are inputs written in place.
+
+A stage writes into its own copies of the inputs it writes into (`own_copies`): a stage that read
+the value before the write (in graph order) may run beside or after it on another thread, and
+nothing orders them (they share no edge); with a copy it reads the value as it was, as the
+plain model reads it before the write. Later readers read the write's result (the edges above),
+and the caller's tensors get what was written (runtime.steps.write_back).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
-__all__ = ["after", "check_cuts", "mutated_inputs", "order_mutations"]
+__all__ = ["after", "check_cuts", "input_aliases", "inputs_written_with_grad", "mutated_inputs", "order_mutations",
+           "own_copies"]
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
@@ -41,6 +49,10 @@ _VIEWS = {
 def after(value: Any, *mutations: Any) -> Any:
     """`value`, read once `mutations` (in-place operations on it) have run."""
     return value
+
+
+# Graph calls that switch grad mode (runtime.stage.set_grad_mode, torch's own).
+_GRAD_SWITCHES = {"set_grad_mode", "_set_grad_enabled", "set_grad_enabled"}
 
 
 def _name(target: Any) -> str:
@@ -115,6 +127,45 @@ def order_mutations(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return found
+
+
+def inputs_written_with_grad(gm: torch.fx.GraphModule) -> list[str]:
+    """Placeholders (by name) the graph writes into, directly or through a view, outside its own
+    `no_grad` regions: where autograd refuses a leaf that requires grad."""
+    names: list[str] = []
+    grad = True
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _name(n.target) in _GRAD_SWITCHES and n.args:
+            grad = n.args[0] is not False  # False: a no_grad region; True or the caller's mode: back on
+            continue
+        target = mutated_arg(n, gm) if grad else None
+        if target is not None:
+            base = _base(target)
+            if base.op == "placeholder" and base.name not in names:
+                names.append(base.name)
+    return names
+
+
+def input_aliases(graphs: list[torch.fx.GraphModule], inputs: list[str]) -> dict[str, str]:
+    """{value name: input name} for the values of `graphs` (stages, in order) that are a pipeline input
+    after an in-place write into it (`x.add_(1)` returns x): a later stage writing into one writes into the input."""
+    aliases = {name: name for name in inputs}
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            target = n.args[0] if n.target is after else mutated_arg(n, gm)  # after(x, write) is x too
+            base = _base(target) if isinstance(target, torch.fx.Node) else None
+            if base is not None and base.name in aliases:
+                aliases[n.name] = aliases[base.name]
+    return aliases
+
+
+def own_copies(names: list[str], values: list[Any], writes: list[str]) -> list[Any]:
+    """A stage's input `values` (by `names`) with each tensor of those it writes into (`writes`) cloned."""
+    return [pytree.tree_map(_clone, v) if n in writes else v for n, v in zip(names, values)]
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> list[str]:

@@ -19,8 +19,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -30,56 +29,24 @@ from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.calibration_hook import Calibratable, StepCall
 from runtime.errors import PartitionError
 from runtime.inline import InlineOrders, run_inline
-from runtime.interpreter import Interpreter, Routes
+from runtime.interpreter import Interpreter
 from runtime.microbatch import OutputMergeSpec, SplitDim, gather, to_device
-from runtime.plan import Plan
+from runtime.mutation import inputs_written_with_grad
 from runtime.program import Op, Program, plan_programs
+from runtime.routes import stage_aliases
 from runtime.stage import Stage
+from runtime.stage_graph import StageGraph, for_mode
 from runtime.steps import StepInputs, forward_step, step_sizes, train_step_inputs, transaction, write_back
 from runtime.streams import compute_stream, current, join_caller
 from runtime.thread_state import thread_state
 from runtime.transport_local import LocalTransport, WorkerFailed
+from runtime.weight_grads import WeightGradHook, check_self_computed, check_whole_modules
 
 __all__ = ["Pipeline", "StageGraph", "for_mode"]
 
 
 def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-@dataclass
-class StageGraph:
-    """One traced graph of the model as the runtime runs it: its stages, output, plan and programs.
-
-    A model whose forward reads `self.training` has one per mode, cut alike (see Pipeline).
-    """
-
-    stages: list[Stage]  # this process's (all of them in one process)
-    output_node: torch.fx.Node
-    constants: Mapping[str, Any]
-    plan: Plan
-    io: list[tuple[list[str], list[str]]] | None = None  # every stage's input and output names; default: `stages`'
-
-    def routes(self) -> Routes:
-        return Routes.of(self.io if self.io is not None else [(s.inputs, s.outputs) for s in self.stages],
-                         self.output_node)
-
-
-T = TypeVar("T")
-
-
-def for_mode(modes: Mapping[bool, T], training: bool, traced: bool, error: str | None) -> T:
-    """What runs in the model's mode now: its own graph where forward reads `self.training`, else the
-    one traced graph (the same in both modes); a PartitionError if that mode could not be traced."""
-    found = modes.get(training)
-    if found is not None:
-        return found
-    if error is not None:
-        raise PartitionError(
-            f"the model is in {'training' if training else 'eval'} mode, but its forward could not be traced in "
-            f"that mode ({error}); partition the model in the mode you run it in"
-        )
-    return modes[traced]
 
 
 class _Mode:
@@ -99,6 +66,10 @@ class _Mode:
                         lambda stage, mb: rank_of[stage], r, graph.output_node, graph.constants, unflatten)
             for r in range(len(plan.programs))
         ]
+        aliases = stage_aliases(graph.stages, routes)  # across workers: a value one writes, another writes again
+        for w in self.workers:
+            w.aliases = aliases
+        self.self_computed = [c for w in self.workers for calls in w.self_computed.values() for c in calls]
         self.bns = list(dict.fromkeys(bn for stage in graph.stages for bn in stage.deferred_bns))
 
 
@@ -163,6 +134,9 @@ class Pipeline(Calibratable, nn.Module):
         self._shared = frozenset((a, b) for a in range(len(devices)) for b in range(len(devices))
                                  if a != b and devices[a] == devices[b])
         self._params = list(dict.fromkeys(p for s in stages + extra for p in s.module.parameters()))
+        # Inputs written in place with grad on: a leaf requiring grad among them is refused (runtime.steps).
+        self._leaf_writes = {n for s in stages + extra if s.writes for g in s.module.modules()
+                             if isinstance(g, torch.fx.GraphModule) for n in inputs_written_with_grad(g)}
         self._async: dict[bool, AsyncTrainer] = {}  # update "2bw"/"stash": the stream of each mode's graph
 
     def _mode(self) -> _Mode:
@@ -218,7 +192,7 @@ class Pipeline(Calibratable, nn.Module):
         if self._async:
             self._guard("pipe(...)")
         step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated,
-                            self._input_dims)
+                            self._input_dims, leaf_writes=self._leaf_writes)
         last = self._run(step).workers[self._rank_of[-1]]
         outputs = [to_device(last.outputs[i], self.output_device) for i in range(len(step.envs))]
         last.outputs = {}  # the caller holds them now
@@ -249,7 +223,8 @@ class Pipeline(Calibratable, nn.Module):
         loss of the batch before (None on the first call): see runtime.async_updates, `flush`.
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
-                                 self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims)
+                                 self.plan.micro_batches, loss_reduction, self._mutated, self._input_dims,
+                                 leaf_writes=self._leaf_writes)
         self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
@@ -257,6 +232,16 @@ class Pipeline(Calibratable, nn.Module):
         loss = self._run(step).workers[self._rank_of[-1]].loss
         assert loss is not None
         return loss
+
+    def set_weight_grad_hook(self, hook: WeightGradHook | None) -> None:
+        """Call `hook(stage_module)` after each micro-batch's backward of each stage, for a model that computes
+        its own weight gradients after backward (as PyTorch's `dw_builder`); None removes it. See
+        runtime/weight_grads.py for what it gets, and what is detected when it is missing."""
+        for mode in self._modes.values():
+            if hook is not None:
+                check_whole_modules(mode.self_computed)
+            for w in mode.workers:
+                w.weight_grad_hook = hook
 
     def flush(self) -> torch.Tensor | None:
         """Asynchronous updates: finish every micro-batch in flight, apply the pending updates, and return
@@ -305,14 +290,19 @@ class Pipeline(Calibratable, nn.Module):
         for w in mode.workers:
             w.begin(step, local, shared)
         train = step.mode == "train"
-        with transaction(self._params, mode.bns, grads=train) if train or mode.bns else contextlib.nullcontext():
-            if self._threaded:
-                self._run_threads(programs, mode.workers)
-            else:
-                self._run_inline(programs, mode.workers, shared)
-        write_back(step)
-        for w in mode.workers:
-            w.end()
+        try:
+            with transaction(self._params, mode.bns, grads=train) if train or mode.bns else contextlib.nullcontext():
+                if self._threaded:
+                    self._run_threads(programs, mode.workers)
+                else:
+                    self._run_inline(programs, mode.workers, shared)
+                if train and mode.self_computed and mode.workers[0].weight_grad_hook is None:
+                    check_self_computed(mode.self_computed, len(step.envs))
+            write_back(step)
+        finally:
+            for w in mode.workers:
+                w.end()
+            self._transport.reset()  # a failed step's undelivered values hold their graphs
         return mode
 
     def _run_inline(self, programs: Sequence[Program], workers: list[Interpreter],

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
-from runtime.microbatch import SplitDim, batch_size, scatter
+from runtime.errors import PartitionError
+from runtime.microbatch import SplitDim, batch_size, scatter, to_device
 
-__all__ = ["StepInputs", "forward_step", "step_sizes", "train_step_inputs", "transaction", "write_back"]
+__all__ = ["StepInputs", "check_leaf_writes", "forward_step", "micro_batch_loss", "step_sizes", "train_step_inputs",
+           "transaction", "write_back"]
 
 
 @dataclass
@@ -33,9 +36,13 @@ def forward_step(
     micro_batches: int,
     mutated: Sequence[str] = (),
     dims: Sequence[SplitDim] | None = None,
+    *,
+    leaf_writes: Collection[str] = (),
 ) -> StepInputs:
+    """One call's micro-batches (`pipe(x)`); `leaf_writes`: see `check_leaf_writes`."""
     flat = flatten(args, kwargs)
-    return StepInputs(_envs(flat, input_names, micro_batches, mutated, dims), "forward",
+    check_leaf_writes(flat, input_names, leaf_writes)
+    return StepInputs(_envs(flat, input_names, micro_batches, dims), "forward",
                       written=_written(flat, input_names, mutated))
 
 
@@ -49,17 +56,26 @@ def step_sizes(step: StepInputs, dims: Sequence[SplitDim] | None = None) -> list
     return sizes
 
 
-def _envs(flat: list[Any], names: list[str], micro_batches: int, mutated: Sequence[str],
-          dims: Sequence[SplitDim] | None = None) -> list[dict[str, Any]]:
-    """Each micro-batch's inputs by name; inputs the graph writes into get their own storage
-    (views of one batch share a version counter, so a write in one would break another's backward)."""
-    envs = [dict(zip(names, c)) for c in scatter(flat, micro_batches, dims)]
-    if micro_batches > 1:
-        for env in envs:
-            for name in mutated:
-                if isinstance(env.get(name), torch.Tensor):
-                    env[name] = env[name].clone()
-    return envs
+def _envs(flat: list[Any], names: list[str], micro_batches: int, dims: Sequence[SplitDim] | None = None
+          ) -> list[dict[str, Any]]:
+    """Each micro-batch's inputs by name (a stage that writes into one writes into its own copy: views
+    of one batch share a version counter, so a write into one would break another's backward)."""
+    return [dict(zip(names, c)) for c in scatter(flat, micro_batches, dims)]
+
+
+def check_leaf_writes(flat: list[Any], names: list[str], leaf_writes: Collection[str]) -> None:
+    """Refuse, as the plain model does, an input that is a leaf requiring grad when the graph writes into it
+    in place with grad mode on (`leaf_writes`, runtime.mutation.inputs_written_with_grad): each micro-batch
+    works on its own copy, which autograd would let the write through."""
+    if not leaf_writes or not torch.is_grad_enabled():
+        return
+    for name, value in zip(names, flat):
+        if name in leaf_writes and isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
+            raise RuntimeError(
+                "a leaf Variable that requires grad is being used in an in-place operation "
+                f"(the model writes into its input {name!r} in place, which requires grad); as with the plain "
+                "model, pass a tensor that does not require grad, a non-leaf (x.clone()), or write out of place"
+            )
 
 
 def _written(flat: list[Any], names: list[str], mutated: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -69,15 +85,22 @@ def _written(flat: list[Any], names: list[str], mutated: Sequence[str]) -> dict[
 
 
 def write_back(step: StepInputs) -> None:
-    """Copy what the model wrote into its inputs' micro-batches back into the caller's tensors,
-    as the plain model writes into them (with one micro-batch the model wrote in place already)."""
-    if len(step.envs) < 2:
-        return
-    with torch.no_grad():
-        for name, original in step.written.items():
-            parts = [env[name] for env in step.envs]
-            if all(isinstance(p, torch.Tensor) for p in parts) and parts[0].dim() > 0:
+    """Copy what the model wrote into its inputs back into the caller's tensors, as the plain model writes
+    into them: a stage writes into its own copy of an input (runtime.mutation.own_copies), which the
+    interpreter leaves in the step's micro-batch in place of the caller's part."""
+    for name, original in step.written.items():
+        parts = [env[name] for env in step.envs]
+        if not all(isinstance(p, torch.Tensor) for p in parts) or all(p is original for p in parts):
+            continue
+        ptr = original.untyped_storage().data_ptr()
+        if all(p.untyped_storage().data_ptr() == ptr for p in parts):  # the caller's own parts: not written
+            continue
+        # A caller's tensor inside its autograd graph takes the write's history, as the plain model's write gives it.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and original.requires_grad and not original.is_leaf):
+            if len(parts) > 1 and parts[0].dim() > 0 and sum(p.shape[0] for p in parts) == original.shape[0]:
                 original.copy_(torch.cat(parts).to(original.device))
+            elif parts[-1].shape == original.shape:  # given whole to every micro-batch: each wrote the same
+                original.copy_(parts[-1].to(original.device))
 
 
 def train_step_inputs(
@@ -91,20 +114,77 @@ def train_step_inputs(
     loss_reduction: Literal["mean", "sum"],
     mutated: Sequence[str] = (),
     dims: Sequence[SplitDim] | None = None,
+    *,
+    leaf_writes: Collection[str] = (),
 ) -> StepInputs:
     """Micro-batches of inputs and targets; each micro-batch's loss weighted so gradients equal
     `loss_fn(model(inputs), targets).backward()` on the whole batch ("mean": by its share of
-    the batch, for losses that average over samples; "sum": not at all)."""
+    the batch, for losses that average over samples; "sum": not at all).
+
+    Raises:
+        PartitionError: targets whose batch is not the inputs' (the plain model's loss would fail on them).
+    """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     flat = flatten(args, dict(input_kwargs or {}))
-    envs = _envs(flat, input_names, micro_batches, mutated, dims)
-    target_chunks = scatter([targets], micro_batches)
-    sizes = [batch_size(c[0]) for c in target_chunks]
+    check_leaf_writes(flat, input_names, leaf_writes)
+    envs = _envs(flat, input_names, micro_batches, dims)
+    if micro_batches == 1:  # the whole batch: loss_fn sees what it sees on the plain model
+        return StepInputs(envs, "train", [targets], [1.0], loss_fn, _written(flat, input_names, mutated))
+    tensors = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    if not tensors:  # nothing to split (say targets=None): every micro-batch's loss gets them whole
+        sizes = step_sizes(StepInputs(envs, "train"), dims)
+        targets_of = [targets] * micro_batches
+    else:
+        _check_target_batch(tensors[0], _input_batch(flat, dims))
+        target_chunks = scatter([targets], micro_batches)
+        sizes = [batch_size(c[0]) for c in target_chunks]
+        targets_of = [c[0] for c in target_chunks]
     weights = [n / sum(sizes) if loss_reduction == "mean" else 1.0 for n in sizes]
-    targets_of = [c[0] for c in target_chunks]
     return StepInputs(envs, "train", targets_of, weights, loss_fn, _written(flat, input_names, mutated))
+
+
+def _input_batch(flat: list[Any], dims: Sequence[SplitDim] | None) -> int | None:
+    """The batch the inputs are split along (as `scatter` splits them); None when none is split."""
+    dims = list(dims) if dims is not None else ["auto"] * len(flat)
+    auto = [v for v, d in zip(flat, dims) if d == "auto"]
+    if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(auto)):
+        return batch_size(auto)
+    for value, dim in zip(flat, dims):
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and isinstance(dim, int) and t.dim() > 0:
+                return int(t.shape[dim])
+    return None
+
+
+def _check_target_batch(first: torch.Tensor, batch: int | None) -> None:
+    """Targets are split along dim 0 with the inputs' micro-batches: their batch must be the inputs'."""
+    if first.dim() == 0:
+        raise PartitionError("the targets' first tensor is a scalar (shape ()), so it has no batch to split into "
+                             "micro-batches; pass targets whose dim 0 is the batch, one per input sample")
+    if batch is not None and first.shape[0] != batch:
+        raise PartitionError(
+            f"the targets have a batch of {first.shape[0]} (dim 0 of their first tensor, shape "
+            f"{tuple(first.shape)}) but the inputs have a batch of {batch}; the plain model's loss would fail "
+            "or broadcast on them: pass one target per input sample"
+        )
+
+
+def micro_batch_loss(step: StepInputs, j: int, output: Any, device: torch.device) -> torch.Tensor:
+    """`loss_fn` on micro-batch j's output and targets (unweighted), checked to be one number.
+
+    Raises:
+        PartitionError: the loss is not a tensor of one element (backward needs a scalar).
+    """
+    assert step.loss_fn is not None  # a training step always has one
+    loss = step.loss_fn(output, to_device(step.targets[j], device))
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss if loss.dim() == 0 else loss.reshape(())
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    raise PartitionError(f"loss_fn returned {got}, not a scalar tensor: train_step runs backward from each "
+                         "micro-batch's loss, which needs one number (as loss.backward() does); reduce it inside "
+                         "loss_fn, e.g. with .mean() or .sum() or reduction='mean'")
 
 
 class Deferred(Protocol):

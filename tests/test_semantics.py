@@ -8,6 +8,8 @@ gradients, buffers, and the caller's tensors.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -21,7 +23,6 @@ from tests import zoo
 from tests.zoo import rel
 
 SETTINGS = [(stages, threads) for stages in (2, 3) for threads in (False, True)]
-
 
 
 def build(model: nn.Module, x: torch.Tensor, stages: int, threads: bool, schedule: str = "gpipe", m: int = 4) -> Any:
@@ -74,7 +75,7 @@ def test_model_writing_into_its_input(stages: int, threads: bool, schedule: str)
     loss = pipe.train_step(mine, y, F.mse_loss)
     ref_loss = F.mse_loss(reference(theirs), y)
     ref_loss.backward()
-    assert rel(loss, ref_loss) < 1e-5 and torch.equal(mine, theirs)
+    assert loss is not None and rel(loss, ref_loss) < 1e-5 and torch.equal(mine, theirs)
     assert_same_grads(model, reference)
 
 
@@ -522,3 +523,188 @@ def test_caller_saved_tensor_hooks_and_inference_mode_reach_every_worker(stages:
     with torch.inference_mode():
         out = pipe(x)
     assert all(t.is_inference() and not t.requires_grad for t in out)
+
+
+# ---- torchgpipe's last differences (issue 25 item 7): each at 2 and 3 stages, threads on and off ----
+
+
+class ReadThenWrite(nn.Module):
+    """Reads its input, then writes into it in place (the result unused): a stage that only writes
+    shares no edge with the stage that read first, so on another thread it could write before that read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.tanh(self.layers[0](x * 1))  # x read before the write (x * 1 saves nothing for backward)
+        g = torch.tanh(self.layers[1](g))
+        x.add_(1)
+        g = torch.tanh(self.layers[2](g))
+        out: torch.Tensor = self.layers[3](g) + x  # read after the write
+        return out
+
+
+def _cut_around(model: nn.Module, x: torch.Tensor, stages: int, node: str, schedule: str) -> Any:
+    """A plan whose stage boundaries fall right before and (3 stages) right after `node`."""
+    from partitioner import Plan, StagePlan, plan
+
+    names = [n for s in plan(model, ["cpu"], example_inputs=(x.clone(),), cost_model=AnalyticCostModel()).stages
+             for n in s.nodes]
+    k = names.index(node)
+    cuts = [names[:k], names[k:]] if stages == 2 else [names[:k], names[k:k + 1], names[k + 1:]]
+    return Plan(stages=[StagePlan(s, "cpu", nodes) for s, nodes in enumerate(cuts)], micro_batches=4,
+                schedule=schedule)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_in_place_write_waits_for_the_reads_before_it_on_every_thread(stages: int, threads: bool,
+                                                                         schedule: str) -> None:
+    torch.manual_seed(0)
+    model = ReadThenWrite()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = partition(model, ["cpu"] * stages, example_inputs=(x.clone(),), threads=threads,
+                     plan=_cut_around(model, x, stages, "add_", schedule))
+    out = ref = torch.empty(())
+    for _ in range(5):  # threads: a race would show on some run
+        mine, theirs = x.clone(), x.clone()
+        out, ref = pipe(mine), reference(theirs)
+        assert rel(out, ref) < 1e-5 and torch.equal(mine, theirs)  # the caller's tensor written alike
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    assert_same_grads(model, reference)
+    model.zero_grad()
+    reference.zero_grad()
+    mine, theirs = x.clone(), x.clone()
+    loss = pipe.train_step(mine, y, F.mse_loss)
+    ref_loss = F.mse_loss(reference(theirs), y)
+    ref_loss.backward()
+    assert loss is not None and rel(loss, ref_loss) < 1e-5 and torch.equal(mine, theirs)
+    assert_same_grads(model, reference)
+
+
+class WritesUnderNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x.clamp_(-1, 1)  # autograd lets a leaf be written here
+        out: torch.Tensor = self.b(torch.tanh(self.a(x)))
+        return out
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+def test_an_in_place_write_into_a_leaf_input_that_requires_grad_raises_as_in_the_plain_model(stages: int,
+                                                                                             threads: bool) -> None:
+    torch.manual_seed(0)
+    model = MutatesInput()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = build(model, x.clone(), stages, threads)
+    message = "a leaf Variable that requires grad is being used in an in-place operation"
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=message):
+        reference(leaf)
+    with pytest.raises(RuntimeError, match=message):
+        pipe(leaf)
+    with pytest.raises(RuntimeError, match=message):
+        pipe.train_step(leaf, y, F.mse_loss)
+    assert torch.equal(leaf, x) and leaf.grad is None and all(p.grad is None for p in model.parameters())
+    with torch.no_grad():  # no grad mode: the write is allowed, in both
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        assert rel(pipe(mine), reference(theirs)) < 1e-5 and torch.equal(mine, theirs)
+    torch.manual_seed(0)  # a write inside forward's own no_grad region: allowed, gradients reach the leaf
+    clamps, x = WritesUnderNoGrad(), 3 * torch.randn(8, 8)
+    plain = copy.deepcopy(clamps)
+    pipe = build(clamps, x.clone(), stages, threads)
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pipe(mine).square().mean().backward()
+    plain(theirs).square().mean().backward()
+    assert torch.equal(mine, theirs) and rel(mine.grad, theirs.grad) < 1e-5  # type: ignore[arg-type]
+    assert_same_grads(clamps, plain)
+
+
+def _live_activations(pipe: Any, model: nn.Module, run: Any, keep: list[torch.Tensor]) -> int:
+    """Storages of stage outputs and of tensors autograd saved during `run()` that are still alive after it."""
+    seen: list[Any] = []
+
+    def track(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            seen.append(weakref.ref(value))
+
+    def on_output(module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in output if isinstance(output, (tuple, list)) else [output]:
+            track(t)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # a detached alias: a saved output holding itself would be a cycle
+        alias = t.detach()
+        track(alias)
+        return alias
+
+    hooks = [s.module.register_forward_hook(on_output) for s in pipe.stages]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    for h in hooks:
+        h.remove()
+    gc.collect()
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *keep]}
+    alive = {t.untyped_storage().data_ptr() for ref in seen if (t := ref()) is not None}
+    return len(alive - owned)
+
+
+@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activations_are_released_after_each_step(stages: int, threads: bool, schedule: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe = build(model, x, stages, threads, schedule)
+    assert _live_activations(pipe, model, lambda: pipe.train_step(x, y, F.mse_loss), [x, y]) == 0
+    assert _live_activations(pipe, model, lambda: F.mse_loss(pipe(x), y).backward(), [x, y]) == 0  # as plain
+
+    calls = [0]
+
+    def fails_on_the_third(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("loss failed")
+        return F.mse_loss(out, target)
+
+    def failed_step() -> None:
+        try:
+            pipe.train_step(x, y, fails_on_the_third)
+        except RuntimeError as exc:  # not pytest.raises: its record of the error holds the frames
+            assert str(exc) == "loss failed"
+        else:
+            raise AssertionError("the step did not fail")
+
+    assert _live_activations(pipe, model, failed_step, [x, y]) == 0  # a failed step's too
+
+
+def test_a_plan_after_a_step_leaves_the_weights_trainable() -> None:
+    """plan() propagates shapes on meta, swapping the weights out and back (torch.utils.swap_tensors); a
+    step's activations left alive held the weights' AccumulateGrad nodes, which the swap poisons."""
+    from partitioner import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    for threads in (False, True):
+        pipe = build(model, x, 2, threads)
+        pipe.train_step(x, y, F.mse_loss)
+        F.mse_loss(pipe(x), y).backward()
+        plan(model, cluster="1x2xH100", example_inputs=(x,), micro_batches=4)
+        again = build(model, x, 2, threads)
+        model.zero_grad()
+        reference.zero_grad()
+        loss = again.train_step(x, y, F.mse_loss)
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        assert rel(loss, ref_loss) < 1e-5
+        assert_same_grads(model, reference)

@@ -90,8 +90,11 @@ def with_shares(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit(results: list[dict[str, Any]], groups: bool = True) -> Calibration | None:
-    """One calibration from the traced steps of `results`, run after run (`groups`: group factors too)."""
-    made: Calibration | None = None
+    """One calibration from the traced steps of `results`, run after run, each weighing alike (`groups`: group
+    factors too); None when `results` is empty."""
+    if not results:
+        return None
+    made = Calibration()  # decay 1: every config counts alike (a calibration the fit starts forgets older runs)
     for r in results:
         made = fit_calibration(Plan.from_json(r["plan"]), {"steps": r["traced"]},
                                step_ms=statistics.median(r["traced_ms"]), previous=made,

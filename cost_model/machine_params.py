@@ -2,14 +2,7 @@
 
 See cost_model/calibration.py for what they mean and how the simulator prices them; cost_model/run_fit.py fits them.
 Compute factors come twice: pooled per device and kind (`sums`: measured over the plan's base stage time), and
-per operator group (`groups`: cost_model.op_mix), solved here from the fitted runs' normal equations:
-
-    minimize  sum over ops  ((sum_g f_g x base x share_g + c - measured) / base)^2
-              + RIDGE x sum_g (f_g - pooled)^2
-
-(an op wholly of one group weighs 1: RIDGE is a prior worth that many ops), so a group seen little
-stays near the pooled factor, one never seen takes it, and groups that always come together (their
-shares in the same proportion) split the difference the pooled way.
+per operator group (`groups`: the fitted runs' normal equations, solved by cost_model.group_fit).
 """
 
 from __future__ import annotations
@@ -21,14 +14,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from cost_model.op_mix import GROUPS
+from cost_model.group_fit import GroupFit, add_rows, solve
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "measured_stage_ms",
            "stage_records"]
 
 CALIBRATION_VERSION = 3  # 1: factors only (no "version" key); 2: + task_ms, links, step_ms, cores, runs; 3: + groups
-RIDGE = 1.0  # how strongly a group's factor is drawn to the pooled one, in ops (see the module docstring)
-_SANE = 4.0  # a group factor more than this many times off the pooled one is refitted with a stronger ridge
 
 
 def _get(record: Any, *names: str) -> Any:
@@ -102,22 +93,18 @@ class Calibration:
         key = f"{device}/{kind}"
         return self.factor(key) if key in self.sums else self.factor(device)
 
-    def group_factors(self, device: Any, kind: str) -> tuple[dict[str, float], float] | None:
-        """(factor of each op_mix group, fixed ms per op) of `device`'s F or B ops (W: B's), from the fitted
-        runs; None when no run with group shares was fitted there."""
-        rows = self.groups.get(f"{device}/{'B' if kind == 'W' else kind}")
-        if not rows:
-            return None
-        return _solve(rows)
+    def group_factors(self, device: Any, kind: str) -> GroupFit | None:
+        """The group factors of `device`'s F or B ops (W: B's) from the fitted runs (cost_model.group_fit);
+        None when no run with group shares was fitted there."""
+        eq = self.groups.get(f"{device}/{'B' if kind == 'W' else kind}")
+        return solve(eq) if eq else None
 
-    def stage_ms(self, device: Any, kind: str, base_ms: float, shares: Mapping[str, float]) -> float | None:
+    def stage_ms(self, device: Any, kind: str, base_ms: float, shares: Mapping[str, float],
+                 others: float = 0.0) -> float | None:
         """One F or B of a stage on `device` whose base (uncalibrated) time is `base_ms`, its compute shared
-        among groups by `shares`: sum of group factor x share x base_ms, plus the fixed ms; None without a fit."""
-        solved = self.group_factors(device, kind)
-        if solved is None or not shares:
-            return None
-        factors, fixed = solved
-        return base_ms * sum(factors.get(g, factors["*"]) * share for g, share in shares.items()) + fixed
+        among groups by `shares`, `others` ranks of its host computing beside it; None without a group fit."""
+        fit = self.group_factors(device, kind)
+        return fit.stage_ms(base_ms, shares, others) if fit is not None and shares else None
 
     def priced(self, devices: Iterable[Any]) -> Calibration:
         """These parameters for a plan whose stage times on `devices` already carry their compute factors
@@ -128,20 +115,9 @@ class Calibration:
                 made.sums.pop(key, None)
         return made
 
-    def add_group_rows(self, key: str, rows: Iterable[tuple[Sequence[float], float]]) -> None:
-        """Fold ops (group columns + [1], measured ms) into `key`'s normal equations, each weighted by 1 / its
-        base time (the sum of its group columns): least squares of measured over base, so no op size dominates."""
-        for a, measured in rows:
-            n = len(a)
-            base = sum(a[:-1])
-            if base <= 0:
-                continue
-            eq = self.groups.setdefault(key, [[0.0] * n for _ in range(n)] + [[0.0] * n])
-            w2 = 1.0 / (base * base)
-            for i in range(n):
-                eq[n][i] += w2 * a[i] * measured
-                for j in range(n):
-                    eq[i][j] += w2 * a[i] * a[j]
+    def add_group_rows(self, key: str, rows: Sequence[tuple[Sequence[float], float]]) -> None:
+        """Fold ops (cost_model.group_fit.row columns, measured ms) into `key`'s normal equations."""
+        self.groups[key] = add_rows(self.groups.get(key, []), rows)
 
     def message_ms(self, nbytes: float, backend: str = "gloo") -> float | None:
         """One message of `nbytes` over `backend`'s fitted link (ms), or None when it has none."""
@@ -228,46 +204,3 @@ class Calibration:
 
 
 
-
-def _solve(rows: Sequence[Sequence[float]]) -> tuple[dict[str, float], float] | None:
-    """Group factors and the fixed ms from normal equations [ata rows..., atb] (see the module docstring);
-    "*" is the pooled factor, which groups without data take."""
-    n = len(rows) - 1
-    ata = torch.tensor([list(r) for r in rows[:n]], dtype=torch.float64)
-    atb = torch.tensor(list(rows[n]), dtype=torch.float64)
-    g = n - 1  # the last column is the fixed cost per op
-    whole = float(ata[:g, :g].sum())
-    if whole <= 0:
-        return None
-    pooled = float(atb[:g].sum()) / whole
-    seen = ata.diagonal()[:g] > 0
-    if g != len(GROUPS):
-        raise ValueError(f"a calibration with {g} operator groups; this code knows {len(GROUPS)} "
-                         f"({', '.join(GROUPS)}): re-run the calibration (pipe.calibrate()) with this version")
-    ridge = RIDGE
-    x = _ridge_solve(ata, atb, pooled, ridge)
-    for _ in range(4):  # a group factor far off the pooled one: the data cannot tell it apart; lean on the prior
-        factors = x[:g]
-        if bool(((factors[seen] > pooled / _SANE) & (factors[seen] < pooled * _SANE)).all()):
-            break
-        ridge *= 4.0
-        x = _ridge_solve(ata, atb, pooled, ridge)
-    factors = x[:g]
-    out = {name: float(f) for name, f in zip(GROUPS, factors)}
-    out["*"] = pooled
-    return out, float(x[g]) if x.numel() > g else 0.0
-
-
-def _ridge_solve(ata: torch.Tensor, atb: torch.Tensor, pooled: float, ridge: float) -> torch.Tensor:
-    """The group factors and the fixed ms per op under the prior; without the fixed ms where it comes out < 0."""
-    g = len(atb) - 1
-
-    def solve(size: int) -> torch.Tensor:
-        lhs, rhs = ata[:size, :size].clone(), atb[:size].clone()
-        lhs[range(g), range(g)] += ridge
-        rhs[:g] += ridge * pooled
-        solved: torch.Tensor = torch.linalg.solve(lhs, rhs)
-        return solved
-
-    x = solve(g + 1)
-    return x if float(x[g]) >= 0 else solve(g)

@@ -8,9 +8,10 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
                      by its processor-sharing slowdown max(1, k / cores), k = ranks of the
                      host computing during it (averaged over the op)
     group factors    with `shares` (each stage's compute by operator group, cost_model.op_mix):
-                     per device and kind, one factor per group and a fixed ms per op, from the
-                     same ops (normal equations kept in the Calibration, solved there), so the
-                     factors carry to a model with another mix of groups
+                     per device and kind, a factor per group, how much each other rank of the host
+                     computing beside an op slows it, and a fixed ms per op, from the same ops
+                     (normal equations kept in the Calibration, solved by cost_model.group_fit),
+                     so the factors carry to a model with another mix of groups
     cores            the c in that slowdown, by a search over c minimizing the log error, only
                      where more ranks computed at once than the host has cores (else its count);
                      1 where one process ran every stage in one thread (runtime/inline.py), whose
@@ -30,7 +31,9 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
                      price the simulator gives it (`allreduce_base_ms`)
     fixed step cost  step wall time minus the traced span (first event to last, all ranks)
 
-Each parameter is averaged with `previous`'s (weight `runs * decay` against 1 for this run).
+Each parameter is averaged with `previous`'s (weight `runs * decay` against 1 for this run). A calibration
+started here forgets at RUN_DECAY: each run counts as much as all before it together, so a machine whose
+speed drifts (other work on a shared host) is followed, and a plan's own run dominates its refit.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ import re
 import statistics
 from typing import Any, Iterable, Mapping, Sequence
 
+from cost_model.group_fit import row as group_row
 from cost_model.links import loopback_link
 from cost_model.machine_params import Calibration
-from cost_model.op_mix import GROUPS, Shares
+from cost_model.op_mix import Shares
 
-__all__ = ["allreduce_base_ms", "compute_events", "compute_ops", "fit_run", "plan_dict", "sharing"]
+__all__ = ["RUN_DECAY", "allreduce_base_ms", "compute_events", "compute_ops", "fit_run", "plan_dict", "sharing"]
 
+RUN_DECAY = 0.5
 _KINDS = {"forward": "F", "backward": "B", "weight": "W", "F": "F", "B": "B", "W": "W"}
 _RANK = re.compile(r"\((?:rank|worker) (\d+)\)")
 _WAIT = re.compile(r"^W s(\d+) mb(\d+)")
@@ -303,7 +308,7 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
         raise ValueError(f"step_ms={step_ms}; give the measured wall time of a step in ms (> 0)")
     plan = plan_dict(plan_data)
     steps = _steps(trace)
-    made = Calibration.from_dict(previous.to_dict()) if previous is not None else Calibration()
+    made = Calibration.from_dict(previous.to_dict()) if previous is not None else Calibration(decay=RUN_DECAY)
     w_old = made.runs * made.decay
     ops = [e for step in steps for e in compute_ops(plan, step)]
     events = [(device, kind, p, m, k) for device, kind, _, p, m, k in ops]
@@ -328,7 +333,8 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
             made.observe(device, p / 1e3, deflated / 1e3)
             if shares is not None and s < len(shares) and shares[s] and deflated > 0:
                 key = f"{device}/{'B' if kind == 'W' else kind}"
-                rows.setdefault(key, []).append(([p * shares[s].get(g, 0.0) for g in GROUPS] + [1.0], deflated))
+                others = max(0.0, (min(k, made.cores) if made.cores > 0 else k) - 1.0)  # beyond cores: sharing
+                rows.setdefault(key, []).append((group_row(p, shares[s], others), deflated))
     for key, group_rows in rows.items():
         made.add_group_rows(key, group_rows)
     overhead = _overhead_ms(steps, one_thread)

@@ -137,31 +137,50 @@ def test_fit_recovers_a_known_wake_up_and_receive_cost_from_a_synthetic_trace() 
     assert fitted.links["gloo"] == pytest.approx([0.5, 1000.0])
 
 
-TRUE_F = {"gemm": 1.5, "conv": 0.8, "memory": 2.0}  # measured / base of each group's share of a forward
+TRUE_F = {"gemm": 1.5, "conv": 0.8, "memory": 2.0}  # measured / base of each group's share of a forward, alone
 TRUE_B = {"gemm": 1.2, "conv": 1.0, "memory": 1.5}
-FIXED_F = 0.1  # ms each forward pays whatever its size
+BESIDE = {"gemm": 0.5, "conv": 0.1, "memory": 0.3}  # added per other rank computing beside the op
 
 
 def _group_run(shares: list[dict[str, float]], scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Two cpu stages on ranks 0 and 1 (forward `scale` x (2, 3) ms, backward twice that), 4 micro-batches each,
-    one after another; each op lasts what the true group factors say of its shares."""
+    """Two cpu stages on ranks 0 and 1 (forward `scale` x (2, 3) ms, backward twice that), 4 micro-batches:
+    the first two forwards of each stage side by side with the other rank's, the rest alone; each op lasts
+    what the true group factors say of its shares."""
     stages = [{"index": s, "device": "cpu", "forward_ms": scale * (2 + s), "backward_ms": 2 * scale * (2 + s),
                "reads_from": [s - 1] if s else [], "ranks": [s]} for s in range(2)]
-    rows, clock = [], 0.0
-    for s, share in enumerate(shares):
-        events = []
-        for kind, base, factors, fixed in (("forward", stages[s]["forward_ms"], TRUE_F, FIXED_F),
-                                           ("backward", stages[s]["backward_ms"], TRUE_B, 0.0)):
-            for mb in range(4):
-                ms = base * sum(factors[g] * v for g, v in share.items()) + fixed
-                events.append({"kind": kind, "stage": s, "microbatch": mb, "start": clock, "end": clock + ms})
-                clock += ms
-        rows.append({"device": f"cpu (rank {s})", "events": events})
-    return {"stages": stages, "programs": []}, {"devices": rows}
+
+    def ms(s: int, kind: str, beside: float) -> float:
+        base = stages[s]["forward_ms" if kind == "forward" else "backward_ms"]
+        factors = TRUE_F if kind == "forward" else TRUE_B
+        beside_f = BESIDE if kind == "forward" else dict.fromkeys(BESIDE, 0.0)
+        return base * sum(v * (factors[g] + beside_f[g] * beside) for g, v in shares[s].items())
+
+    def longer(s: int, short: float) -> float:
+        """The length of the longer of two ops side by side: beside the other for short / its own length."""
+        alone, slope = ms(s, "forward", 0.0), ms(s, "forward", 1.0) - ms(s, "forward", 0.0)
+        return (alone + (alone * alone + 4 * slope * short) ** 0.5) / 2
+
+    rows: list[list[dict[str, Any]]] = [[], []]
+    clock = 0.0
+    for mb in range(2):  # both ranks' forwards start together (the shorter has the other beside it throughout)
+        lengths = [ms(s, "forward", 1.0) for s in range(2)]
+        short = min(range(2), key=lambda s: lengths[s])
+        lengths[1 - short] = longer(1 - short, lengths[short])
+        for s in range(2):
+            rows[s].append({"kind": "forward", "stage": s, "microbatch": mb, "start": clock, "end": clock + lengths[s]})
+        clock += max(lengths) + 100.0  # apart from what follows
+    for s in range(2):  # then every other op alone
+        for kind, mbs in (("forward", range(2, 4)), ("backward", range(4))):
+            for mb in mbs:
+                rows[s].append({"kind": kind, "stage": s, "microbatch": mb, "start": clock,
+                                "end": clock + ms(s, kind, 0.0)})
+                clock += ms(s, kind, 0.0) + 1.0
+    trace = {"devices": [{"device": f"cpu (rank {s})", "events": rows[s]} for s in range(2)]}
+    return {"stages": stages, "programs": []}, trace
 
 
 def test_group_factors_fitted_on_two_models_price_a_third_with_another_mix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cost_model.machine_params.RIDGE", 1e-9)  # the data alone (the prior: next test)
+    monkeypatch.setattr("cost_model.group_fit.RIDGE", 1e-9)  # the data alone (the prior: next test)
     gemm_model = [{"gemm": 0.8, "memory": 0.2}, {"gemm": 0.5, "memory": 0.5}]
     conv_model = [{"conv": 0.9, "memory": 0.1}, {"conv": 0.6, "memory": 0.4}]
     made = None
@@ -169,11 +188,15 @@ def test_group_factors_fitted_on_two_models_price_a_third_with_another_mix(monke
         plan, trace = _group_run(shares, scale)
         made = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0, previous=made, shares=shares)
     assert made is not None
-    factors, fixed = made.group_factors("cpu", "F") or ({}, 0.0)
-    assert {g: factors[g] for g in TRUE_F} == pytest.approx(TRUE_F, rel=1e-6) and fixed == pytest.approx(FIXED_F)
+    fit = made.group_factors("cpu", "F")
+    assert fit is not None
+    assert {g: fit.factors[g] for g in TRUE_F} == pytest.approx(TRUE_F, rel=1e-3)
+    assert {g: fit.contention[g] for g in BESIDE} == pytest.approx(BESIDE, rel=1e-3)  # 1 rank beside: + h
     mixed = {"gemm": 0.3, "conv": 0.3, "memory": 0.4}  # a model neither run had
-    assert made.stage_ms("cpu", "F", 10.0, mixed) == pytest.approx(10 * (0.45 + 0.24 + 0.8) + FIXED_F)
-    assert made.stage_ms("cpu", "B", 10.0, mixed) == pytest.approx(10 * (0.36 + 0.3 + 0.6), abs=1e-6)
+    assert made.stage_ms("cpu", "F", 10.0, mixed) == pytest.approx(10 * (0.45 + 0.24 + 0.8), rel=1e-4)
+    assert made.stage_ms("cpu", "F", 10.0, mixed, others=1.0) == pytest.approx(
+        10 * (0.45 + 0.24 + 0.8 + 0.15 + 0.03 + 0.12), rel=1e-3)
+    assert made.stage_ms("cpu", "B", 10.0, mixed) == pytest.approx(10 * (0.36 + 0.3 + 0.6), rel=1e-4)
     # the pooled factor alone would price that model as the average of the runs it saw: off by far more
     assert abs(10 * made.compute_factor("cpu", "F") - 14.9) > 1.0
     again = Calibration.from_dict(made.to_dict())  # the normal equations travel in the JSON
@@ -181,12 +204,13 @@ def test_group_factors_fitted_on_two_models_price_a_third_with_another_mix(monke
 
 
 def test_a_group_never_seen_takes_the_pooled_factor_and_a_rarely_seen_one_stays_near_it() -> None:
-    plan, trace = _group_run([{"gemm": 0.8, "memory": 0.2}, {"gemm": 0.5, "memory": 0.5}], 1.0)
-    made = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0, shares=[{"gemm": 0.8, "memory": 0.2},
-                                                                          {"gemm": 0.5, "memory": 0.5}])
-    factors, _ = made.group_factors("cpu", "F") or ({}, 0.0)
-    assert factors["conv"] == factors["attention"] == factors["*"]  # no conv was seen: the pooled factor
-    assert min(TRUE_F["gemm"], factors["*"]) <= factors["gemm"] <= max(TRUE_F["gemm"], factors["*"])
+    shares = [{"gemm": 0.8, "memory": 0.2}, {"gemm": 0.5, "memory": 0.5}]
+    plan, trace = _group_run(shares, 1.0)
+    made = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0, shares=shares)
+    fit = made.group_factors("cpu", "F")
+    assert fit is not None
+    assert fit.factors["conv"] == pytest.approx(fit.factors["*"]) == fit.factors["attention"]  # unseen: pooled
+    assert fit.contention["conv"] == pytest.approx(fit.contention["*"])
     assert made.group_factors("cuda:0", "F") is None and made.stage_ms("cuda:0", "F", 1.0, {"gemm": 1.0}) is None
     plain = fit_calibration(plan, trace, step_ms=1000.0, cores=2.0)  # no shares: the pooled factors only
     assert plain.groups == {} and "groups" not in plain.to_dict()

@@ -166,7 +166,8 @@ def fit_and_rank(pipe: Any, setup: Setup, ran: Measurement, path: Path, *, repla
         for kind in ("F", "B"):
             solved = cal.group_factors(device, kind)
             if solved is not None:
-                factors.update({f"{device}/{kind}/{g}": f for g, f in solved[0].items() if g != "*"})
+                factors.update({f"{device}/{kind}/{g}": f for g, f in solved.factors.items() if g != "*"})
+                factors.update({f"{device}/{kind}/{g} beside": h for g, h in solved.contention.items() if g != "*"})
     fitted = {name: getattr(cal, name) for name in ("task_ms", "links", "step_ms", "cores") if hasattr(cal, name)}
     return {"cands": cands, "current": current, "challenger": challenger, "error": error, "factors": factors,
             "plan": after[challenger].to_json() if challenger is not None else None, "calibration": cal.to_dict(),

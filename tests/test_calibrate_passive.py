@@ -64,7 +64,7 @@ def _train(pipe: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     return losses
 
 
-def test_the_first_steps_refit_the_plan_and_the_steps_are_those_of_a_pipe_without_it() -> None:
+def test_the_first_steps_refit_the_plan_and_the_steps_are_those_of_a_pipe_without_it(tmp_path: Path) -> None:
     model, x, y = _gpt()
     twin = copy.deepcopy(model)
     pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)  # calibrated by default
@@ -87,6 +87,8 @@ def test_the_first_steps_refit_the_plan_and_the_steps_are_those_of_a_pipe_withou
     assert saved.runs == 1.0 and saved.factor("cpu/F") > 0 and saved.group_factors("cpu", "F") is not None
     assert saved.cores == 1.0  # one process ran both stages in one thread
     assert not pipe.tracing and pipe._step_watch is None and watch.done
+    assert report.timeline.makespan_ms == pytest.approx(pipe.plan.predicted_step_ms)  # what the page draws
+    assert report.trace is not None and report.visualize(tmp_path / "plan.html").is_file()
 
 
 def test_calibrate_zero_turns_it_off_and_a_number_calibrates_now() -> None:

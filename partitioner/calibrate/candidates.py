@@ -28,11 +28,12 @@ from cost_model.calibration import Calibration, fit_calibration
 from cost_model.calibration_store import find_calibration, save_calibration
 from cost_model.default import default_cost_model
 from partitioner.calibrate.measure import Candidate, Measurement
-from partitioner.calibrate.predict import calibrated_step_ms, shares_of
+from partitioner.calibrate.predict import calibrated_plan, calibrated_step_ms, shares_of
 from partitioner.errors import PartitionError
 from partitioner.make.pipeline import build_pipeline, traced_call
 from partitioner.make.plan import plan_model, with_update
 from partitioner.place.planning import schedule_layouts
+from partitioner.predict.simulator import simulate
 from partitioner.request import PlanRequest, RunOptions
 from runtime.launch import distributed
 from runtime.plan import Plan
@@ -130,7 +131,9 @@ def fit_and_rank(pipe: Any, setup: Setup, ran: Measurement, path: Path, *, repla
     current = running_name(setup, pipe.plan, names) if replan else "as asked"
     cands: dict[str, Candidate] = {}
     after: dict[str, Plan] = {}
-    running_ms = calibrated_step_ms(pipe.plan, cal, shares, priced_with(setup))
+    priced, priced_cal = calibrated_plan(pipe.plan, cal, shares, priced_with(setup))
+    timeline = simulate(priced, calibration=priced_cal)
+    running_ms = float(timeline.makespan_ms)
     for name, options in names.items():
         if not replan:  # the running plan as it is
             after[name] = pipe.plan
@@ -171,7 +174,7 @@ def fit_and_rank(pipe: Any, setup: Setup, ran: Measurement, path: Path, *, repla
     fitted = {name: getattr(cal, name) for name in ("task_ms", "links", "step_ms", "cores") if hasattr(cal, name)}
     return {"cands": cands, "current": current, "challenger": challenger, "error": error, "factors": factors,
             "plan": after[challenger].to_json() if challenger is not None else None, "calibration": cal.to_dict(),
-            "fitted": fitted, "running_ms": running_ms}
+            "fitted": fitted, "running_ms": running_ms, "timeline": timeline}
 
 
 def regather(running: Any, setup: Setup) -> None:

@@ -139,7 +139,7 @@ def calibrate(
         replanned=challenger is not None and chosen != current,
         reverted=challenger is not None and (chosen != current) != predicted_switch,
         candidates=cands, factors=decided["factors"], fitted=decided["fitted"], plan=final,
-        trace=trace if rank0 else None)
+        trace=trace if rank0 else None, timeline=decided.get("timeline") if chosen == current and rank0 else None)
     for c in cands.values():
         final.alternatives[f"{c.name} calibrated"] = c.predicted_after_ms
         if c.measured_ms is not None:

@@ -66,14 +66,16 @@ class CalibrationReport:
     fitted: dict[str, Any] = field(default_factory=dict)  # the fit's other figures: task_ms, links, step_ms, cores
     plan: Plan | None = None  # the plan running now
     trace: dict[str, Any] | None = None  # its last measured step (rank 0; None on the others)
+    timeline: Any = None  # its step as the calibration predicts it (rank 0; None: the plan's own simulation)
 
     def visualize(self, path: str | Path) -> Path:
-        """The plan page with the predicted and the measured timeline of one step, one above the other."""
+        """The plan page with the predicted (calibrated, where the report has it) and the measured timeline of one
+        step, one above the other."""
         draw = getattr(self.plan, "visualize", None)  # the pipe's plan is a partitioner.Plan, which draws itself
         if draw is None:
             raise ValueError("this report has no plan to draw; draw one with "
                              "partitioner.Plan.from_plan(plan).visualize(path, measured=report.trace)")
-        return Path(draw(path, measured=self.trace))
+        return Path(draw(path, timeline=self.timeline, measured=self.trace))
 
     def __str__(self) -> str:
         lines = [f"calibration: {self.steps} steps, saved to {self.path}",

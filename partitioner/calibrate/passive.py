@@ -119,9 +119,11 @@ class StepWatch:
         if replan and many:
             regather(pipe, setup)  # rank 0 plans the candidates with the whole model
         box: list[Any] = [None]
+        timeline = None
         if not many or dist.get_rank() == 0:
             try:
                 decided = fit_and_rank(pipe, setup, ran, where, replan=replan)
+                timeline = decided["timeline"]
                 box = [("ok", {k: decided[k] for k in ("cands", "current", "challenger", "error", "factors",
                                                        "fitted", "running_ms")})]
             except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
@@ -133,9 +135,9 @@ class StepWatch:
         kind, decided = box[0]
         if kind == "error":
             raise RuntimeError(f"rank 0: {decided}")
-        self._update(pipe, ran, str(where), decided)
+        self._update(pipe, ran, str(where), decided, timeline)
 
-    def _update(self, pipe: Any, ran: Measurement, where: str, decided: dict[str, Any]) -> None:
+    def _update(self, pipe: Any, ran: Measurement, where: str, decided: dict[str, Any], timeline: Any) -> None:
         cands: dict[str, Candidate] = decided["cands"]
         current, challenger = decided["current"], decided["challenger"]
         plan = pipe.plan
@@ -152,7 +154,7 @@ class StepWatch:
             steps=self.steps, path=where, measured_ms=ran.step_ms, predicted_before_ms=before,
             predicted_after_ms=decided["running_ms"], previous=current, chosen=current, replanned=False,
             reverted=False, candidates=cands, factors=decided["factors"], fitted=decided["fitted"], plan=plan,
-            trace=steps[-1] if steps else None)
+            trace=steps[-1] if steps else None, timeline=timeline)
         logger.info("calibrated from the first %d steps: measured %.2f ms per step, predicted %.2f ms (was %.2f); "
                     "saved to %s", self.steps, ran.step_ms, plan.predicted_step_ms, before, where)
         if challenger is None:

@@ -146,19 +146,14 @@ def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: n
     """Hand this rank's sharded stages to FSDP2 (in stage order: one order of collectives), in place.
 
     A weight another stage also reads (a tied embedding) stays whole: the runtime all-reduces it over both
-    stages' ranks. Every rank of a stage's data mesh calls this with the same stages.
-
-    Raises:
-        ValueError: a sharded stage that also recomputes (not supported together yet).
+    stages' ranks. Every rank of a stage's data mesh calls this with the same stages. A stage that also
+    recomputes is sharded one unit per checkpointed segment ([Note: sharding a recomputed stage]).
     """
     runs: list[ShardedRun] = []
     for stage in sorted(stages, key=lambda s: s.index):
         spec = plan.stages[stage.index]
         if spec.sharding == "none":
             continue
-        if spec.recompute != "none":
-            raise ValueError(f"stage {stage.index} shards its weights ({spec.sharding}) and recomputes "
-                             f"({spec.recompute}); run one of them: set recompute='none' or sharding='none'")
         tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
         sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,
                               unsharded=tied)

@@ -30,6 +30,16 @@ others' gradients unsharded, the full gradients of the stage), with "every" each
 zero3 and zero2 the weights are gathered again for every micro-batch (zero3: in its forward and
 again in its backward); under zero1 once a step.
 
+[Note: sharding a recomputed stage]
+A stage that also recomputes (runtime.recompute) is sharded as torchtitan composes the two:
+checkpoint each block, then make each checkpointed block one FSDP unit. runtime.stage wraps first
+(tensor split, then recomputation, then FSDP2 here), so the segments runtime.recompute checkpoints
+(runtime.recompute_segments) are the units; this module does not cut them again. A unit's
+checkpoint reruns its forward inside the unit's backward, after FSDP2's pre-backward hook has
+gathered its weights: under zero3 a block is gathered for its forward, freed, gathered again for
+its backward and recomputed from that gather (what FSDP does); zero2 and zero1 recompute from the
+copy they keep. A stage checkpointed whole (it writes in place, or is one block) is one unit.
+
 Every rank of the mesh must run the same forwards and backwards in the same order (each unit's
 all-gather and reduce-scatter is a collective of the mesh): a sharded stage's replicas each take
 their own slice of every micro-batch, they do not deal micro-batches between them.
@@ -48,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rules.sharding import GradientSync, ShardingMode, mode_rule, reduces
+from runtime.recompute import RecomputedStage
 from runtime.recompute_segments import split_segments
 
 __all__ = ["ShardedStage", "ShardingConfig", "data_mesh", "shard_stage"]
@@ -181,7 +192,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
 
     Args:
         module: the stage module (runtime.stage.Stage.module): a GraphModule is cut into its blocks
-            (runtime.recompute_segments.split_segments); any other module is sharded as one unit.
+            (runtime.recompute_segments.split_segments), one recomputed in segments keeps the segments
+            runtime.recompute checkpoints ([Note: sharding a recomputed stage]); any other module is
+            sharded as one unit.
         mesh: the stage's data-parallel mesh (`data_mesh`): 1-D shards, 2-D (replicate, shard) is HSDP.
         config: mode, mixed precision, gradient sync.
         model: the model whose submodules the stage holds.
@@ -193,11 +206,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     """
     if not any(True for _ in module.parameters()):
         raise ValueError("the stage holds no parameters: there is nothing to shard; leave it unsharded")
-    root: nn.Module = module
-    if isinstance(module, torch.fx.GraphModule):
-        root = split_segments(module) or module  # the same tensors, under new paths
+    root, blocks = _cut(module)
     keys = _model_keys(root, model) if model is not None else {}
-    units = _units(root)
+    units = _units(blocks)
     rule = mode_rule(config.mode, config.gradient_sync)
     ignored = {p for p in root.parameters() if any(p is t for t in unsharded)}
     for unit in [*units, root]:
@@ -214,6 +225,28 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     if model is not None:
         _rebind(model, sharded.model_state_dict())
     return sharded
+
+
+def _cut(module: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(root, blocks): the FSDP root and the GraphModule inside it that calls one submodule per block.
+
+    See [Note: sharding a recomputed stage]. A bare stage graph is cut here (root and blocks are one
+    module); a stage runtime.recompute cut into checkpointed segments keeps its cut (each segment,
+    checkpoint and all, is a block); a whole-stage wrapper that does not recompute ("none": a stage beside
+    recomputing ones) has its inner graph cut; one checkpoint over the whole stage stays one unit.
+    """
+    if not isinstance(module, torch.fx.GraphModule):
+        return module, module
+    wrapped = [c for c in module.children() if isinstance(c, RecomputedStage)]
+    if not wrapped:
+        root = split_segments(module) or module  # the same tensors, under new paths
+        return root, root
+    if len(wrapped) == 1 and wrapped[0].mode == "none":
+        inner = split_segments(wrapped[0].inner)
+        if inner is not None:
+            wrapped[0].inner = inner
+            return module, inner
+    return module, module
 
 
 def _units(root: nn.Module) -> list[nn.Module]:

@@ -5,9 +5,10 @@
     ... split_worker.py memory CASE [CASE ...]     measured peak bytes per rank against the prediction
     ... split_worker.py misordered                 (2 ranks) a collective posted out of order is caught
 
-A CASE is MODEL:SCHEDULE:LAYOUT[:SHARDING]: MODEL of MODELS; LAYOUT "tp2pp2" (2 stages, each split over 2
+A CASE is MODEL:SCHEDULE:LAYOUT[:SHARDING[:RECOMPUTE]]: MODEL of MODELS; LAYOUT "tp2pp2" (2 stages, each split over 2
 tensor ranks), "tp2dp2" (one stage split over 2 ranks, 2 replicas dealt micro-batches) or "pp2dp2" (2 stages x 2
-replicas, micro-batches sliced over the replicas: SHARDING zero1, zero2 or zero3 shards them with FSDP2) or
+replicas, micro-batches sliced over the replicas: SHARDING zero1, zero2 or zero3 shards them with FSDP2, RECOMPUTE
+"full" or "selective" recomputes every stage as well) or
 "dp2tp2" (Krizhevsky's "one weird trick": stage 0 on 2 replicas dealt micro-batches, stage 1 split over 2). Rank 0
 plans the stages with partitioner.plan (then every rank reads its plan), the split fields are set by hand (the
 groups partitioner.capture.shardable finds within each stage). `equivalence` compares the loss, every gradient
@@ -43,7 +44,9 @@ from partitioner.capture.graph import build_graph  # noqa: E402
 from partitioner.capture.shardable import find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from rules.actions import peak_in_flight  # noqa: E402
+from runtime.layer_split import ShardedRun  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
+from runtime.recompute import RecomputedStage  # noqa: E402
 from runtime.sharding_memory import RankMemory  # noqa: E402
 from runtime.stage import stage_io  # noqa: E402
 from tests import zoo  # noqa: E402
@@ -97,7 +100,8 @@ def found_groups(model: nn.Module, x: torch.Tensor, stage: Any) -> list[Any]:
     return [g.spec() for g in found.within(stage.nodes) if 2 in g.degrees]
 
 
-def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str) -> Plan:
+def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str,
+               recompute: str = "none") -> Plan:
     """Rank 0 plans the stages (partitioner.plan, one process), every rank gets the same plan with the split set."""
     pipeline = layout in ("tp2pp2", "pp2dp2", "dp2tp2")  # else one stage
     micro_batches = 4
@@ -121,6 +125,8 @@ def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sh
         else:
             stage.ranks = [2 * stage.index, 2 * stage.index + 1]
             stage.sharding = sharding  # type: ignore[assignment]
+            modes = recompute.split("/")  # one mode for every stage, or one per stage
+            stage.recompute = modes[stage.index % len(modes)]  # type: ignore[assignment]
         if layout.startswith("tp2") or (layout == "dp2tp2" and stage.index == 1):
             stage.tensor = 2
             stage.tensor_groups = found_groups(model, x[: BATCH // micro_batches], stage)
@@ -136,7 +142,7 @@ def build(case: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, torch.Te
     torch.manual_seed(seed)
     model, x, y = MODELS[name]()
     reference = copy.deepcopy(model)
-    p = split_plan(model, x, schedule, layout, rest[0] if rest else "none")
+    p = split_plan(model, x, schedule, layout, *rest)
     return model, reference, partition(model, ["cpu"] * dist.get_world_size(), example_inputs=(x,), plan=p), x, y
 
 
@@ -154,11 +160,27 @@ def sgd(params: Any) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def count_calls(model: nn.Module) -> dict[str, int]:
+    """Calls of each of the model's Linear layers from now on (a recomputed forward calls them again in backward)."""
+    calls: dict[str, int] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def count(*_: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+        return count
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(hook(name))
+    return calls
+
+
 def equivalence(case: str) -> bool:
-    sharding = case.split(":")[3] if case.count(":") > 2 else "none"
+    _, _, layout, sharding = [*case.split(":"), "none"][:4]
     model, reference, pipe, x, y = build(case)
     params = held(pipe, model)
     steps = 3 if sharding != "none" else 1
+    calls = count_calls(model)
     opt, ref_opt = adam(params.values()), adam(reference.parameters())
     ref_params = dict(reference.named_parameters())
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
@@ -182,9 +204,17 @@ def equivalence(case: str) -> bool:
     plan_ = pipe.plan
     splits = any(plan_.stages[s.index].tensor > 1 or plan_.stages[s.index].sharding != "none" for s in pipe.stages)
     ok = all(v < 1e-5 for v in worst.values()) and bool(params) and (split > 0) == splits
+    units = [s.module.stage.units for s in pipe.stages if isinstance(s.module, ShardedRun)]
+    if layout == "pp2dp2":  # every micro-batch on every replica: each Linear runs once a micro-batch, twice recomputed
+        mode = plan_.stages[pipe.stages[0].index].recompute
+        runs = steps * plan_.micro_batches * (1 if mode == "none" else 2)
+        ok = ok and bool(calls) and set(calls.values()) == {runs}
+        # FSDP2's units are the checkpointed segments (a stage checkpointed whole: its root, the one unit)
+        ok = ok and all(isinstance(u, RecomputedStage) == (mode != "none") for u in units[0])
     errs = " ".join(f"{k}={v:.1e}" for k, v in worst.items())
     print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
-          f"tensor={[s.tensor for s in plan_.stages]} params={len(params)} dtensors={split} {errs} ok={ok}",
+          f"tensor={[s.tensor for s in plan_.stages]} params={len(params)} dtensors={split} "
+          f"units={[len(u) for u in units]} linear_calls={sorted(set(calls.values()))} {errs} ok={ok}",
           flush=True)
     return ok
 
@@ -235,7 +265,7 @@ def predicted(pipe: Any, case: str, x: torch.Tensor) -> tuple[int, int]:
     traced = trace(MODELS[case.split(":")[0]]()[0], (x[: BATCH // pieces],))
     gm = traced.graph_module
     graph = build_graph(gm, traced.flatten_inputs((x[: BATCH // pieces],), {}))
-    cost = recompute_costs(graph_nodes(graph, plan_.stages[s].nodes))["none"]
+    cost = recompute_costs(graph_nodes(graph, plan_.stages[s].nodes))[plan_.stages[s].recompute]
     ins, outs = stage_io(gm, plan_)[s]
     out_bytes = {n: int(graph.nodes[n].get("out_bytes", 0)) for n in graph.nodes}
     recv = sum(out_bytes.get(n, 0) for n in ins)

@@ -50,16 +50,24 @@ def test_alexnet_style_cnn_one_weird_trick_and_tensor_by_data() -> None:
 
 def test_fsdp_each_mode_on_two_stages_by_two_replicas_three_adam_steps() -> None:
     # micro-batches sliced over the replicas (data_split "slice"), weights sharded by FSDP2; the tied embedding is
-    # kept whole and all-reduced over both stages' ranks; 3 Adam steps equal the plain model's
-    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:gpipe:pp2dp2:zero3"]
-    run(4, "equivalence", *cases, cases=len(cases))
+    # kept whole and all-reduced over both stages' ranks; 3 Adam steps equal the plain model's. Each mode also with
+    # recomputation (full, selective; every stage, or one of two): FSDP2's units are the checkpointed segments, and
+    # every Linear runs twice per micro-batch where its stage recomputes, once where it does not (the worker counts)
+    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:gpipe:pp2dp2:zero3",
+             "gpt:1f1b:pp2dp2:zero1:full", "gpt:1f1b:pp2dp2:zero2:full", "gpt:1f1b:pp2dp2:zero3:full",
+             "gpt:1f1b:pp2dp2:zero3:selective", "gpt4:gpipe:pp2dp2:zero2:full/none"]
+    lines = run(4, "equivalence", *cases, cases=len(cases))
+    recomputed = [line for line in lines if "case=gpt:1f1b:pp2dp2:zero3:full " in line]
+    assert len(recomputed) == 4 and all("linear_calls=[12]" in line for line in recomputed)
 
 
 def test_fsdp_memory_per_rank_against_training_memory() -> None:
     # every rank within 10%: 1F1B's first stage holds 2 micro-batches, its last 1 (cost_model.training_memory's
     # in_flight). Measured on the production transport: the emulation's threads free message buffers at times of
     # their own
-    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3"]
+    # recomputed stages too, against cost_model.recompute_cost's kept and peak bytes of the mode
+    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:pp2dp2:zero3:full",
+             "gpt:1f1b:pp2dp2:zero2:selective"]
     lines = run(4, "memory", *cases, cases=len(cases), nccl_rules=False)
     assert len(lines) == 4 * len(cases) and any("in_flight=2 " in line for line in lines)
     assert all(abs(float(re.search(r"err=([-+\d.]+)%", line).group(1))) <= 10 for line in lines)  # type: ignore[union-attr]

@@ -16,12 +16,21 @@ from the table instead (see [Note: GPU rates from the table]).
 # fp32 reads the TF32 peak where torch lets that family use TF32 (`tf32_enabled`), bf16 and
 # fp16 their own; a node inside `torch.autocast(device_type="cuda")` in forward (node.meta
 # ["autocast"], from partitioner/trace) is priced at the autocast dtype. The peak is scaled
-# by one efficiency per device, measured where the GPU is here: the spec's flops_per_s (a
-# 4096-cube fp32 matmul, TF32 or not as its `matmul_precision` says) divided by the matching
-# peak, clipped to GPU_EFFICIENCY_RANGE. A GPU that is not here takes DEFAULT_GPU_EFFICIENCY.
-# Memory-bound work runs at the table's bandwidth scaled the same way (the measured copy rate,
-# or DEFAULT_BANDWIDTH_EFFICIENCY of the peak). Other devices keep their measured fp32 rate
-# (x 8 for half precision off the CPU).
+# by an efficiency by precision and shape:
+#     rate = peak(precision) x E(precision) x s(M, N, K)      s = 1 at the 4096 cube (ops.gemm_efficiency)
+#     E(precision) = gemm(precision) x s_inf                  the table's measured fraction for large products
+#                                                             (gpus.json gemm_efficiency), scaled to the cube
+# A precision the table has no measurement for takes E = DEFAULT_GPU_EFFICIENCY. Where the GPU is
+# here, the spec's flops_per_s (a 4096-cube matmul, fp32 or TF32 as its `matmul_precision` says)
+# over the matching peak, clipped to GPU_EFFICIENCY_RANGE, replaces E of that precision, and the
+# others keep their ratio to it (at most 1); a spec whose matmul_precision is STATED (a Cluster given an
+# efficiency) states E for every precision, and one whose matmul_precision is TABLE (a Cluster) takes
+# the table's E by precision. Fused attention
+# (F.scaled_dot_product_attention) runs at the table's attention_efficiency of the peak on its own
+# FLOPs: half the counted ones under is_causal (a flash kernel skips the masked blocks), backward
+# 2.5 x forward (it recomputes the scores: five products to two). Memory-bound work runs at the
+# table's bandwidth scaled the same way (the measured copy rate, or DEFAULT_BANDWIDTH_EFFICIENCY of
+# the peak). Other devices keep their measured fp32 rate (x 8 for half precision off the CPU).
 
 from __future__ import annotations
 
@@ -46,7 +55,11 @@ __all__ = [
     "CostModel",
     "DEFAULT_BANDWIDTH_EFFICIENCY",
     "DEFAULT_GPU_EFFICIENCY",
+    "FLASH_BACKWARD",
     "GPU_EFFICIENCY_RANGE",
+    "STATED",
+    "TABLE",
+    "table_efficiency",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,17 +80,42 @@ GPU_EFFICIENCY_RANGE = (0.3, 1.0)
 # Fraction of the table's peak memory bandwidth a large device copy reaches (HBM: 0.8-0.9).
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
 _GPU_OP_OVERHEAD_S = 5e-6  # one eager kernel launch, for a GPU that is not here to measure
+# s(M, N, K) of the 4096 cube relative to an infinitely large product (ops.gemm_efficiency's shape rule).
+_CUBE = 1.0 / gemm_efficiency(1e18, 1e18, 1e18, "cuda", _REFERENCE_MATMUL_DEFAULT)
+_ATTENTION = "scaled_dot_product_attention"
+# DeviceSpec.matmul_precision values for a described GPU: flops_per_s is a stated fraction of the fp32 peak
+# for every precision (STATED), or stands for nothing: the table's efficiency by precision (TABLE).
+STATED, TABLE = "stated", "table"
+FLASH_BACKWARD = 2.5  # a flash kernel's backward FLOPs over its forward's (Dao 2023, FlashAttention-2, section 3)
 
 Specs = Mapping[Any, DeviceSpec] | DeviceSet | None
 
 
 @dataclasses.dataclass(frozen=True)
 class _GpuRates:
-    """A table GPU as priced here: its type, the efficiency applied to every peak, its bandwidth."""
+    """A table GPU as priced here: its type, E of the precision measured (None: the table's for each), its
+    bandwidth, and how its measured E compares with the table's (1 where nothing was measured)."""
 
     gpu: GpuType
-    efficiency: float
+    efficiency: float | None
     bytes_per_s: float
+    reference: str = "fp32"
+    scale: float = 1.0
+
+    def at(self, precision: str) -> float:
+        """E(precision): the fraction of its peak a 4096-cube product reaches (see the Note)."""
+        own = table_efficiency(self.gpu, precision)
+        if self.efficiency is None:
+            return own
+        if precision == self.reference or self.reference == STATED:
+            return self.efficiency
+        return min(own * self.scale, GPU_EFFICIENCY_RANGE[1])  # never above the peak
+
+
+def table_efficiency(gpu: GpuType, precision: str) -> float:
+    """E(precision) of a GPU not measured here: its table fraction scaled to the 4096 cube, else the default."""
+    measured = gpu.gemm_efficiency(precision)
+    return measured * _CUBE if measured is not None else DEFAULT_GPU_EFFICIENCY
 
 
 def _clip(value: float) -> float:
@@ -126,6 +164,7 @@ class AnalyticCostModel:
         self._tf32 = tf32
         self._rates: dict[str, _GpuRates | None] = {}
         self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
+        self._causal: set[str] = set()  # fused attention nodes called with is_causal=True
 
     def prepare(self, graph_module: torch.fx.GraphModule, flat_inputs: Sequence[Any] = ()) -> None:
         """Learn each module call's class (Conv2d, MaxPool2d, ...) and autocast region from the traced graph."""
@@ -134,6 +173,9 @@ class AnalyticCostModel:
                 self._kinds[node.name] = type(graph_module.get_submodule(str(node.target))).__name__
             if node.meta.get("autocast"):
                 self._autocast[node.name] = node.meta["autocast"]
+            if node.op == "call_function" and _ATTENTION in str(getattr(node.target, "__name__", node.target)):
+                if node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False) is True:
+                    self._causal.add(node.name)
 
     def spec(self, device: torch.device | str) -> DeviceSpec:
         """The rates used for `device`, measuring it once if it is present and not described.
@@ -199,13 +241,14 @@ class AnalyticCostModel:
             matmul_precision=spec.matmul_precision if spec.flops_per_s else "fp32",
         )
 
-    def gpu_rates(self, device: torch.device | str) -> tuple[GpuType, float, float] | None:
-        """(table type, efficiency, bytes/s) a CUDA device is priced with, or None where it is not a known GPU.
+    def gpu_rates(self, device: torch.device | str, precision: str = "bf16") -> tuple[GpuType, float, float] | None:
+        """(table type, E of `precision` at the 4096 cube, bytes/s) a CUDA device is priced with, or None where it
+        is not a known GPU.
 
         See [Note: GPU rates from the table] in this module.
         """
         rates = self._rates_for(str(torch.device(device)))
-        return (rates.gpu, rates.efficiency, rates.bytes_per_s) if rates is not None else None
+        return (rates.gpu, rates.at(precision_of(precision)), rates.bytes_per_s) if rates is not None else None
 
     def _rates_for(self, key: str) -> _GpuRates | None:
         if key not in self._rates:
@@ -217,21 +260,23 @@ class AnalyticCostModel:
         if gpu is None:
             return None
         reference = spec.matmul_precision
-        if reference not in ("fp32", "tf32"):  # not recorded: above the fp32 peak it can only be TF32
+        if reference not in ("fp32", "tf32", STATED, TABLE):  # not recorded: above the fp32 peak it can only be TF32
             reference = "tf32" if spec.flops_per_s > gpu.fp32_flops * 1.05 else "fp32"
-        raw = spec.flops_per_s / gpu.peak(reference)
-        efficiency = _clip(raw)
         low, high = GPU_EFFICIENCY_RANGE
         bandwidth = min(max(spec.bytes_per_s, low * gpu.memory_bytes_per_s), high * gpu.memory_bytes_per_s)
-        if key in self._stated:
-            source = f"not here to measure: the stated default efficiency {DEFAULT_GPU_EFFICIENCY}"
-        else:
-            clipped = "" if math.isclose(raw, efficiency) else f", clipped to {GPU_EFFICIENCY_RANGE}"
-            source = (f"{spec.flops_per_s / 1e12:.1f} TFLOP/s {reference} measured or described, "
-                      f"{raw:.2f} of the {gpu.peak(reference) / 1e12:.1f} peak{clipped}")
-        log.debug("%s (%s) priced as %s: efficiency %.2f (%s) on every precision's peak; memory %.0f GB/s",
-                  key, spec.name, gpu.name, efficiency, source, bandwidth / 1e9)
-        return _GpuRates(gpu, efficiency, bandwidth)
+        if key in self._stated or reference == TABLE:
+            log.debug("%s (%s) priced as %s: not here to measure, the table's efficiency by precision (bf16 %.2f, "
+                      "fp32 %.2f at the 4096 cube); memory %.0f GB/s", key, spec.name, gpu.name,
+                      table_efficiency(gpu, "bf16"), table_efficiency(gpu, "fp32"), bandwidth / 1e9)
+            return _GpuRates(gpu, None, bandwidth)
+        raw = spec.flops_per_s / gpu.peak("fp32" if reference == STATED else reference)
+        efficiency = _clip(raw)
+        clipped = "" if math.isclose(raw, efficiency) else f", clipped to {GPU_EFFICIENCY_RANGE}"
+        log.debug("%s (%s) priced as %s: %.1f TFLOP/s %s measured or described, %.2f of the %.1f peak%s, other "
+                  "precisions by the table's ratios; memory %.0f GB/s", key, spec.name, gpu.name,
+                  spec.flops_per_s / 1e12, reference, raw, gpu.peak(reference) / 1e12, clipped, bandwidth / 1e9)
+        scale = 1.0 if reference == STATED else efficiency / table_efficiency(gpu, reference)
+        return _GpuRates(gpu, efficiency, bandwidth, reference, scale)
 
     def _kind(self, device: torch.device, spec: DeviceSpec) -> str:
         return spec.kind or torch.device(device).type
@@ -270,8 +315,11 @@ class AnalyticCostModel:
             dtype = str(dtypes[0]) if dtypes else "float32"
             if device_kind != "cpu":  # under autocast, products run at its dtype (cpu keeps its fitted path)
                 dtype = _autocast_dtype(self._autocast.get(name) or node.get("autocast"), device_kind) or dtype
+            if rates is not None and cls == "gemm" and _ATTENTION in str(node.get("target", "")):
+                return self._attention(node, name, flops, rates, self._precision(dtype, family), cost, overhead)
             if rates is not None:
-                rate = rates.gpu.peak(self._precision(dtype, family)) * rates.efficiency * shape_efficiency
+                precision = self._precision(dtype, family)
+                rate = rates.gpu.peak(precision) * rates.at(precision) * shape_efficiency
             else:
                 rate = spec.flops_per_s * shape_efficiency
                 if device_kind != "cpu" and dtype in _HALF_SPEEDUP:
@@ -285,6 +333,18 @@ class AnalyticCostModel:
         forward = cost.fwd_overhead * overhead + memory_fwd
         backward = cost.bwd_overhead * overhead + memory_bwd if node.get("shapes") else 0.0
         return forward, backward
+
+    def _attention(self, node: Mapping[str, Any], name: str, flops: float, rates: _GpuRates, precision: str,
+                   cost: Any, overhead: float) -> tuple[float, float]:
+        """(forward, backward) seconds of a fused attention node on a table GPU (see the Note)."""
+        work = flops * (0.5 if name in self._causal else 1.0)
+        peak = rates.gpu.peak(precision) * rates.at(precision) / table_efficiency(rates.gpu, precision)
+        forward_eff, backward_eff = rates.gpu.attention or (rates.at(precision),) * 2
+        out_bytes = float(node.get("out_bytes", 0) or 0)
+        moved = 4.0 * out_bytes / rates.bytes_per_s  # q, k, v and the output at least once (GQA: fewer)
+        forward = max(work / (peak * forward_eff), moved)
+        backward = max(FLASH_BACKWARD * work / (peak * backward_eff), 2.0 * moved)
+        return cost.fwd_overhead * overhead + forward, cost.bwd_overhead * overhead + backward
 
     def forward_time(self, node: Mapping[str, Any], device: torch.device) -> float:
         """Forward seconds of one vertex on `device`."""

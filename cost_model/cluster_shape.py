@@ -12,7 +12,9 @@ A cluster also reads from JSON (or YAML where pyyaml is installed) with the same
      "efficiency": 0.6}
 
 The GPU type is found through the GPU table (`gpu_table.py`, names and aliases); the fabric's
-defaults by type, each with its source, are the "fabrics" section of `cost_model/gpus.json`.
+defaults by type, each with its source, are the "fabrics" section of `cost_model/gpus.json`: the
+bandwidths NCCL reaches on them (nccl-tests bus bandwidth), not line rates, unless a description
+gives its own.
 `Cluster.device_set()` gives the `DeviceSet` interface (torch device names) up to 128 GPUs.
 """
 
@@ -30,7 +32,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence, get_args
 
 import torch
 
-from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_GPU_EFFICIENCY
+from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_GPU_EFFICIENCY, STATED, TABLE
 from cost_model.cluster import DeviceSet
 from cost_model.comm import Link, p2p_time, ring_allreduce_time
 from cost_model.devices import DeviceSpec
@@ -123,10 +125,12 @@ def _link(side: Literal["intra", "inter"], given: Any, base: Mapping[str, Any], 
                 raise ClusterError(
                     f"fabric.intra: {gpu.name} has no NVLink in the GPU table; use 'pcie' or give 'gb_per_s'"
                 )
-            bandwidth = gpu.nvlink_bytes_per_s
+            measured = base.get("intra_bus_gb_per_s") if same else None  # NCCL's bus bandwidth on that system
+            bandwidth = float(measured) * _GB if measured else \
+                gpu.nvlink_bytes_per_s * float(kinds[kind].get("bus_efficiency", 1.0))
         elif side == "inter":
             bandwidth = float(base.get("gbit_per_s", kinds[kind]["gbit_per_s"]) if same else kinds[kind]["gbit_per_s"])
-            bandwidth *= _GB / 8
+            bandwidth *= _GB / 8 * float(kinds[kind].get("bus_efficiency", 1.0))
         else:
             bandwidth = float(kinds[kind]["gb_per_s"]) * _GB
         return Link(kind, latency, bandwidth)
@@ -333,16 +337,19 @@ class Cluster:
     def spec(self, device: Rank = 0) -> DeviceSpec:
         """The DeviceSpec of a rank from the GPU table, as AnalyticCostModel reads it.
 
-        flops_per_s is the fp32 peak times the stated `efficiency` (else the analytic default),
-        recorded as an fp32 reading, so the analytic model applies that one efficiency to every
-        precision's peak (see [Note: GPU rates from the table] in analytic.py).
+        Without a stated `efficiency`, matmul_precision is TABLE: the analytic model takes the table's
+        efficiency by precision and shape (flops_per_s, the default fraction of the fp32 peak, stands
+        for nothing there). With one, flops_per_s is that fraction of the fp32 peak, recorded as STATED,
+        so the analytic model applies it to every precision's peak (see [Note: GPU rates from the table]
+        in analytic.py).
         """
         self.rank(device)
         efficiency = self.efficiency if self.efficiency is not None else DEFAULT_GPU_EFFICIENCY
         return DeviceSpec(
             name=self.gpu.name, flops_per_s=efficiency * self.gpu.fp32_flops,
             bytes_per_s=DEFAULT_BANDWIDTH_EFFICIENCY * self.gpu.memory_bytes_per_s, op_overhead_s=5e-6,
-            memory_bytes=self.gpu.memory_bytes, kind="cuda", gpu_type=self.gpu.name, matmul_precision="fp32",
+            memory_bytes=self.gpu.memory_bytes, kind="cuda", gpu_type=self.gpu.name,
+            matmul_precision=STATED if self.efficiency is not None else TABLE,
         )  # fmt: skip
 
     def device_set(self) -> DeviceSet:

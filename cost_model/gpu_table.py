@@ -57,7 +57,12 @@ def precision_of(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class GpuType:
-    """One GPU product: dense peak flop/s per precision, memory, bandwidths (bytes/s), and where they come from."""
+    """One GPU product: dense peak flop/s per precision, memory, bandwidths (bytes/s), and where they come from.
+
+    `gemm` holds measured fractions of the dense peak that large matrix products reach, by precision (the
+    analytic model scales them by shape: cost_model/analytic.py); `attention` the fractions a fused
+    attention kernel reaches forward and backward on its own FLOPs; `kernels` says where both come from.
+    """
 
     name: str
     aliases: tuple[str, ...]
@@ -70,10 +75,17 @@ class GpuType:
     nvlink_bytes_per_s: float  # all NVLinks of one GPU, one direction; 0 where there are none
     source: str = ""  # the vendor's datasheet
     note: str = ""
+    gemm: tuple[tuple[str, float], ...] = ()  # (precision, fraction of its peak large products reach), measured
+    attention: tuple[float, float] | None = None  # fused attention (forward, backward) fraction of the peak
+    kernels: str = ""  # where gemm and attention come from
 
     def peak(self, precision: Any) -> float:
         """Dense peak flop/s for a precision or dtype ('tf32', 'bfloat16', torch.float16, ...)."""
         return float(getattr(self, f"{precision_of(precision)}_flops"))
+
+    def gemm_efficiency(self, precision: Any) -> float | None:
+        """The measured fraction of `precision`'s peak that large matrix products reach; None where not measured."""
+        return dict(self.gemm).get(precision_of(precision))
 
 
 def _tokens(name: str) -> frozenset[str]:
@@ -96,7 +108,8 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         return None
     name = str(data.get("name", "")).strip()
     where = f"gpus[{index}] ({name or 'no name'})"
-    known = {"name", "aliases", "tflops", "memory_gib", "memory_gb_per_s", "nvlink_gb_per_s", "source", "note"}
+    known = {"name", "aliases", "tflops", "memory_gib", "memory_gb_per_s", "nvlink_gb_per_s", "source", "note",
+             "gemm_efficiency", "attention_efficiency", "kernels"}
     found = len(problems)
     if not name:
         problems.append(f"{where}: needs a 'name', such as 'H100-SXM'")
@@ -121,6 +134,18 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         if not math.isfinite(value) or value < 0 or (value == 0 and key != "nvlink_gb_per_s"):
             problems.append(f"{where}: {key}={raw!r}; give a positive number")
         numbers[key] = value
+    gemm = data.get("gemm_efficiency", {})
+    if not isinstance(gemm, Mapping) or set(gemm) - set(PRECISIONS) or not all(
+            isinstance(v, (int, float)) and 0 < v <= 1 for v in gemm.values()):
+        problems.append(f"{where}: gemm_efficiency={gemm!r}; give {{precision: fraction of its peak in (0, 1]}} "
+                        f"with precisions of {list(PRECISIONS)}")
+        gemm = {}
+    attention = data.get("attention_efficiency")
+    if attention is not None and not (isinstance(attention, Mapping) and set(attention) == {"forward", "backward"}
+                                      and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in attention.values())):
+        problems.append(f"{where}: attention_efficiency={attention!r}; give {{'forward': f, 'backward': b}}, "
+                        "fractions of the peak in (0, 1]")
+        attention = None
     aliases = data.get("aliases", [])
     if isinstance(aliases, str) or not isinstance(aliases, Sequence):
         problems.append(f"{where}: aliases must be a list of names, e.g. ['H100', 'H100 SXM']")
@@ -144,6 +169,9 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         nvlink_bytes_per_s=scaled("nvlink_gb_per_s", 1e9, 0),
         source=str(data.get("source", "")),
         note=str(data.get("note", "")),
+        gemm=tuple((str(k), float(v)) for k, v in gemm.items()),
+        attention=(float(attention["forward"]), float(attention["backward"])) if attention else None,
+        kernels=str(data.get("kernels", "")),
     )
 
 

@@ -20,7 +20,9 @@ The stage's inputs (values it receives, the batch) are held in every mode and no
 What autograd saves under "none" follows each operator's backward: a product keeps its inputs,
 softmax, tanh, sigmoid and ReLU their output, GELU, norms and pooling their input, dropout its
 mask, add and views nothing; each tensor counts once (views count as the tensor they view; a view
-of a stage input is that input), and an operator of unknown kind keeps its output (an upper bound).
+of a stage input is that input), a node of unknown kind that counts FLOPs is a product (a Conv2d or
+Linear module whose class the graph does not record) that keeps its inputs and its output (what reads
+the output may keep it: unknown too), and any other of unknown kind keeps its output (upper bounds).
 `saved_bytes_per_node` gives the same bytes node by node, each tensor at the node that made it: the
 hybrid planner's per-node array, and `cost_model.memory.saved_activation_bytes`. Checked against
 `torch.autograd.graph.saved_tensors_hooks` in tests/test_saved_memory.py.
@@ -224,6 +226,8 @@ def _saved(node: Mapping[str, Any], device_type: str) -> tuple[list[str], int]:
         return [], 0
     if name in _PRODUCTS:
         return tensors + ([_SELF] if name == "scaled_dot_product_attention" else []), 0
+    if cls in ("gemm", "conv"):  # a product of unknown kind: its inputs, and its output for whatever reads it
+        return tensors + [_SELF], 0
     if name in _KEEP_OUTPUT or cls == "softmax":
         return [_SELF], 0
     if name in _SCALES:

@@ -171,6 +171,19 @@ def test_bad_extension_lists_every_problem(tmp_path: Any) -> None:
         GpuTable.load(extra={"types": []})
 
 
+def test_measured_kernel_fractions_and_their_checks() -> None:
+    # stas00's "Maximum Achievable Matmul FLOPS" table: bf16 torch.mm at its best shape, 792.1 of 989 TFLOP/s on
+    # H100 SXM, 267.9 of 312 on A100 SXM (gpus.json gemm_efficiency); fp32 not measured there
+    assert gpu_type("H100").gemm_efficiency("bf16") == pytest.approx(792.1 / 989, abs=1e-3)
+    assert gpu_type("A100-80GB").gemm_efficiency(torch.bfloat16) == pytest.approx(267.9 / 312, abs=1e-3)
+    assert gpu_type("H100").gemm_efficiency("fp32") is None and gpu_type("V100").attention is None
+    bad = {**ENTRY, "gemm_efficiency": {"bf16": 1.2, "int4": 0.5}, "attention_efficiency": {"forward": 0.5}}
+    with pytest.raises(GpuTableError) as info:
+        GpuTable.load(extra=[bad])
+    for part in ("gemm_efficiency=", "fraction of its peak in (0, 1]", "attention_efficiency=", "'backward'"):
+        assert part in str(info.value), part
+
+
 def test_precisions_from_dtypes() -> None:
     assert [precision_of(d) for d in (torch.float32, torch.bfloat16, torch.float16, "half", "tf32")] == [
         "fp32", "bf16", "fp16", "fp16", "tf32"]

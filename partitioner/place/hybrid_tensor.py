@@ -1,0 +1,89 @@
+"""Tensor degrees in the device-list search: what a stage split over t ranks per replica costs, on a grid of cuts.
+
+A stage of r replicas and tensor degree t on devices w .. w + r t - 1 runs replica j on the t devices
+w + j t .. w + j t + t - 1 (runtime/plan.py [Note: ranks of a split stage]). It is priced as hybrid.py
+prices a stage (stage_costs.stage_parts), with three changes:
+
+    problem     the model as each of the t ranks runs it (tensor_split.split_problem: the split groups'
+                compute at their 1/t GEMM shapes, their collectives on the tensor group's ring added at
+                their last node, their weights and saved activations / t), one per distinct ring
+    all-reduce  of each rank's weights over its r peers of one tensor index (devices w + i, w + t + i, ...:
+                the slowest of those t rings, which run at once)
+    where       a split stage holds a split group, and neither of its cuts falls inside one
+
+Its receive and send links are those of a stage on all r t devices (the slowest pair), and it holds
+r t devices, so the next stage sees a stage of r t devices before it (hybrid_windows.py's classes).
+A message to a split stage is priced once (each of its t ranks gets a copy on a link of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.hybrid_windows import LinkCost, Window
+from partitioner.place.stage_costs import Grid, stage_parts
+
+__all__ = ["TensorDegree", "TensorPricer", "TensorSpace"]
+
+
+@dataclass(frozen=True)
+class TensorDegree:
+    """One tensor degree t > 1: the problem per tensor ring, and each (first device, replicas)'s rings."""
+
+    tensor: int
+    problems: tuple[HybridProblem, ...]  # as each of t ranks runs it, one per distinct tensor ring
+    ring: dict[tuple[int, int], int]  # (first device, replicas) -> index into problems
+    reduce: dict[tuple[int, int], LinkCost]  # (first device, replicas) -> data-parallel ring (None: one replica)
+    forbidden: np.ndarray  # cut positions inside a split group
+    spans: np.ndarray  # [groups, 2] each split group's first and last position
+
+    def valid(self, cuts: np.ndarray) -> np.ndarray:
+        """[i, j]: whether a stage [cuts[i], cuts[j]) may split: it holds a group and no cut falls inside one."""
+        inside = np.isin(cuts, self.forbidden)
+        first, last = self.spans[:, 0], self.spans[:, 1]
+        holds = ((cuts[:, None, None] <= first[None, None, :]) & (last[None, None, :] < cuts[None, :, None])).any(2)
+        out: np.ndarray = holds & ~inside[:, None] & ~inside[None, :]
+        return out
+
+
+@dataclass(frozen=True)
+class TensorSpace:
+    """The tensor degrees > 1 a device-list search may give a stage (hybrid_split.tensor_space makes it)."""
+
+    degrees: tuple[TensorDegree, ...]
+
+    @property
+    def tensors(self) -> tuple[int, ...]:
+        """Every degree a stage may take, 1 first (so at equal cost a stage stays whole)."""
+        return (1, *(d.tensor for d in self.degrees))
+
+    def degree(self, t: int) -> TensorDegree:
+        return next(d for d in self.degrees if d.tensor == t)
+
+
+class TensorPricer:
+    """Split stages' W, static memory and memory per micro-batch on one grid of cuts, per degree and ring."""
+
+    def __init__(self, space: TensorSpace, cuts: np.ndarray) -> None:
+        self.space, self.cuts = space, cuts
+        self._grids: dict[tuple[int, int], Grid] = {}
+        self._valid = {d.tensor: d.valid(cuts) for d in space.degrees}
+
+    def window(self, t: int, w: int, r: int, whole: Window) -> tuple[Window, int]:
+        """The Window of r replicas of degree t from device w (`whole`: a stage's on all r t devices), and
+        the index of its problem."""
+        degree = self.space.degree(t)
+        return (r, whole[1], whole[2], whole[3], degree.reduce[w, r], whole[5]), degree.ring[w, r]
+
+    def parts(self, t: int, problem: int, window: Window, m: int, rows: slice,
+              cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """stage_parts of the split problem; W is inf where the stage may not split (TensorDegree.valid)."""
+        key = (t, problem)
+        if key not in self._grids:
+            self._grids[key] = Grid(self.space.degree(t).problems[problem], self.cuts)
+        grid = self._grids[key]
+        work, static, flight = stage_parts(grid.problem, grid, window, m, rows, cols)
+        return np.where(self._valid[t][rows, cols], work, np.inf), static, flight

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 import networkx as nx
-import numpy as np
 import torch
 
 from cost_model.interface import CostModel
@@ -21,9 +20,11 @@ from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
 from partitioner.place.cluster_plan import cluster_of, plan_on_cluster
-from partitioner.place.graph_costs import hybrid_problem, per_micro_batch
-from partitioner.place.hybrid import SCHEDULES, solve_hybrid
-from partitioner.predict.assemble import assemble
+from partitioner.place.graph_costs import hybrid_problem
+from partitioner.place.hybrid import SCHEDULES, HybridSolution, solve_hybrid
+from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.hybrid_split import place_solution, tensor_space
+from partitioner.place.hybrid_tensor import TensorSpace
 from runtime.plan import Plan
 
 __all__ = ["EXHAUSTIVE_GPUS", "plan_hybrid"]
@@ -60,8 +61,12 @@ def plan_hybrid(
         memory_bytes: usable bytes per device (default: headroom x the spec's memory).
         recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
             without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
-        precision, shardable: on a Cluster, the training precision states are counted at (and replicas
-            may be sharded under) and the layer groups tensor parallelism may split (cluster_plan.py).
+        precision: on a Cluster, the training precision states are counted at (and replicas may be
+            sharded under: cluster_plan.py).
+        shardable: the layer groups tensor parallelism may split (partitioner.capture.shardable), for
+            the cluster search and, on devices of one kind, the search over device lists
+            (hybrid_split.py: a tensor degree per stage, kept only where it splits a layer and is
+            predicted faster, or where nothing fits whole); None: every layer whole.
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
@@ -88,27 +93,43 @@ def plan_hybrid(
     problem = hybrid_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
     )
+    space, groups, rings = tensor_space(graph, order, devices, cost, problem, shardable if replicate else None)
     try:
-        sol = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+        sol = _solve(problem, micro_batches, schedules, stages, replicate, space)
     except PartitionError:
         if counted is None:
             raise
         return counted[0]
-    names, m = problem.names or [str(d) for d in devices], sol.micro_batches
-    starts = np.cumsum([0, *sol.replicas])
-    ranks = [list(range(int(a), int(b))) for a, b in zip(starts, starts[1:])]
-    capacity = [float(problem.capacity[r].min()) for r in ranks]
-    plan = assemble(
-        per_micro_batch(graph, m), [list(order[a:b]) for a, b in zip(sol.bounds, sol.bounds[1:])],
-        [names[r[0]] for r in ranks], cost, micro_batches=m, schedule=sol.schedule,
-        stage_ranks=ranks, rank_devices=names, placement="hybrid", optimizer=optimizer,
-        capacity_bytes=[int(c) if np.isfinite(c) else None for c in capacity],
-    )
+    names = problem.names or [str(d) for d in devices]
+    plan = place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, space, groups, rings)
     if cluster is not None:
         _local_names(plan, cluster.gpus_per_host)
     if counted is not None and counted[0].predicted_step_ms < plan.predicted_step_ms:
         return counted[0]  # both simulated: their objectives count a replicated pipeline's fill differently
     return plan
+
+
+def _solve(
+    problem: HybridProblem, micro_batches: int | Sequence[int] | None, schedules: Sequence[str], stages: int | None,
+    replicate: bool, space: TensorSpace | None,
+) -> HybridSolution:
+    """The device-list search's solution: with every stage whole, as it always was; where `space` lets stages split
+    their layers, a search over tensor degrees too, kept where it splits one and is predicted faster (or where
+    nothing fits whole). A plan that splits nothing is the one the search without tensor degrees makes."""
+    try:
+        whole = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+    except PartitionError:
+        if space is None:
+            raise
+        # what fits only split; if nothing does, the error names the least memory over tensor degrees too
+        return solve_hybrid(problem, micro_batches, schedules, stages, replicate, tensor=space)
+    if space is None:
+        return whole
+    try:
+        split = solve_hybrid(problem, micro_batches, schedules, stages, replicate, tensor=space)
+    except PartitionError:
+        return whole
+    return split if any(t > 1 for t in split.tensors) and split.step_s < whole.step_s else whole
 
 
 def _local_names(plan: Plan, gpus_per_host: int) -> None:

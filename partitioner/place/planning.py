@@ -164,7 +164,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
         made = plan_hybrid(whole, placing.order, devices, cost, micro_batches=micro_batches,
                            schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none",
                            precision=request.precision,
-                           shardable=find_shardable(gm, whole) if request.cluster else None)
+                           shardable=find_shardable(gm, whole))  # replicas="auto" runs under torchrun
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
         made = plan_pipeline(graph, placing.order, stage_devices, cost, micro_batches,

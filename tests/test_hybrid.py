@@ -8,21 +8,27 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from cost_model.memory import in_flight, stage_memory
+from cost_model.processes import BetweenProcesses
 from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.shardable import find_shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.place.graph_costs import hybrid_problem
 from partitioner.place.hybrid import InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
 from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.hybrid_split import tensor_space
+from partitioner.place.hybrid_tensor import TensorDegree, TensorSpace
 from partitioner.predict.simulator import simulate
 from runtime.microbatch import split_sizes
 from runtime.plan import Plan
 from tests import zoo
+from tests.hybrid_worker import SmallCnn, cost as fixed_speed
 from tests.values import random_values
 
 
@@ -345,3 +351,83 @@ def test_the_solver_prices_senders_as_exhaustive_search_does() -> None:
     sol = solve_hybrid(pr, ms)
     assert sol.step_s == pytest.approx(exhaustive(pr, ms), rel=1e-9)
     check_solution(pr, sol, ms)
+
+
+# Tensor degrees (hybrid_tensor.py, hybrid_dp.py): a stage of r replicas may split its layers over t ranks each.
+
+
+def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[HybridProblem, TensorSpace]:
+    """tests/hybrid_worker.SmallCnn on `devices` processes of fixed speed holding `memory_bytes`, with the tensor
+    degrees its fully connected layers take (hybrid_split.tensor_space)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 8, 8)
+    traced = trace(SmallCnn(hidden), (x,), {})
+    gm = traced.graph_module
+    graph = build_graph(gm, traced.flatten_inputs((x,), {}))
+    order = [n.name for n in compute_nodes(gm)]
+    cost, names = BetweenProcesses(fixed_speed(memory_bytes)), ["cpu"] * devices
+    problem = hybrid_problem(graph, order, names, cost)
+    space, _, _ = tensor_space(graph, order, names, cost, problem, find_shardable(gm, graph))
+    assert space is not None and space.tensors == (1, 2, 4)
+    return problem, space
+
+
+def split_configs(pr: HybridProblem, space: TensorSpace, ms: list[int]):
+    """Every (step, bounds, replicas, tensors, m) that fits, 1F1B: each stage r replicas of t devices, r <= m."""
+    n, D = pr.n, pr.devices
+    for m in ms:
+        for p in range(1, D + 1):
+            for inner in itertools.combinations(range(1, n), p - 1):
+                bounds = (0, *inner, n)
+                for sizes in compositions(D, p):
+                    ways = [[(s // t, t) for t in space.tensors if s % t == 0 and s // t <= m] for s in sizes]
+                    for choice in itertools.product(*ways):
+                        reps, tensors = [r for r, _ in choice], [t for _, t in choice]
+                        step, _, memory = evaluate(pr, bounds, reps, m, "1f1b", tensors, space)
+                        if math.isfinite(step) and max(memory) <= pr.capacity.min():
+                            yield step, list(bounds), reps, tensors, m
+
+
+@pytest.mark.parametrize("memory_bytes, ms", [(10**9, [2, 4]), (1_300_000, [4]), (700_000, [2, 4])])
+def test_tensor_degrees_equal_exhaustive_search(memory_bytes: int, ms: list[int]) -> None:
+    pr, space = split_case(memory_bytes)
+    sol = solve_hybrid(pr, ms, ("1f1b",), tensor=space)
+    best = min(split_configs(pr, space, ms), key=lambda c: c[0])
+    assert sol.step_s == pytest.approx(best[0], rel=1e-9)
+    assert (sol.bounds, sol.replicas, sol.tensors, sol.micro_batches) == tuple(best[1:])
+    assert sum(r * t for r, t in zip(sol.replicas, sol.tensors)) == pr.devices
+
+
+def test_a_stage_splits_its_layers_only_where_time_or_memory_demands_it() -> None:
+    # Small fully connected layers: every stage whole, the solution the search without tensor degrees finds.
+    pr, space = split_case(10**9, hidden=64)
+    whole, split = solve_hybrid(pr, [4], ("1f1b",)), solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    assert split.tensors == [1] and split.tensor == []
+    assert (split.bounds, split.replicas, split.step_s) == (whole.bounds, whole.replicas, whole.step_s)
+    # Large ones (2.1 M weights): 4 replicas all-reduce them over processes; 2 replicas of 2 ranks are faster.
+    pr, space = split_case(10**9, hidden=1024)
+    whole, split = solve_hybrid(pr, [4], ("1f1b",)), solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    assert whole.replicas == [4] and (split.replicas, split.tensors) == ([2], [2]) and split.step_s < whole.step_s
+    # Memory: 630 kB per device holds the classifier's weights, gradients and Adam moments only split 4 ways.
+    pr, space = split_case(700_000)
+    with pytest.raises(InfeasibleError):
+        solve_hybrid(pr, [4], ("1f1b",))
+    split = solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    assert split.tensors == [4] and max(split.memory) <= pr.capacity.min()
+
+
+def test_nothing_fits_names_the_tensor_degrees_that_came_closest() -> None:
+    pr, space = split_case(400_000)
+    with pytest.raises(InfeasibleError, match=r"replicas \[1\], tensor \[4\]") as caught:
+        solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    assert len(caught.value.needed_bytes) == 4 and min(caught.value.needed_bytes) > 0.9 * 400_000
+
+
+def test_a_stage_may_split_only_where_it_holds_whole_groups() -> None:
+    # One group at positions 2..4 (a cut at 3 or 4 would fall inside it), cut candidates 0, 1, 2, 3, 5, 6:
+    # a stage [a, b) may split where a <= 2, b >= 5 and neither a nor b is 3 or 4.
+    degree = TensorDegree(2, (), {}, {}, np.array([3, 4]), np.array([[2, 4]]))
+    cuts = np.array([0, 1, 2, 3, 5, 6])
+    valid = degree.valid(cuts)
+    expected = {(a, b) for a in (0, 1, 2) for b in (5, 6)}
+    assert {(int(cuts[i]), int(cuts[j])) for i, j in zip(*np.nonzero(valid))} == expected

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import pytest
 import torch
@@ -11,15 +13,23 @@ from torch import nn
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
+from cost_model.processes import BetweenProcesses
 from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.shardable import find_shardable
+from partitioner.capture.shardable_groups import Shardable
 from partitioner.capture.trace import trace
+from partitioner.errors import PartitionError
 from partitioner.place.graph_costs import at_batch, hybrid_problem, per_micro_batch
 from partitioner.place.hybrid import evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.place.hybrid_problem import HybridProblem
+from tests.hybrid_worker import SmallCnn, cost as fixed_speed, planned
+from tests.test_distributed import results, torchrun
 
 pytestmark = pytest.mark.timeout(300)
 
 BATCH, DEVICES = 32, 8
+WORKER = str(Path(__file__).resolve().parent / "hybrid_worker.py")
 
 
 def vgg_like() -> nn.Module:
@@ -151,3 +161,52 @@ def test_default_counts_find_fifteen_plus_one() -> None:
     assert sol.step_s == pytest.approx(expected)
     powers = solve_hybrid(problem, [1, 2, 4, 8, 16, 32, 64])
     assert sol.step_s < powers.step_s
+
+
+# Split layers (hybrid_split.py): replicas="auto" on a device list may give a stage a tensor degree.
+
+
+def small_cnn_graph(hidden: int) -> tuple[nx.DiGraph, list[str], Shardable]:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 8, 8)
+    traced = trace(SmallCnn(hidden), (x,), {})
+    graph = build_graph(traced.graph_module, traced.flatten_inputs((x,), {}))
+    return graph, [n.name for n in compute_nodes(traced.graph_module)], find_shardable(traced.graph_module, graph)
+
+
+def test_a_plan_that_splits_nothing_is_the_plan_made_without_split_groups() -> None:
+    graph, order, found = small_cnn_graph(64)
+    cost = BetweenProcesses(fixed_speed(10**9))
+    made = [plan_hybrid(graph, order, ["cpu"] * 4, cost, micro_batches=4, shardable=s) for s in (found, None)]
+    assert all(s.tensor == 1 for s in made[0].stages)
+    assert made[0].to_json() == made[1].to_json()
+
+
+@pytest.mark.parametrize("memory_bytes, tensors, groups", [
+    (1_000_000, [2], {"classifier", "classifier.4"}),  # 10 classes split 2 ways, not 4
+    (700_000, [4], {"classifier"}),
+])
+def test_layers_that_fit_only_split_are_split_by_the_plan(memory_bytes: int, tensors: list[int],
+                                                          groups: set[str]) -> None:
+    torch.manual_seed(0)
+    made = planned(SmallCnn(), torch.randn(8, 3, 8, 8), "1f1b", memory_bytes)
+    assert [s.tensor for s in made.stages] == tensors and made.programs == []
+    assert {g.name for s in made.stages for g in s.tensor_groups} == groups
+    assert all(s.memory_bytes <= (s.capacity_bytes or 0) for s in made.stages)
+    # every rank is some replica's tensor rank (stage ranks: each replica's first)
+    assert sorted(r + i for s in made.stages for r in s.ranks for i in range(s.tensor)) == [0, 1, 2, 3]
+    made.check()
+    # Too little memory even split: the error names the degrees that came closest
+    with pytest.raises(PartitionError, match=r"tensor \[4\]"):
+        planned(SmallCnn(), torch.randn(8, 3, 8, 8), "1f1b", 400_000)
+
+
+@pytest.mark.timeout(600)
+def test_a_plan_the_search_split_runs_under_torchrun_equal_to_the_plain_model() -> None:
+    # 2 replicas x 2 tensor ranks (1F1B) and 1 replica x 4 (GPipe), as the search chose them (tests/hybrid_worker.py)
+    cases = ["1f1b:1000000", "gpipe:700000"]
+    proc = torchrun(4, "equivalence", *cases, worker=WORKER, timeout=540)
+    lines = results(proc.stdout)
+    assert proc.returncode == 0 and len(lines) == 4 * len(cases), proc.stdout[-4000:]
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+    assert sum("tensor=[2]" in line for line in lines) == 4 and sum("tensor=[4]" in line for line in lines) == 4

@@ -1,18 +1,26 @@
-"""Krizhevsky's "one weird trick" under torchrun: convolutions data-parallel, fully connected layers tensor-parallel.
+"""Krizhevsky's "one weird trick" under torchrun, as the planner chooses it: convolutions data-parallel, fully
+connected layers tensor-parallel.
 
-An AlexNet/VGG-style CNN has most of its compute in the convolutions and most of its weights in the fully
-connected layers, so the trick runs the convolutions as data-parallel replicas and splits the fully
-connected layers across ranks. Here on 4 ranks (gloo, CPU):
+An AlexNet-style CNN (96, 192 and 384 filters, then fully connected layers of 2048) has most of its compute
+in the convolutions and almost all of its weights (17 M of 18 M) in the fully connected layers. Data
+parallelism all-reduces every weight each step, which is cheap for the convolutions and dear for the
+fully connected layers; splitting those layers over ranks moves only their activations. Krizhevsky's
+GPUs talked over PCIe, and that is where the planner chooses the trick: rank 0 plans the model for 4
+V100-PCIe GPUs with replicas="auto" (partitioner.plan(cluster=...): stages, replicas, a tensor degree
+per stage and micro-batches searched by price) and prints the plan, here
 
     ranks 0, 1   stage 0  the convolutions, one replica each (micro-batches dealt to them)
-    ranks 2, 3   stage 1  the classifier, its Linear layers split colwise/rowwise over both (DTensor)
+    ranks 2, 3   stage 1  the classifier, its Linear layers split over both (DTensor)
 
-Rank 0 first asks the planner (partitioner.plan on a cluster of 4 GPUs, searching tensor degree and
-sharding) and prints the plan it chooses. Where that plan is not the trick (the cluster search gives every
-stage one tensor degree), the trick is built from the planner's own parts: its cut before the classifier
-and the groups partitioner.capture.shardable finds there. Every rank trains with the same synthetic
-batches; rank 2 prints the loss of each step beside the same model trained in one process (equal to rounding:
-the pipeline sums its micro-batches' gradients in another order, which Adam's later steps amplify a little).
+and, for contrast, what it chooses where an NVLink all-reduce is cheap (4 H100 SXM: every layer
+data-parallel). Every rank then runs the chosen plan on CPU (gloo), as it would run on the GPUs. Why GPU
+prices and not the CPU's: a profiled CPU cost model prices each node at the time measured for it whole,
+so it cannot price a layer split t ways at its share and never finds a split faster (the search would
+still split what fits in memory only split: tests/test_hybrid_plan.py).
+
+Every rank trains with the same synthetic batches; the last stage's first rank prints the loss of each step
+beside the same model trained in one process (equal to rounding: the pipeline sums its micro-batches' gradients in
+another order, which Adam's later steps amplify a little).
 Usage: torchrun --standalone --nproc_per_node=4 examples/one_weird_trick.py [--steps 40]
 """
 
@@ -31,20 +39,17 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cost_model.analytic import AnalyticCostModel  # noqa: E402
-from cost_model.devices import DeviceSpec  # noqa: E402
 from partitioner import partition, plan  # noqa: E402
-from partitioner.capture.graph import build_graph  # noqa: E402
-from partitioner.capture.shardable import find_shardable  # noqa: E402
-from partitioner.capture.trace import trace  # noqa: E402
-from partitioner.request import SplitPoint  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
+
+GPUS = "1x4xV100-PCIe-16GB"  # where the plan is priced: 4 GPUs joined by PCIe, as Krizhevsky's were
+NVLINK = "1x4xH100-SXM"  # the contrast: an all-reduce over NVSwitch
 
 
 class AlexNetStyle(nn.Module):
     """Convolutions and pooling, then a stack of fully connected layers (no dropout: runs compare exactly)."""
 
-    def __init__(self, width: int = 16, hidden: int = 256, classes: int = 10) -> None:
+    def __init__(self, width: int = 96, hidden: int = 2048, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -71,39 +76,39 @@ def batches(steps: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def is_trick(made: Plan) -> bool:
+    """Convolutions on data-parallel replicas, the fully connected layers split over tensor ranks."""
+    first, last = made.stages[0], made.stages[-1]
+    convolutions = not any(n.startswith("classifier") for n in first.nodes)
+    classifier = all(n.startswith("classifier") for n in last.nodes)
+    return len(made.stages) > 1 and first.tensor == 1 and len(first.ranks) > 1 and last.tensor > 1 and convolutions \
+        and classifier
+
+
 def chosen_plan(model: nn.Module, x: torch.Tensor, micro_batches: int) -> str:
-    """What the planner's search chooses for 4 GPUs (printed); the plan text every rank runs."""
-    searched = plan(copy.deepcopy(model), cluster="1x4xH100", example_inputs=(x,), micro_batches=micro_batches,
-                    replicas="auto", schedule="auto", precision="mixed")
-    print("The planner's choice for 4 GPUs (tensor degree and sharding searched):\n" + searched.summary(), flush=True)
-    tensors = [s.tensor for s in searched.stages]
-    if len(searched.stages) > 1 and tensors[0] == 1 and max(tensors) > 1:
-        return searched.to_json()  # the trick itself: run what the planner chose
-    print(f"\nIt splits no fully connected layer while the convolutions stay data-parallel (tensor degrees {tensors}): "
-          "the cluster search gives every stage one tensor degree. Running the trick from the planner's own parts: "
-          "its cut before the classifier, the classifier's groups found in the graph.\n", flush=True)
-    fixed = AnalyticCostModel(measure=lambda device: DeviceSpec("cpu", flops_per_s=1e10, bytes_per_s=1e10,
-                                                                op_overhead_s=1e-6, memory_bytes=1 << 34))
-    trick = plan(copy.deepcopy(model), ["cpu", "cpu"], example_inputs=(x,), micro_batches=micro_batches,
-                 split_spec={"classifier": SplitPoint.BEGINNING}, processes=False, cost_model=fixed)
-    part = x[: x.shape[0] // micro_batches]
-    traced = trace(copy.deepcopy(model), (part,))
-    found = find_shardable(traced.graph_module, build_graph(traced.graph_module, traced.flatten_inputs((part,), {})))
-    convs, fcs = trick.stages
-    convs.ranks = [0, 1]  # data-parallel: micro-batch i on rank i mod 2
-    fcs.ranks, fcs.tensor = [2], 2  # tensor-parallel: ranks 2 and 3
-    fcs.tensor_groups = [g.spec() for g in found.within(fcs.nodes) if 2 in g.degrees]
-    trick.programs, trick.graph = [], None
-    trick.check()
-    return trick.to_json()
+    """The planner's choice for 4 GPUs on PCIe (printed, with the choice on NVLink beside it); the plan every rank
+    runs."""
+    def search(cluster: str) -> Plan:
+        return plan(copy.deepcopy(model), cluster=cluster, example_inputs=(x,), micro_batches=micro_batches,
+                    replicas="auto", schedule="auto")
+
+    contrast = search(NVLINK)
+    print(f"On {NVLINK} (NVLink): stages {[(len(s.ranks), s.tensor) for s in contrast.stages]} (replicas, tensor "
+          f"degree), predicted step {contrast.predicted_step_ms:.2f} ms", flush=True)
+    chosen = search(GPUS)
+    print(f"The planner's choice for {GPUS} (stages, replicas, tensor degree and micro-batches searched):\n"
+          + chosen.summary(), flush=True)
+    print("Convolutions data-parallel, fully connected layers split: "
+          + ("yes, the trick" if is_trick(chosen) else "no (run as chosen)"), flush=True)
+    return chosen.to_json()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-4)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -118,6 +123,7 @@ def main() -> int:
     pipe = partition(model, ["cpu"] * 4, example_inputs=(data[0][0],), plan=Plan.from_json(str(text[0])))
     if dist.get_rank() == 0:
         print("The plan that runs:\n" + pipe.plan.summary(), flush=True)
+    printer = pipe.plan.stages[-1].ranks[0]  # where the loss is
     held = pipe.held_tensor_ids()
     opt = torch.optim.Adam([p for p in model.parameters() if id(p) in held], lr=args.lr, eps=1e-4)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr, eps=1e-4)
@@ -129,7 +135,7 @@ def main() -> int:
         ref_loss = F.cross_entropy(reference(x), y)
         ref_loss.backward()
         ref_opt.step()
-        if loss is not None and dist.get_rank() == 2:
+        if loss is not None and dist.get_rank() == printer:
             print(f"step {step:3d}  loss {loss.item():.5f}  plain model {ref_loss.item():.5f}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -177,14 +177,29 @@ class _Walk:
         """The most bytes alive at any node's backward (at least the kept ones, before the walk starts)."""
         kept_size = self.size(kept) + (0 if recompute else sum(self.extra))
         best = kept_size
-        for i in reversed(range(len(self.names))):
-            if recompute:  # kept values of earlier segments, and what i's segment's recomputation saved up to i
-                seg = self.segment[self.names[i]]
-                own = [j for j in range(i + 1) if self.segment[self.names[j]] == seg]
-                roots = {r for r in kept if self.segment[r] < seg}.union(*(self.saved[j] for j in own))
-                alive = self.size(roots) + sum(self.extra[j] for j in own)
-            else:  # kept values some node at or before i still needs
-                alive = self.size({r for r in kept if self.release.get(r, 0) <= i}) + sum(self.extra[: i + 1])
+        if recompute:  # kept values of earlier segments, and what i's segment's recomputation saved up to i
+            by_segment: dict[int, int] = {}  # bytes of the kept values made in each segment
+            for r in kept:
+                by_segment[self.segment[r]] = by_segment.get(self.segment[r], 0) + self.size({r})
+            current: int | None = None
+            earlier, extra, held = 0, 0, set[str]()  # one pass forward: the sums grow within a segment
+            for i, name in enumerate(self.names):
+                seg = self.segment[name]
+                if seg != current:
+                    current, held, extra = seg, set(), 0
+                    earlier = sum(b for k, b in by_segment.items() if k < seg)
+                new = {r for r in self.saved[i] - held if not (r in kept and self.segment[r] < seg)}
+                held |= self.saved[i]
+                earlier += self.size(new)  # counted once: not already kept from an earlier segment
+                extra += self.extra[i]
+                best = max(best, earlier + extra + self.grads[i])
+            return best
+        freed = [0] * max(1, len(self.names))  # kept values some node at or before i still needs: by when they are freed
+        for r in kept:
+            freed[min(self.release.get(r, 0), len(freed) - 1)] += self.size({r})
+        alive = 0
+        for i in range(len(self.names)):
+            alive += freed[i] + self.extra[i]
             best = max(best, alive + self.grads[i])
         return best
 

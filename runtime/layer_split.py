@@ -5,6 +5,10 @@ Every rank creates every group in one order (`dist.new_group` is collective), th
     tensor groups   ranks[j] .. ranks[j] + t - 1 of every stage replica (TP innermost), sorted
     data groups     per sharded stage and tensor index k: ranks[j] + k of every replica j (FSDP2's mesh)
 
+A stage both split and sharded gets one 2-D (data, tensor) mesh of its two groups, and its tensor and
+data meshes are that mesh's dimensions: FSDP2 shards DTensor weights only over a mesh that shares a
+root with theirs (as torchtitan's FSDP + TP), gathering its shards back into the tensor split.
+
 `split_groups` makes them (under runtime.nccl_rules.collective_checks, so CI checks NCCL's rule 5 on
 them); runtime.stage.build_stages splits a stage's layers on its tensor mesh (runtime.tensor_parallel)
 before recomputation wraps it, and `shard_stages` hands sharded stages to FSDP2 (runtime.sharding),
@@ -73,20 +77,28 @@ def split_groups(plan: Plan, device_type: str, timeout_s: float, *, checked: boo
                           for k in range(s.tensor)})
     timeout = datetime.timedelta(seconds=timeout_s)
     split = RankSplit(tensor_index(plan, rank))
-    meshes: dict[tuple[int, ...], DeviceMesh] = {}
+    handles: dict[tuple[int, ...], Any] = {}
     with collective_checks(checked):
         for ranks in [*tensor_groups, *data_groups]:
-            handle = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                meshes[ranks] = DeviceMesh.from_group(handle, device_type)
-    for ranks in tensor_groups:
-        if rank in ranks:
-            split.tensor_mesh = meshes[ranks]
+            handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    meshes: dict[tuple[tuple[int, ...] | None, ...], DeviceMesh] = {}  # stages on one rank share its meshes
     for s in plan.stages:
-        if s.sharding != "none":
-            mine = tuple(r + split.tensor_index for r in s.ranks)
-            if mine in meshes and rank in s.all_ranks:
-                split.data_meshes[s.index] = meshes[mine]
+        if rank not in s.all_ranks:
+            continue
+        tensor = tuple(next(g for g in s.rank_groups if rank in g)) if s.tensor > 1 else None
+        data = tuple(r + split.tensor_index for r in s.ranks) if s.sharding != "none" else None
+        if tensor is not None and data is not None:  # FSDP2 over DTensors: one (data, tensor) mesh
+            if (data, tensor) not in meshes:
+                meshes[data, tensor] = DeviceMesh.from_group(
+                    [handles[data], handles[tensor]], device_type, mesh=torch.tensor([list(g) for g in s.rank_groups]),
+                    mesh_dim_names=("data", "tensor"))
+            split.tensor_mesh, split.data_meshes[s.index] = meshes[data, tensor]["tensor"], meshes[data, tensor]["data"]
+        elif tensor is not None and split.tensor_mesh is None:
+            split.tensor_mesh = DeviceMesh.from_group(handles[tensor], device_type)
+        elif data is not None:
+            if (data,) not in meshes:
+                meshes[data,] = DeviceMesh.from_group(handles[data], device_type)
+            split.data_meshes[s.index] = meshes[data,]
     return split
 
 
@@ -142,11 +154,13 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 
 
 def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: nn.Module,
-                 readers: Mapping[int, tuple[torch.Tensor, list[int]]]) -> list[ShardedRun]:
+                 readers: Mapping[int, tuple[torch.Tensor, list[int]]],
+                 owners: Sequence[nn.Module] = ()) -> list[ShardedRun]:
     """Hand this rank's sharded stages to FSDP2 (in stage order: one order of collectives), in place.
 
     A weight another stage also reads (a tied embedding) stays whole: the runtime all-reduces it over both
-    stages' ranks. Every rank of a stage's data mesh calls this with the same stages. A stage that also
+    stages' ranks. `owners`: modules besides `model` that hold the stages' weights (the traced graph), pointed
+    at the shards. Every rank of a stage's data mesh calls this with the same stages. A stage that also
     recomputes is sharded one unit per checkpointed segment ([Note: sharding a recomputed stage]).
     """
     runs: list[ShardedRun] = []
@@ -156,7 +170,7 @@ def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: n
             continue
         tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
         sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,
-                              unsharded=tied)
+                              unsharded=tied, owners=owners)
         for module in sharded.root.modules():
             if isinstance(module, FSDPModule):  # a sum over replicas, as the runtime's own all-reduce
                 module.set_gradient_divide_factor(1.0)

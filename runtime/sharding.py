@@ -60,6 +60,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from rules.sharding import GradientSync, ShardingMode, mode_rule, reduces
 from runtime.recompute import RecomputedStage
 from runtime.recompute_segments import split_segments
+from runtime.tensor_parallel import rebind
 
 __all__ = ["ShardedStage", "ShardingConfig", "data_mesh", "shard_stage"]
 
@@ -183,7 +184,8 @@ class ShardedStage(nn.Module):
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = ShardingConfig(),
-                model: nn.Module | None = None, unsharded: Collection[torch.Tensor] = ()) -> ShardedStage:
+                model: nn.Module | None = None, unsharded: Collection[torch.Tensor] = (),
+                owners: Sequence[nn.Module] = ()) -> ShardedStage:
     """Shard a stage module over `mesh` with FSDP2: one unit per repeated block, then the stage's root.
 
     The module's weights (the model's own parameters, also reachable from `model`) become the FSDP2
@@ -200,6 +202,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
         model: the model whose submodules the stage holds.
         unsharded: weights FSDP2 leaves alone (whole on every rank, gradients not reduced): a weight
             tied to another stage, whose gradient the runtime all-reduces over both stages' ranks.
+        owners: more modules pointed at the shards wherever they hold a weight FSDP2 replaced (the
+            traced graph, whose attributes hold a weight it reads directly: a tied head), so what
+            they hold is what the stage trains.
 
     Raises:
         ValueError: the module has no parameters.
@@ -211,6 +216,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     units = _units(blocks)
     rule = mode_rule(config.mode, config.gradient_sync)
     ignored = {p for p in root.parameters() if any(p is t for t in unsharded)}
+    unsplit = dict(root.named_parameters(remove_duplicate=False))
     for unit in [*units, root]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=rule.reshard_after_forward, mp_policy=config.policy,
                     ignored_params=ignored)
@@ -224,6 +230,8 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     sharded = ShardedStage(root, units, config, keys)
     if model is not None:
         _rebind(model, sharded.model_state_dict())
+    after = dict(root.named_parameters(remove_duplicate=False))
+    rebind(owners, {id(p): after[path] for path, p in unsplit.items() if path in after})
     return sharded
 
 

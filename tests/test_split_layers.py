@@ -52,10 +52,13 @@ def test_fsdp_each_mode_on_two_stages_by_two_replicas_three_adam_steps() -> None
     # micro-batches sliced over the replicas (data_split "slice"), weights sharded by FSDP2; the tied embedding is
     # kept whole and all-reduced over both stages' ranks; 3 Adam steps equal the plain model's. Each mode also with
     # recomputation (full, selective; every stage, or one of two): FSDP2's units are the checkpointed segments, and
-    # every Linear runs twice per micro-batch where its stage recomputes, once where it does not (the worker counts)
+    # every Linear runs twice per micro-batch where its stage recomputes, once where it does not (the worker counts).
+    # tp2dp2: one stage split over 2 tensor ranks and sharded over 2 replicas (FSDP2 over DTensors on one 2-D mesh),
+    # its tied embedding and head inside it, with and without recomputation
     cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:gpipe:pp2dp2:zero3",
              "gpt:1f1b:pp2dp2:zero1:full", "gpt:1f1b:pp2dp2:zero2:full", "gpt:1f1b:pp2dp2:zero3:full",
-             "gpt:1f1b:pp2dp2:zero3:selective", "gpt4:gpipe:pp2dp2:zero2:full/none"]
+             "gpt:1f1b:pp2dp2:zero3:selective", "gpt4:gpipe:pp2dp2:zero2:full/none", "gpt:1f1b:tp2dp2:zero3",
+             "gpt:1f1b:tp2dp2:zero1:full"]
     lines = run(4, "equivalence", *cases, cases=len(cases))
     recomputed = [line for line in lines if "case=gpt:1f1b:pp2dp2:zero3:full " in line]
     assert len(recomputed) == 4 and all("linear_calls=[12]" in line for line in recomputed)

@@ -159,7 +159,7 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
                           owners=owners)
     undos = [undo]
     try:
-        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()))
+        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()), owners=[gm])
         _, placeholders, constants = _graph_io(gm)
         groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         other = None

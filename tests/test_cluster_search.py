@@ -212,7 +212,7 @@ def test_torchrun_runs_a_cluster_plans_rank_map(tmp_path: Path) -> None:
     assert all("ok=True" in line for line in lines), "\n".join(lines)
 
 
-def test_recompute_auto_searches_with_full_recomputation_only_when_nothing_fits_without() -> None:
+def test_recompute_auto_searches_both_ways_and_recomputes_where_nothing_fits_without() -> None:
     model, x = small_gpt(2048)  # activations dominate the weights
     gm = trace(model, (x,), {}).graph_module
     graph, order = build_graph(gm, [x]), [n.name for n in compute_nodes(gm)]

@@ -91,3 +91,17 @@ def test_the_problem_as_each_tensor_rank_runs_it(gpt: tuple[nx.DiGraph, list[str
     ringed = split_problem(plain, graph, order, torch.device("cuda:0"), cost, 2, groups, (1e-3, 0.0))
     last = order.index("blocks_0_proj")  # each group's collectives land on its last node: 2 x 1 ms
     assert ringed.size_times[16][0, last] - half.size_times[16][0, last] == pytest.approx(2e-3)  # type: ignore[index]
+
+
+def test_sequence_parallelism_splits_the_other_nodes_by_the_sequence(
+        gpt: tuple[nx.DiGraph, list[str], Shardable]) -> None:
+    # Korthikanti et al. 2022: outside the split layers every rank runs 1/t of the sequence, and a summed output
+    # is reduce-scattered to that share; the split layers themselves run as without it
+    graph, _, shardable = gpt
+    attention = next(g for g in shardable.groups if g.name == "blocks.0")
+    tensor, sequence = split_graph(graph, [attention], 2), split_graph(graph, [attention], 2, sequence=True)
+    norm = graph.nodes["blocks_0_ln1"]
+    assert (sequence.nodes["blocks_0_ln1"]["flops"], sequence.nodes["blocks_0_ln1"]["out_bytes"]) == (
+        (norm.get("flops", 0) or 0) / 2, norm["out_bytes"] / 2)
+    assert sequence.nodes["blocks_0_proj"]["out_bytes"] == tensor.nodes["blocks_0_proj"]["out_bytes"] / 2 == 262144
+    assert sequence.nodes["blocks_0_qkv"] == tensor.nodes["blocks_0_qkv"]

@@ -39,10 +39,12 @@ __all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomp
 
 @dataclasses.dataclass(frozen=True)
 class SplitChoice:
-    """What the caller allows: tensor degrees and sharding modes (None: every one worth trying)."""
+    """What the caller allows: tensor degrees and sharding modes (None: every one worth trying), and whether split
+    layers run with sequence parallelism (tensor_split.py: priced only, for a configuration given whole)."""
 
     tensor: Sequence[int] | None = None
     sharding: Sequence[str] | None = None
+    sequence_parallel: bool = False
 
 
 ANY_SPLIT = SplitChoice()
@@ -92,7 +94,8 @@ def cluster_axes(
         chosen = priced_groups(shardable, t, order, cuts) if shardable is not None else []
         if t > 1 and not chosen:
             continue
-        problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)))
+        problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)),
+                                choice.sequence_parallel)
         position = {name: i for i, name in enumerate(order)}
         spans = np.array([[min(position[n] for n in g.nodes), max(position[n] for n in g.nodes)] for g in chosen],
                          dtype=np.int64).reshape(-1, 2)

@@ -19,7 +19,8 @@ program simulator's: tests/test_cluster_search.py), which takes far less than lo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence
+import math
+from typing import Any, Literal, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -53,8 +54,8 @@ from partitioner.predict.lowering import lower_plan, replica_groups
 from runtime.plan import Plan, RecomputeMode
 
 __all__ = [
-    "EAGER_RANKS", "EAGER_WORK", "cluster_of", "cluster_problem", "forward_share", "local_device",
-    "plan_on_cluster", "recomputing", "replica_step", "second_look", "solution_plan",
+    "EAGER_RANKS", "EAGER_WORK", "Prepared", "cluster_of", "cluster_problem", "forward_share", "local_device",
+    "plan_on_cluster", "prepare_search", "recomputing", "replica_step", "second_look", "solution_plan",
 ]
 
 EAGER_RANKS = 512  # plans on more ranks keep `programs` empty (lowered where they run)
@@ -130,7 +131,8 @@ def plan_on_cluster(
         micro_batches: the count, or candidates (default: cluster_search.default_micro_batches).
         recompute: "full" searches with every stage recomputing its forward in backward (it keeps only its
             inputs; the forward runs twice), as the final plan then runs (`StagePlan.recompute`);
-            "auto" searches without and, only if nothing fits, with it.
+            "auto" searches both ways and keeps the one whose search objective is smaller (full recomputation
+            where nothing fits without it, or where it lets a faster configuration fit).
         precision: the dtypes training keeps each state in (and its optimizer: it replaces `optimizer`);
             None: every state at the model's dtype, replicas unsharded, the all-reduce after the backward.
         shardable: the model's split groups (partitioner.capture.shardable.find_shardable); None: no layer split.
@@ -139,9 +141,66 @@ def plan_on_cluster(
     Raises:
         InfeasibleError: nothing fits; the message names the memory per GPU needed.
     """
-    device = torch.device("cuda:0")
+    if recompute not in ("none", "full", "auto"):
+        raise PartitionError(f"recompute={recompute!r}; use 'none', 'full' or 'auto'")
+    if choice.sequence_parallel:
+        raise PartitionError("sequence parallelism is priced for a configuration given whole (cluster_fixed.py); "
+                             "the runtime does not run it, so a plan cannot use it: drop sequence_parallel")
     if precision is not None:
         optimizer = precision.optimizer
+    ms, cuts, plain, share, axes, groups = prepare_search(
+        graph, order, cluster, cost, micro_batches, optimizer=optimizer, headroom=headroom, precision=precision,
+        shardable=shardable, choice=choice)
+    best: tuple[ClusterSolution, RecomputeMode, HybridProblem, Axes] | None = None
+    for mode in ("none", "full") if recompute == "auto" else (recompute,):
+        problem = plain if mode == "none" else recomputing(plain, share)
+        space = axes if mode == "none" else recomputed(axes, lambda x: recomputing(x, share))
+        try:
+            solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
+                                      replicate=replicate, cuts=cuts, axes=space,
+                                      better_than=best[0].step_s if best is not None else math.inf)
+        except InfeasibleError as exc:
+            if best is None and (mode == "full" or recompute != "auto"):
+                raise _under_others(exc, precision, problem, cluster, space, ms, schedules, stages, replicate,
+                                    cuts) from None
+            continue
+        solution = second_look(space, cluster, solution, share, schedules)
+        if best is None or solution.step_s < best[0].step_s:
+            best = (solution, mode, problem, space)
+    if best is None:
+        raise AssertionError("unreachable: the last mode raises or returns")
+    solution, mode, problem, space = best
+    made = solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer,
+                         capacity=float(problem.capacity[0]), recompute=mode, space=space,
+                         groups=groups.get(solution.tensor, []))
+    if precision is not None:
+        made.precision = precision.to_dict()
+    return made, solution
+
+
+class Prepared(NamedTuple):
+    """What a cluster search of one graph needs: micro-batch counts, cut candidates, the node arrays, each node's
+    forward share, the axes (tensor degrees with their problems, sharding modes) and each degree's split groups."""
+
+    micro_batches: list[int]
+    cuts: np.ndarray | None
+    plain: HybridProblem
+    share: np.ndarray
+    axes: Axes
+    groups: dict[int, list[ShardGroup]]
+
+
+def prepare_search(
+    graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel,
+    micro_batches: int | Sequence[int] | None, *, optimizer: str = "adam", headroom: float = 0.9,
+    precision: Precision | None = None, shardable: Shardable | None = None, choice: SplitChoice = ANY_SPLIT,
+) -> Prepared:
+    """The inputs of `search_cluster` for `order` on `cluster` (plan_on_cluster's arguments).
+
+    Raises:
+        PartitionError: micro-batch counts that are not positive integers, or axes the model cannot take.
+    """
+    device = torch.device("cuda:0")
     cuts = block_cuts([str(graph.nodes[x].get("module", "") or "") for x in order])
     limit = min(len(order), len(cuts) - 1 if cuts is not None else len(order))
     degrees = _degrees(cluster, shardable, choice)
@@ -153,31 +212,11 @@ def plan_on_cluster(
         raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
     ds = {cluster.size // t // p for t in degrees for p in range(1, limit + 1) if cluster.size % (t * p) == 0}
     ms = [m for m in ms if any(m % d == 0 for d in ds)] or ms  # counts no replica count divides are never tried
-    if recompute not in ("none", "full", "auto"):
-        raise PartitionError(f"recompute={recompute!r}; use 'none', 'full' or 'auto'")
     plain = cluster_problem(graph, order, device, cost, ms, optimizer=optimizer, headroom=headroom)
     share = forward_share(graph, order, device, cost)
     axes, groups = cluster_axes(graph, order, cluster, cost, plain, share, cuts, precision=precision,
                                 shardable=shardable, optimizer=optimizer, choice=choice)
-    for mode in ("none", "full") if recompute == "auto" else (recompute,):
-        problem = plain if mode == "none" else recomputing(plain, share)
-        space = axes if mode == "none" else recomputed(axes, lambda x: recomputing(x, share))
-        try:
-            solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
-                                      replicate=replicate, cuts=cuts, axes=space)
-        except InfeasibleError as exc:
-            if mode == "full" or recompute != "auto":
-                raise _under_others(exc, precision, problem, cluster, space, ms, schedules, stages, replicate,
-                                    cuts) from None
-            continue
-        solution = second_look(space, cluster, solution, share, schedules)
-        capacity = float(problem.capacity[0])
-        made = solution_plan(graph, order, solution, cluster, cost, optimizer=optimizer, capacity=capacity,
-                             recompute=mode, space=space, groups=groups.get(solution.tensor, []))
-        if precision is not None:
-            made.precision = precision.to_dict()
-        return made, solution
-    raise AssertionError("unreachable: the last mode raises or returns")
+    return Prepared(ms, cuts, plain, share, axes, groups)
 
 
 def _under_others(exc: InfeasibleError, precision: Precision | None, problem: HybridProblem, cluster: Cluster,

@@ -27,16 +27,15 @@ and states (split_costs.py). Without Axes the search is by stages, replicas and 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
 from partitioner.place.blocks import block_cuts
+from partitioner.place.cluster_progress import report as _report, reporting
 from partitioner.place.cluster_space import (
     RANK_ORDERS,
     Axes,
@@ -52,6 +51,7 @@ from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.hybrid_windows import Window
 from partitioner.place.split_costs import SplitGrid, lower_static_bytes, split_parts
 from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from partitioner.place.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
 from rules.schedules import searched_names
 
 __all__ = [
@@ -60,28 +60,7 @@ __all__ = [
     "windows",
 ]
 
-COARSE = 256  # cut candidates of the first pass when the caller gives none
-ROOM = 400  # extra candidates per refining pass
-Progress = Callable[[str, int, int], None]  # (what, done, total)
-_PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("cluster_search_progress", default=None)
-
-
-@contextlib.contextmanager
-def reporting(callback: Progress) -> Iterator[None]:
-    """Within the block, every cluster search reports (what, done, total) to `callback` (a progress bar)."""
-    token = _PROGRESS.set(callback)
-    try:
-        yield
-    finally:
-        _PROGRESS.reset(token)
-
-
-def _report(what: str, done: int, total: int) -> None:
-    callback = _PROGRESS.get()
-    if callback is not None:
-        callback(what, done, total)
-
-
+COARSE, ROOM = 256, 400  # cut candidates of the first pass when the caller gives none; extra ones per refinement
 TOP = 3  # candidates (best of distinct stages x replicas x tensor x sharding) kept for a second look (cluster_plan.py)
 
 
@@ -132,8 +111,7 @@ class _Pricer:
         self._parts: dict[tuple[Window, int, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def parts(self, window: Window, m: int, sharding: str = "none") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (window, m, sharding)
-        if key not in self._parts:
+        if (key := (window, m, sharding)) not in self._parts:
             full = slice(0, self.K)
             if isinstance(self.grid, SplitGrid) and self.space is not None and self.space.rule is not None:
                 self._parts[key] = split_parts(self.problem, self.grid, window, m, full, full, sharding,
@@ -146,15 +124,21 @@ class _Pricer:
         return self._parts[key]
 
     def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False,
-               sharding: str = "none") -> list[np.ndarray]:
-        """Per stage, W (or, with `memory`, bytes per replica) of [cuts[i], cuts[j]); inf where it does not fit."""
+               sharding: str = "none", virtual: int = 1) -> list[np.ndarray]:
+        """Per stage, W (or, with `memory`, bytes per replica) of [cuts[i], cuts[j]); inf where it does not fit.
+        `virtual` > 1: v chunks per rank, interleaved (virtual_stages.py; `wins` already scaled)."""
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
         for s, window in enumerate(wins):
-            count = replica_in_flight(schedule, p - s, m, window[0])
+            count = interleaved_chunks(p - s, p, m // window[0], virtual) if virtual > 1 else \
+                replica_in_flight(schedule, p - s, m, window[0])
             if (window, count) not in made:
                 work, static, flight = self.parts(window, m, sharding)
-                used = static + count * flight
+                if virtual > 1:  # a chunk saves 1/v of the stage's activations and its own boundary values
+                    io = (self.grid.recv + self.grid.send) / m
+                    used = static + count / virtual * (flight - io) + count * io
+                else:
+                    used = static + count * flight
                 if memory:
                     made[window, count] = np.where(np.isfinite(work), used, np.inf)
                 else:
@@ -163,9 +147,12 @@ class _Pricer:
         return out
 
 
-def fill(m: int, p: int, d: int, schedule: str = "1f1b") -> float:
+def fill(m: int, p: int, d: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """Step / max W for p stages of d equal replicas each over m micro-batches (module docstring): the
-    schedule's `fill` (rules.schedules) for one pipeline of m / d micro-batches."""
+    schedule's `fill` (rules.schedules) for one pipeline of m / d micro-batches; with v = `virtual` chunks
+    per rank, interleaved 1F1B's (virtual_stages.py)."""
+    if virtual > 1:
+        return interleaved_fill(max(1, m // d), p, virtual)
     return schedule_fill(schedule)(max(1, m // d), p)
 
 
@@ -203,6 +190,8 @@ def search_cluster(
     cuts: np.ndarray | None = None,
     orders: Sequence[RankOrder] = ("replicas-together", "pipelines-together"),
     axes: Axes | None = None,
+    virtual: int | Sequence[int] = 1,
+    better_than: float = math.inf,
 ) -> ClusterSolution:
     """The counts, rank order and cuts with the smallest objective (module docstring) on all of `cluster`.
 
@@ -212,6 +201,11 @@ def search_cluster(
         stages: force this many stages; replicate=False: one replica per stage.
         cuts: first-pass cut candidates (positions 0..n, e.g. `block_cuts`); default: all or `COARSE` even ones.
         axes: tensor degrees (each with its problem) and sharding modes to try; default: t = 1, no sharding.
+        virtual: chunks per rank under interleaved 1F1B (virtual_stages.py; 1: the schedules given), or the
+            counts to search: v > 1 where p >= 2, m / d is a multiple of p and p v chunks have a cut
+            candidate each (the solution's `virtual`; its `candidates` are then those of v = 1).
+        better_than: an objective (s) already found elsewhere: configurations whose bound is no better are
+            skipped, and InfeasibleError (no memory named) says when nothing beats it.
 
     Raises:
         PartitionError: bad arguments; InfeasibleError (memory per GPU named) when nothing fits.
@@ -231,6 +225,9 @@ def search_cluster(
     if not pairs:
         raise PartitionError(f"stages={stages}, replicate={replicate}: no stage count p <= {min(D, n)} with "
                              f"{D} GPUs = p x replicas; give stages that divide {D}, or drop stages=")
+    vs = sorted({virtual} if isinstance(virtual, int) else set(virtual))
+    if not vs or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vs):
+        raise PartitionError(f"virtual={virtual!r}: give chunks per rank, a whole number 1 or more, or a list of them")
     pruned = 0
     configs = []
     for split in space.splits:
@@ -243,73 +240,81 @@ def search_cluster(
                 if (states * total_params / p if math.isnan(least) else least) > capacity:  # states alone: too much
                     pruned += 1
                     continue
-                for m in micro_batches:
-                    if m % d == 0:
-                        bound = fill(m, p, d, mode) * (m // d) * float(split.problem.micro_batch_times(m).min(0).sum())
-                        configs.append((bound / p, p, d, m, t, sharding))
+                for m in (m for m in micro_batches if m % d == 0):
+                    least = float(split.problem.micro_batch_times(m).min(0).sum())
+                    for v in vs:
+                        if v == 1 or (p >= 2 and (m // d) % p == 0 and p * v <= len(pricers[t].cuts) - 1):
+                            configs.append((fill(m, p, d, mode, v) * (m // d) * least / p, p, d, m, t, sharding, v))
     configs.sort()
-    best: Candidate | None = None
-    found: list[Candidate] = []
+    best: tuple[Candidate, int] | None = None
+    found: list[tuple[Candidate, int]] = []
     tried: dict[str, float] = {}
     searched = 0
-    made: dict[tuple[int, int, str, int], list[Window]] = {}
-    for done, (bound, p, d, m, t, sharding) in enumerate(configs):
+    made: dict[tuple[int, int, str, int, int], list[Window]] = {}
+    for done, (bound, p, d, m, t, sharding, v) in enumerate(configs):
         _report(f"{p} stages x {d} replicas" + (f" x {t} tensor" if t > 1 else "") + f", {m} micro-batches",
                 done, len(configs))
-        if best is not None and bound >= best.step:
+        if bound >= (best[0].step if best is not None else better_than):
             pruned += 1
             continue
         for order in orders:
             if (d == 1 or p == 1) and order != orders[0]:  # one layout whatever the order
                 continue
-            if (p, d, order, t) not in made:
-                made[p, d, order, t] = windows(cluster, layout(p, d, order, t), capacity)
+            if (p, d, order, t, v) not in made:
+                made[p, d, order, t, v] = scaled_windows(windows(cluster, layout(p, d, order, t), capacity), v)
             searched += 1
             pricer = pricers[t]
-            value, idx = _dp(pricer.values(made[p, d, order, t], m, mode, sharding=sharding))
-            step = fill(m, p, d, mode) * value
+            value, idx = _dp(pricer.values(made[p, d, order, t, v], m, mode, sharding=sharding, virtual=v))
+            step = fill(m, p, d, mode, v) * value
             if np.isfinite(step):
-                tried[_key(p, d, m, order, t, sharding)] = step
-                found.append(Candidate(step, m, d, order, [int(pricer.cuts[i]) for i in idx], t, sharding))
-                if best is None or step < best.step:
+                tried[_key(p, d, m, order, t, sharding) + (f", v={v}" if v > 1 else "")] = step
+                found.append((Candidate(step, m, d, order, [int(pricer.cuts[i]) for i in idx], t, sharding), v))
+                if step < (best[0].step if best is not None else better_than):
                     best = found[-1]
     _report("refining cuts", len(configs), len(configs))
+    if best is None and math.isfinite(better_than):
+        raise InfeasibleError(f"nothing fits with an objective below {better_than:.4g} s", [])
     if best is None:
-        raise _infeasible(space, cluster, micro_batches, mode, pricers, capacity, stages, replicate)
-    found.sort(key=lambda c: c.step)
+        raise _infeasible(space, cluster, micro_batches, mode, pricers, capacity, stages, replicate, vs[0])
+    found.sort(key=lambda c: c[0].step)
     distinct: dict[tuple[int, int, int, str], Candidate] = {}  # the best of each (stages, replicas, tensor, sharding)
-    for candidate in found:
-        distinct.setdefault((len(candidate.bounds) - 1, candidate.d, candidate.tensor, candidate.sharding), candidate)
-    solution = solve_candidate(space, cluster, refine(space, cluster, best, coarse, mode), schedules)
+    for candidate, v in found:
+        if v == 1:
+            distinct.setdefault((len(candidate.bounds) - 1, candidate.d, candidate.tensor, candidate.sharding),
+                                candidate)
+    chosen, v = best
+    solution = solve_candidate(space, cluster, refine(space, cluster, chosen, coarse, mode, v), schedules, v)
     solution.tried, solution.searched, solution.pruned = tried, searched, pruned
     solution.candidates, solution.cuts = list(distinct.values())[:TOP], coarse
     return solution
 
 
 def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
-                    schedules: Sequence[str] = SCHEDULES) -> ClusterSolution:
-    """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more."""
+                    schedules: Sequence[str] = SCHEDULES, virtual: int = 1) -> ClusterSolution:
+    """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more
+    (interleaved 1F1B with `virtual` > 1 chunks per rank)."""
     space = _space(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     ranks = layout(len(bounds) - 1, d, order, t)
     problem = space.split(t).problem
-    wins = windows(cluster, ranks, float(problem.capacity.min()))
-    schedule = "1f1b" if "1f1b" in schedules else schedules[0]
+    wins = scaled_windows(windows(cluster, ranks, float(problem.capacity.min())), virtual)
+    schedule = "interleaved" if virtual > 1 else "1f1b" if "1f1b" in schedules else schedules[0]
     if schedule == "1f1b" and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
         held = [evaluate_cluster(space, wins, bounds, m, name, t, sharding)[2] for name in ("gpipe", schedule)]
         schedule = "gpipe" if held[0] == held[1] else schedule
-    final, work, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, sharding)
-    return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory, tensor=t, sharding=sharding)
+    final, work, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, sharding, virtual)
+    return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory, tensor=t, sharding=sharding,
+                           virtual=virtual)
 
 
 def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray,
-           mode: str) -> Candidate:
+           mode: str, virtual: int = 1) -> Candidate:
     """Zoom in around the chosen cuts (every `finer`-th position within `stride` of each), for the chosen counts."""
     space = _space(space)
     step, m, d, order, bounds, t, sharding = best
     split = space.split(t)
     capacity = float(split.problem.capacity.min())
-    wins = windows(cluster, layout(len(bounds) - 1, d, order, t), capacity)
+    wins = scaled_windows(windows(cluster, layout(len(bounds) - 1, d, order, t), capacity), virtual)
     stride = int(np.diff(coarse).max()) if len(coarse) > 1 else 1
     while stride > 1:
         finer = max(1, math.ceil(2 * stride * len(bounds) / ROOM))
@@ -317,8 +322,9 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
             break
         around = [np.arange(b - stride, b + stride + 1, finer) for b in bounds]
         cuts = split.allowed(np.unique(np.clip(np.concatenate([coarse, *around]), 0, split.problem.n)).astype(np.int64))
-        value, idx = _dp(_Pricer(split.problem, cuts, space, split).values(wins, m, mode, sharding=sharding))
-        found = fill(m, len(bounds) - 1, d, mode) * value
+        value, idx = _dp(_Pricer(split.problem, cuts, space, split).values(wins, m, mode, sharding=sharding,
+                                                                            virtual=virtual))
+        found = fill(m, len(bounds) - 1, d, mode, virtual) * value
         if found < step:
             step, bounds = found, [int(cuts[i]) for i in idx]
         coarse, stride = cuts, finer
@@ -327,9 +333,10 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
 
 def evaluate_cluster(
     space: Axes | HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
-    tensor: int = 1, sharding: str = "none",
+    tensor: int = 1, sharding: str = "none", virtual: int = 1,
 ) -> tuple[float, list[float], list[float]]:
-    """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate)."""
+    """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate;
+    `virtual` > 1: interleaved, the windows already scaled)."""
     space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)
     split = space.split(tensor)
@@ -338,8 +345,11 @@ def evaluate_cluster(
     for s, window in enumerate(wins):
         wk, static, flight = (x[s, s + 1] for x in pricer.parts(window, m, sharding))
         work.append(float(wk))
-        memory.append(float(static + replica_in_flight(schedule, p - s, m, window[0]) * flight))
-    return fill(m, p, wins[0][0], schedule) * max(work), work, memory
+        io = float(pricer.grid.recv[s, s + 1] + pricer.grid.send[s, s + 1]) / m  # a chunk's boundary values
+        chunks = interleaved_chunks(p - s, p, m // window[0], virtual) if virtual > 1 else 0
+        memory.append(float(static + chunks / virtual * (flight - io) + chunks * io) if virtual > 1 else
+                      float(static + replica_in_flight(schedule, p - s, m, window[0]) * flight))
+    return fill(m, p, wins[0][0], schedule, virtual) * max(work), work, memory
 
 
 def _space(space: Axes | HybridProblem) -> Axes:
@@ -348,7 +358,7 @@ def _space(space: Axes | HybridProblem) -> Axes:
 
 def _infeasible(
     space: Axes, cluster: Cluster, micro_batches: Sequence[int], mode: str, pricers: dict[int, _Pricer],
-    capacity: float, stages: int | None, replicate: bool,
+    capacity: float, stages: int | None, replicate: bool, virtual: int = 1,
 ) -> InfeasibleError:
     """The error naming the memory per GPU the least demanding configuration would need."""
     least: tuple[float, int, int, int, int, str] | None = None
@@ -361,8 +371,8 @@ def _infeasible(
                 continue
             for sharding in space.modes_for(d):
                 for m in (m for m in micro_batches if m % d == 0):
-                    wins = windows(cluster, layout(p, d, "replicas-together", t), capacity)
-                    need, _ = _dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding))
+                    wins = scaled_windows(windows(cluster, layout(p, d, "replicas-together", t), capacity), virtual)
+                    need, _ = _dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding, virtual=virtual))
                     if np.isfinite(need) and (least is None or need < least[0]):
                         least = (need, p, d, m, t, sharding)
     problem = space.splits[0].problem
@@ -373,7 +383,8 @@ def _infeasible(
             f"{list(micro_batches)[:12]}; allow other micro-batch counts or use another cluster size", [])
     need, p, d, m, t, sharding = least
     gib = 1024**3
-    how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "")
+    how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "") + (
+        f", {virtual} chunks a rank, interleaved" if virtual > 1 else "")
     return InfeasibleError(
         f"the model does not fit on {cluster.shape}: under every choice of stages, replicas and micro-batches "
         f"some stage is over the memory per GPU. At least {need / gib:.1f} GiB per GPU is needed ({p} stages x "

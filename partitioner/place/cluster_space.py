@@ -107,6 +107,7 @@ class ClusterSolution:
     cuts: np.ndarray | None = None  # the first pass's cut candidates (for `refine`)
     tensor: int = 1  # ranks per replica, its layers split across them
     sharding: str = "none"  # how the replicas shard their states (rules.sharding)
+    virtual: int = 1  # chunks per rank, interleaved (partitioner/place/virtual_stages.py)
 
     @property
     def stages(self) -> int:

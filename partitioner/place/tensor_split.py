@@ -18,6 +18,14 @@ eager DTensor without sequence parallelism runs them. Each group adds its collec
 gradients in backward, an all-gather of gathered outputs) on the tensor group's ring, not
 overlapped with compute (eager DTensor waits for each).
 
+With sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+https://arxiv.org/abs/2205.05198: what Megatron-LM and Llama 3 run beside tensor parallelism) the nodes outside
+the groups run on 1/t of the sequence, and a summed output is reduce-scattered to that share: their FLOPs,
+output bytes and saved bytes are / t, and so are the values crossing stage boundaries; the all-reduce
+becomes a reduce-scatter and an all-gather of the same bytes (cost_model.collectives prices each as half an
+all-reduce), so the collectives' time does not change. The runtime does not run it (eager DTensor without
+SequenceParallel): the search prices it only for a configuration given whole (cluster_fixed.py).
+
 A group crossed by a cut candidate (a tied embedding and LM head at both ends of the model) cannot
 split once stages are cut there, so `priced_groups` leaves it whole, and `crossing` names the
 positions a search may not cut at once it split a group.
@@ -96,11 +104,13 @@ def _roles(group: ShardGroup) -> dict[str, str]:
     return {n: ("gathered" if n in gathered else "summed") if n in outputs else "split" for n in group.nodes}
 
 
-def split_graph(graph: nx.DiGraph, groups: Sequence[ShardGroup], t: int) -> nx.DiGraph:
-    """A copy of `graph` as each of t ranks runs it (module docstring): the groups' nodes and weights split."""
+def split_graph(graph: nx.DiGraph, groups: Sequence[ShardGroup], t: int, sequence: bool = False) -> nx.DiGraph:
+    """A copy of `graph` as each of t ranks runs it (module docstring): the groups' nodes and weights split; with
+    `sequence` (sequence parallelism) every other node's work and output, and the summed outputs, / t too."""
     out = graph.copy()
     if t == 1:
         return out
+    inside: set[str] = set()
     holders: dict[str, str] = {}  # a parameter's name -> the get_attr node reading it
     for name, attrs in graph.nodes(data=True):
         if attrs.get("op") == "get_attr":
@@ -109,7 +119,10 @@ def split_graph(graph: nx.DiGraph, groups: Sequence[ShardGroup], t: int) -> nx.D
         whole = group.weight_bytes + group.replicated_bytes
         share = (group.weight_bytes / t + group.replicated_bytes) / whole if whole else 1.0
         for name, role in _roles(group).items():
+            inside.add(name)
             attrs = split_attrs(graph.nodes[name], t, role)
+            if sequence and role == "summed":  # reduce-scattered over the sequence
+                attrs["out_bytes"] = (attrs.get("out_bytes", 0) or 0) / t
             if attrs.get("param_bytes"):
                 attrs["param_bytes"] = attrs["param_bytes"] * share
             out.nodes[name].update(attrs)
@@ -117,6 +130,11 @@ def split_graph(graph: nx.DiGraph, groups: Sequence[ShardGroup], t: int) -> nx.D
             holder = holders.get(param.name)
             if holder is not None and param.dim is not None:
                 out.nodes[holder]["param_bytes"] = (graph.nodes[holder].get("param_bytes", 0) or 0) / t
+    if sequence:
+        for name, attrs in graph.nodes(data=True):
+            if name not in inside and attrs.get("op") not in ("placeholder", "get_attr", "output"):
+                out.nodes[name].update(flops=(attrs.get("flops", 0) or 0) / t,
+                                       out_bytes=(attrs.get("out_bytes", 0) or 0) / t)
     return out
 
 
@@ -134,26 +152,29 @@ def collective_seconds(graph: nx.DiGraph, group: ShardGroup, ring: Ring, size: f
 
 
 def split_problem(problem: HybridProblem, graph: nx.DiGraph, order: Sequence[str], device: torch.device,
-                  cost: CostModel, t: int, groups: Sequence[ShardGroup], ring: Ring) -> HybridProblem:
+                  cost: CostModel, t: int, groups: Sequence[ShardGroup], ring: Ring,
+                  sequence: bool = False) -> HybridProblem:
     """`problem` (cluster_plan.cluster_problem of `graph`) as each of t tensor ranks runs it: the groups' nodes
     priced again on their split attributes (at every probed micro-batch size), their collectives added at their
-    last node, weights and saved activations from the split graph."""
+    last node, weights and saved activations from the split graph; with `sequence` (sequence parallelism), every
+    node priced again and the values between nodes from the split graph too."""
     if t == 1 or not groups:
         return problem
-    split = split_graph(graph, groups, t)
+    split = split_graph(graph, groups, t, sequence)
     position = {name: i for i, name in enumerate(order)}
     size = batch_size(graph)
     probes = dict(problem.size_times or {})
     times = {s: v.copy() for s, v in probes.items()}
+    repriced = list(order) if sequence else [name for group in groups for name in group.nodes]
+    for name in repriced:
+        i = position[name]
+        for s in times:
+            times[s][0, i] = cost.node_time(at_batch(split.nodes[name], batch=size, size=s), device)
     for group in groups:
-        for name in group.nodes:
-            i = position[name]
-            for s in times:
-                times[s][0, i] = cost.node_time(at_batch(split.nodes[name], batch=size, size=s), device)
         last = max(position[n] for n in group.nodes)
         for s in times:
             times[s][0, last] += sum(collective_seconds(graph, group, ring, s))
-    _, _, _, params, saved = graph_values(split, order)
+    _, _, sizes, params, saved = graph_values(split, order)
     if size is not None and size > 1 and times:
         fixed, batch = fixed_and_batch(times, size)
     else:  # no batch to probe: scale the whole-batch arrays by each node's FLOP share kept
@@ -162,5 +183,9 @@ def split_problem(problem: HybridProblem, graph: nx.DiGraph, order: Sequence[str
             for name in group.nodes:
                 keep[position[name]] = 1.0 / t
         fixed, batch = problem.fixed_times * keep, problem.batch_times * keep
-    return dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, param_bytes=params, saved_bytes=saved,
-                               size_times=times or None)
+    out = dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, param_bytes=params, saved_bytes=saved,
+                              size_times=times or None)
+    if sequence:
+        out = dataclasses.replace(out, value_bytes=np.array(sizes), out_bytes=np.array(
+            [float(split.nodes[x].get("out_bytes", 0) or 0) for x in order]))
+    return out

@@ -1,0 +1,145 @@
+"""The models of two published training runs, written as their kernels run, for benchmarks/published.py (meta only).
+
+Megatron-LM's GPT (Narayanan et al., SC'21: https://arxiv.org/abs/2104.04473, section 5) as its code of then
+ran it: learned positions, pre-norm layers with biases, a fused q/k/v projection, attention scores written
+out (a batched product, one fused scale-mask-softmax kernel, dropout, a batched product), a GELU MLP of 4h,
+hidden dropout after each residual branch, and a head tied to the word embedding. The causal mask and the
+1/sqrt(d) scale live inside Megatron's fused softmax kernel (one pass over the scores), so they are not
+written here as passes of their own: these models are priced and never run.
+
+Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024: https://arxiv.org/abs/2407.21783, Table 3):
+126 layers, width 16384, 128 heads with 8 key/value heads, a SwiGLU MLP of 53248, RMSNorm, rotary
+positions (one fused pass over q and k, as Transformer Engine's fused RoPE kernel makes it), vocabulary 128256,
+an untied head; attention through F.scaled_dot_product_attention (a flash
+kernel: no score matrix), grouped keys and values read by the kernel as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaShape", "MegatronGPT", "MegatronShape", "Llama", "LLAMA3_405B"]
+
+
+@dataclass(frozen=True)
+class MegatronShape:
+    """One GPT of SC'21's Table 1 (vocabulary 51,200 and sequence 2,048 for every row)."""
+
+    layers: int
+    width: int
+    heads: int
+    vocab: int = 51200
+    seq: int = 2048
+    dropout: float = 0.1
+
+
+class MegatronLayer(nn.Module):
+    """A pre-norm transformer layer as Megatron-LM's ParallelTransformerLayer (2021) computes it."""
+
+    def __init__(self, s: MegatronShape) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.ln1, self.qkv, self.dense = nn.LayerNorm(s.width), nn.Linear(s.width, 3 * s.width), nn.Linear(
+            s.width, s.width)  # fmt: skip
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(s.width), nn.Linear(s.width, 4 * s.width), nn.Linear(
+            4 * s.width, s.width)  # fmt: skip
+        self.attention_dropout, self.hidden_dropout = nn.Dropout(s.dropout), nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        probs = self.attention_dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))  # fused scale-mask-softmax
+        x = x + self.hidden_dropout(self.dense((probs @ v).transpose(1, 2).reshape(b, t, c)))
+        return x + self.hidden_dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class MegatronGPT(nn.Module):
+    """Word and position embeddings, `layers` MegatronLayers, a final norm and the head (logits).
+
+    `tied`: the head reads the word embedding's weight, as Megatron-LM runs one pipeline stage. With several
+    stages it keeps a copy of that weight on the last stage, each vocabulary-parallel on its stage's tensor
+    ranks, their gradients summed once a step (section 2.2 of the paper): `tied=False` holds what it holds.
+    """
+
+    def __init__(self, s: MegatronShape, tied: bool = True) -> None:
+        super().__init__()
+        self.word, self.position = nn.Embedding(s.vocab, s.width), nn.Embedding(s.seq, s.width)
+        self.embedding_dropout = nn.Dropout(s.dropout)
+        self.layers = nn.Sequential(*[MegatronLayer(s) for _ in range(s.layers)])
+        self.ln = nn.LayerNorm(s.width)
+        self.head = nn.Linear(s.width, s.vocab, bias=False)
+        if tied:
+            self.head.weight = self.word.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding_dropout(self.word(tokens) + self.position(positions))
+        return self.head(self.ln(self.layers(x)))
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama 3 model's shape (the paper's Table 3)."""
+
+    layers: int
+    width: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 128256
+    seq: int = 8192
+
+
+LLAMA3_405B = LlamaShape(layers=126, width=16384, ffn=53248, heads=128, kv_heads=8)
+
+
+class LlamaLayer(nn.Module):
+    """RMSNorm, grouped-query attention with rotary positions through SDPA, RMSNorm, SwiGLU MLP; no biases."""
+
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = s.heads, s.kv_heads, s.width // s.heads
+        self.norm1, self.norm2 = nn.RMSNorm(s.width), nn.RMSNorm(s.width)
+        self.q = nn.Linear(s.width, s.width, bias=False)
+        self.k = nn.Linear(s.width, s.kv_heads * self.dim, bias=False)
+        self.v = nn.Linear(s.width, s.kv_heads * self.dim, bias=False)
+        self.o = nn.Linear(s.width, s.width, bias=False)
+        self.gate, self.up = nn.Linear(s.width, s.ffn, bias=False), nn.Linear(s.width, s.ffn, bias=False)
+        self.down = nn.Linear(s.ffn, s.width, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.dim).transpose(1, 2)
+        q, k = q * rope, k * rope  # a fused rotary kernel: one read and one write of q and of k
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Token embedding, `layers` LlamaLayers, a final RMSNorm and an untied head."""
+
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.dim = s.width // s.heads
+        self.embed = nn.Embedding(s.vocab, s.width)
+        self.layers = nn.ModuleList([LlamaLayer(s) for _ in range(s.layers)])
+        self.norm = nn.RMSNorm(s.width)
+        self.head = nn.Linear(s.width, s.vocab, bias=False)
+        self.register_buffer("rope", torch.ones(s.seq, self.dim), persistent=False)  # the rotation the kernel reads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        rope = self.rope[: tokens.shape[1]].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.head(self.norm(x))

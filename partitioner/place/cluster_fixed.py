@@ -1,0 +1,102 @@
+"""A configuration given whole (a published run's) priced by the cluster search instead of chosen by it.
+
+    Fixed(tensor=8, stages=8, micro_batch_size=2, virtual_stages=2, recompute="full")
+        -> price_fixed(graph, order, cluster, cost, fixed, ...) -> ClusterSolution
+
+The search runs over that one configuration: tensor degree t, p stages, d = GPUs / (t p) replicas with
+`sharding`, m = batch / micro_batch_size micro-batches, the schedule (interleaved with v > 1 chunks per rank:
+virtual_stages.py), recomputation and rank order; only the cuts are searched (the DP over cut candidates,
+each stage a run of whole blocks), so what separates a chosen plan from a published one is the search,
+and what separates a published configuration's prediction from its published step is the prices.
+Nothing here makes a Plan: the runtime does not run interleaving with replicas (use plan_on_cluster with
+`stages=`, `micro_batches=` and `choice=` for a configuration it runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import networkx as nx
+
+from cost_model.cluster_shape import Cluster
+from cost_model.interface import CostModel
+from cost_model.precision import Precision
+from partitioner.capture.shardable_groups import Shardable
+from partitioner.errors import PartitionError
+from partitioner.place.cluster_axes import SplitChoice, recomputed
+from partitioner.place.cluster_plan import prepare_search, recomputing
+from partitioner.place.cluster_search import search_cluster
+from partitioner.place.cluster_space import ClusterSolution, RankOrder
+from partitioner.place.graph_costs import batch_size
+from partitioner.place.virtual_stages import check_virtual
+from rules.schedules import searched_names
+
+__all__ = ["Fixed", "price_fixed"]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Every choice of a cluster plan but its cuts (see the module docstring).
+
+    Args:
+        tensor: ranks per replica, the split groups across them (t).
+        stages: pipeline stages (p); the replicas are GPUs / (t p).
+        micro_batch_size: samples per micro-batch; the global batch (the graph's) / it is the micro-batch count.
+        sharding: "none", "zero1", "zero2" or "zero3" over the replicas (needs a precision).
+        schedule: "1f1b" or "gpipe"; with virtual_stages > 1, interleaved 1F1B.
+        virtual_stages: chunks per rank (v), interleaved as Megatron-LM runs them.
+        recompute: "none", or "full" (every stage recomputes its forward in backward).
+        order: which ranks share hosts (cluster_space.RankOrder): Megatron-LM puts a stage's replicas
+            together ("replicas-together"), Llama 3's [TP, CP, PP, DP] puts a pipeline together.
+        sequence_parallel: layers outside the split groups run on 1/t of the sequence (tensor_split.py).
+    """
+
+    tensor: int = 1
+    stages: int = 1
+    micro_batch_size: int = 1
+    sharding: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: Literal["none", "full"] = "none"
+    order: RankOrder = "replicas-together"
+    sequence_parallel: bool = False
+
+
+def price_fixed(
+    graph: nx.DiGraph, order: list[str], cluster: Cluster, cost: CostModel, fixed: Fixed, *,
+    precision: Precision | None = None, shardable: Shardable | None = None, optimizer: str = "adam",
+    headroom: float = 0.9,
+) -> ClusterSolution:
+    """The best cuts of `fixed` on `cluster` and what they predict: step (objective, s), work and memory per stage.
+
+    Raises:
+        PartitionError: a configuration that does not divide the cluster or the batch, or that the model cannot
+            take (tensor degree, sharding); InfeasibleError (hybrid.py) when it does not fit in memory, naming
+            the memory per GPU it needs.
+    """
+    t, p = fixed.tensor, fixed.stages
+    batch = batch_size(graph) or 1
+    if cluster.size % (t * p) or batch % fixed.micro_batch_size:
+        raise PartitionError(f"tensor {t} x stages {p} must divide the {cluster.size} GPUs of {cluster.shape}, and "
+                             f"micro_batch_size {fixed.micro_batch_size} the batch of {batch}")
+    d, m = cluster.size // (t * p), batch // fixed.micro_batch_size
+    if m % d:
+        raise PartitionError(f"{m} micro-batches of {fixed.micro_batch_size} cannot be dealt to {d} replicas; "
+                             "give a micro-batch size that leaves a multiple of the replicas")
+    check_virtual(fixed.virtual_stages, p, m // d)
+    if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full"):
+        raise PartitionError(f"schedule={fixed.schedule!r}, recompute={fixed.recompute!r}: use one of "
+                             f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none' or 'full'")
+    if precision is not None:
+        optimizer = precision.optimizer
+    prepared = prepare_search(graph, order, cluster, cost, m, optimizer=optimizer, headroom=headroom,
+                              precision=precision, shardable=shardable,
+                              choice=SplitChoice(tensor=[t], sharding=[fixed.sharding],
+                                                 sequence_parallel=fixed.sequence_parallel))
+    problem, axes = prepared.plain, prepared.axes
+    if fixed.recompute == "full":
+        problem = recomputing(problem, prepared.share)
+        axes = recomputed(axes, lambda x: recomputing(x, prepared.share))
+    return search_cluster(problem, cluster, micro_batches=[m], schedules=(fixed.schedule,), stages=p,
+                          cuts=prepared.cuts, orders=(fixed.order,), axes=axes, virtual=fixed.virtual_stages)

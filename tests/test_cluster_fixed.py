@@ -1,0 +1,71 @@
+"""A configuration given whole, priced by the cluster search (cluster_fixed.py), and the search over every priced
+axis (cluster_priced.py) that must never do worse than it, on the example GPT."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+
+from cost_model.analytic import AnalyticCostModel
+from cost_model.cluster_shape import Cluster
+from examples.models import make_gpt
+from partitioner.arguments import cluster_devices
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.shardable import Shardable, find_shardable
+from partitioner.capture.trace import trace
+from partitioner.errors import PartitionError
+from partitioner.place.cluster_fixed import Fixed, price_fixed
+from partitioner.place.cluster_priced import search_priced
+from partitioner.place.virtual_stages import interleaved_fill
+
+CLUSTER = Cluster.parse("2x4xH100")
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[nx.DiGraph, list[str], Shardable, AnalyticCostModel]:
+    torch.manual_seed(0)
+    model, (x,) = make_gpt(batch=16)  # width 128, 4 heads, 4 blocks
+    gm = trace(model, (x,), {}).graph_module
+    graph = build_graph(gm, [x])
+    return (graph, [n.name for n in compute_nodes(gm)], find_shardable(gm, graph),
+            AnalyticCostModel(cluster_devices(CLUSTER)[2]))
+
+
+Traced = tuple[nx.DiGraph, list[str], Shardable, AnalyticCostModel]
+
+
+def test_a_fixed_configuration_is_priced_as_given(gpt: Traced) -> None:
+    graph, order, shardable, cost = gpt
+    fixed = Fixed(tensor=2, stages=2, micro_batch_size=1, virtual_stages=2, sequence_parallel=True)
+    found = price_fixed(graph, order, CLUSTER, cost, fixed, shardable=shardable)
+    assert (found.tensor, found.stages, found.replicas, found.micro_batches, found.virtual, found.schedule) == (
+        2, 2, 2, 16, 2, "interleaved")
+    # the step is interleaved 1F1B's fill over 8 micro-batches a pipeline times the slowest stage's work
+    assert found.step_s == pytest.approx(interleaved_fill(8, 2, 2) * max(found.work_s))
+    plain = price_fixed(graph, order, CLUSTER, cost, Fixed(tensor=2, stages=2, micro_batch_size=1),
+                        shardable=shardable)
+    assert max(found.memory) < max(plain.memory)  # sequence parallelism: the layers' neighbours hold 1/t
+
+
+@pytest.mark.parametrize("fixed, words", [
+    (Fixed(tensor=3), "must divide the 8 GPUs"),
+    (Fixed(stages=2, micro_batch_size=16), "cannot be dealt to 4 replicas"),
+    (Fixed(stages=4, micro_batch_size=4, virtual_stages=2), "a multiple of the stages"),
+    (Fixed(stages=2, schedule="zbv"), "schedule='zbv'"),
+])
+def test_configurations_that_cannot_run_say_why(gpt: tuple[nx.DiGraph, list[str], Shardable, AnalyticCostModel],
+                                                fixed: Fixed, words: str) -> None:
+    graph, order, shardable, cost = gpt
+    with pytest.raises(PartitionError, match=words):
+        price_fixed(graph, order, CLUSTER, cost, fixed, shardable=shardable)
+
+
+def test_the_search_over_every_priced_axis_is_never_worse_than_a_fixed_configuration(
+        gpt: tuple[nx.DiGraph, list[str], Shardable, AnalyticCostModel]) -> None:
+    graph, order, shardable, cost = gpt
+    best, mode = search_priced(graph, order, CLUSTER, cost, shardable=shardable)
+    assert mode in ("none", "full")
+    for fixed in (Fixed(tensor=2, stages=2, micro_batch_size=1, virtual_stages=2, sequence_parallel=True),
+                  Fixed(stages=4, micro_batch_size=2, recompute="full"), Fixed(tensor=4, micro_batch_size=4)):
+        assert best.step_s <= price_fixed(graph, order, CLUSTER, cost, fixed, shardable=shardable).step_s * (1 + 1e-9)

@@ -96,7 +96,7 @@ def price_fixed(
                                                  sequence_parallel=fixed.sequence_parallel))
     problem, axes = prepared.plain, prepared.axes
     if fixed.recompute == "full":
-        problem = recomputing(problem, prepared.share)
-        axes = recomputed(axes, lambda x: recomputing(x, prepared.share))
+        problem = recomputing(problem, prepared.share, prepared.segment)
+        axes = recomputed(axes, lambda x: recomputing(x, prepared.share, prepared.segment))
     return search_cluster(problem, cluster, micro_batches=[m], schedules=(fixed.schedule,), stages=p,
                           cuts=prepared.cuts, orders=(fixed.order,), axes=axes, virtual=fixed.virtual_stages)

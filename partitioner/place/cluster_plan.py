@@ -51,6 +51,7 @@ from partitioner.place.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
 from partitioner.predict.counting import stage_edges
 from partitioner.predict.lowering import lower_plan, replica_groups
+from rules.segments import segments
 from runtime.plan import Plan, RecomputeMode
 
 __all__ = [
@@ -148,13 +149,13 @@ def plan_on_cluster(
                              "the runtime does not run it, so a plan cannot use it: drop sequence_parallel")
     if precision is not None:
         optimizer = precision.optimizer
-    ms, cuts, plain, share, axes, groups = prepare_search(
+    ms, cuts, plain, share, axes, groups, segment = prepare_search(
         graph, order, cluster, cost, micro_batches, optimizer=optimizer, headroom=headroom, precision=precision,
         shardable=shardable, choice=choice)
     best: tuple[ClusterSolution, RecomputeMode, HybridProblem, Axes] | None = None
     for mode in ("none", "full") if recompute == "auto" else (recompute,):
-        problem = plain if mode == "none" else recomputing(plain, share)
-        space = axes if mode == "none" else recomputed(axes, lambda x: recomputing(x, share))
+        problem = plain if mode == "none" else recomputing(plain, share, segment)
+        space = axes if mode == "none" else recomputed(axes, lambda x: recomputing(x, share, segment))
         try:
             solution = search_cluster(problem, cluster, micro_batches=ms, schedules=schedules, stages=stages,
                                       replicate=replicate, cuts=cuts, axes=space,
@@ -188,6 +189,7 @@ class Prepared(NamedTuple):
     share: np.ndarray
     axes: Axes
     groups: dict[int, list[ShardGroup]]
+    segment: np.ndarray  # [n] each node's recomputation segment (rules.segments), for `recomputing`
 
 
 def prepare_search(
@@ -216,7 +218,8 @@ def prepare_search(
     share = forward_share(graph, order, device, cost)
     axes, groups = cluster_axes(graph, order, cluster, cost, plain, share, cuts, precision=precision,
                                 shardable=shardable, optimizer=optimizer, choice=choice)
-    return Prepared(ms, cuts, plain, share, axes, groups)
+    segment = segments((x, str(graph.nodes[x].get("module", "") or "")) for x in order)
+    return Prepared(ms, cuts, plain, share, axes, groups, np.array([segment[x] for x in order], dtype=np.int64))
 
 
 def _under_others(exc: InfeasibleError, precision: Precision | None, problem: HybridProblem, cluster: Cluster,
@@ -254,12 +257,24 @@ def _degrees(cluster: Cluster, shardable: Shardable | None, choice: SplitChoice)
     return tensor_degrees(cluster.size, cluster.gpus_per_host, sorted(legal))
 
 
-def recomputing(problem: HybridProblem, share: np.ndarray) -> HybridProblem:
-    """`problem` as full recomputation runs it: nothing saved but the stage inputs (the receive bytes the
-    search counts anyway), and every node's forward once more in backward (its time x (1 + forward share))."""
+def recomputing(problem: HybridProblem, share: np.ndarray, segment: np.ndarray | None = None) -> HybridProblem:
+    """`problem` as full recomputation runs it: every node's forward once more in backward (its time x (1 +
+    forward share)), and kept per micro-batch only the stage inputs (the receive bytes the search counts anyway)
+    and, with `segment` (each node's recomputation segment, rules.segments), each checkpoint's input: a value a
+    later segment reads. One micro-batch's backward also holds its segment's recomputed activations
+    (cost_model.recompute_cost's walk): added to each node's output bytes / 3, so the backward working set the
+    search counts (stage_costs.stage_parts: 3 x the stage's largest output) holds the stage's largest segment."""
     grow = 1.0 + share
+    saved, out = np.zeros(problem.n), problem.out_bytes
+    if segment is not None:
+        for v, at in enumerate(problem.producers):
+            if at >= 0 and any(c < problem.n and segment[c] > segment[at] for c in problem.consumers[v]):
+                saved[at] += problem.value_bytes[v]  # a checkpoint's input: kept until its segment's backward
+        if out is not None:
+            out = out + np.bincount(segment, weights=problem.saved_bytes, minlength=int(segment.max()) + 1)[
+                segment] / 3
     return dataclasses.replace(
-        problem, saved_bytes=np.zeros_like(problem.saved_bytes), fixed_times=problem.fixed_times * grow,
+        problem, saved_bytes=saved, out_bytes=out, fixed_times=problem.fixed_times * grow,
         batch_times=problem.batch_times * grow,
         size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
 

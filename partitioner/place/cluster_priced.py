@@ -58,8 +58,8 @@ def search_priced(
     for mode in ("none", "full"):
         problem, axes = prepared.plain, prepared.axes
         if mode == "full":
-            problem = recomputing(problem, prepared.share)
-            axes = recomputed(axes, lambda x: recomputing(x, prepared.share))
+            problem = recomputing(problem, prepared.share, prepared.segment)
+            axes = recomputed(axes, lambda x: recomputing(x, prepared.share, prepared.segment))
         try:
             found = search_cluster(problem, cluster, micro_batches=prepared.micro_batches, schedules=SCHEDULES,
                                    cuts=prepared.cuts, axes=axes, virtual=virtual,

@@ -6,7 +6,7 @@ loads into the same plan or a different one (each rank reads the keys it now hol
 `consolidate` turns it into one plain state_dict that the un-partitioned model loads with
 strict=True. A weight split over tensor ranks or sharded by FSDP2 is a DTensor under its model
 key: DCP writes each rank's part of the whole (a fused q/k/v weight's strided split as a plain row
-split, runtime.tensor_parallel.savable) and reads back whatever part a rank holds now.
+split, runtime.dtensor_save.savable) and reads back whatever part a rank holds now.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from runtime.tensor_parallel import savable
+from runtime.dtensor_save import savable, unsaved
 
 __all__ = ["consolidate", "load", "save"]
 
@@ -79,11 +79,11 @@ def load(pipe: Any, path: str | os.PathLike[str], optimizer: torch.optim.Optimiz
     with torch.no_grad():
         for key, t in live.items():  # a redistributed copy (a strided split) back into the live weight
             if state[key] is not t and isinstance(t, DTensor):
-                t.copy_(state[key].redistribute(t.device_mesh, t.placements))
+                t.copy_(unsaved(state[key], t))
     for p, name, entry in slots:
         value = state[entry]
-        if isinstance(p, DTensor) and isinstance(value, DTensor) and value.placements != p.placements:
-            value = value.redistribute(p.device_mesh, p.placements)
+        if isinstance(p, DTensor) and isinstance(value, DTensor):
+            value = unsaved(value, p)
         optimizer.state[p][name] = value  # type: ignore[union-attr]
 
 

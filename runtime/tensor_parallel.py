@@ -54,11 +54,11 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from runtime.dtensor_save import savable, unsaved
 from runtime.tensor_parallel_ops import FusedLinear, FusedSplit, LocalAttention, ToDTensor, ToPlain
 from runtime.tensor_parallel_spec import ShardedParam, TensorParallelGroup
 
-__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "rebind", "region", "restore_state",
-           "savable"]
+__all__ = ["as_mesh", "checkpoint_state", "parallelize_stage", "placement", "rebind", "region", "restore_state"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
@@ -359,15 +359,6 @@ def checkpoint_state(module: nn.Module, model: nn.Module | None = None) -> dict[
     return {key: savable(held[key].detach()) for key in sorted(held)}
 
 
-def savable(t: torch.Tensor) -> torch.Tensor:
-    """`t` as torch.distributed.checkpoint saves it: a fused q/k/v weight's strided split (or its optimizer state)
-    redistributed to a plain row split (a collective of its mesh), any other tensor itself."""
-    if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
-        return t.redistribute(t.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p
-                                              for p in t.placements])
-    return t
-
-
 def restore_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """After torch.distributed.checkpoint loaded into `state = checkpoint_state(module, ...)`, copy what it
     loaded into redistributed copies (fused q/k/v weights) back into the module; the rest loaded in place.
@@ -382,4 +373,4 @@ def restore_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
                 loaded = state[key]
                 if not isinstance(loaded, DTensor):
                     raise TypeError(f"{key}: expected the DTensor checkpoint_state gave, got {type(loaded).__name__}")
-                t.copy_(loaded.redistribute(t.device_mesh, t.placements))
+                t.copy_(unsaved(loaded, t))

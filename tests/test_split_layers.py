@@ -77,7 +77,8 @@ def test_fsdp_memory_per_rank_against_training_memory() -> None:
 
 
 def test_dcp_checkpoints_of_a_tensor_parallel_and_a_sharded_run_load_into_the_plain_model(tmp_path: Path) -> None:
-    cases = ["gpt:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2", "gpt:1f1b:pp2dp2:zero3"]
+    # tp2dp2:zero3: a stage split and sharded, its fused q/k/v weight in nested strided shards of a 2-D mesh
+    cases = ["gpt:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:tp2dp2:zero3"]
     run(4, "checkpoint", str(tmp_path), *cases, cases=len(cases))
 
 

@@ -20,10 +20,14 @@ Rows (each model built from torch.nn on meta, benchmarks/published_models.py; no
 
 For each row: the published configuration and throughput; ours forced to it (partitioner/place/cluster_fixed.py:
 only the cuts searched), its TFLOP/s, memory per GPU and the largest part of its step (benchmarks/
-published_costs.py); and the plan the cluster search chooses over every axis (tensor degree, stages, replicas and
-their sharding, micro-batches, schedule, recomputation) with its predicted TFLOP/s. Prices are the analytic
-model's from the GPU table (cost_model/gpus.json: GEMM efficiency by precision, fused attention, NCCL bus
-bandwidths, each with its source).
+published_costs.py); where it does not fit, what it would predict were memory no limit. Then two choices:
+"runs here", the Plan the cluster search makes over what the runtime runs (plan_on_cluster: tensor degree,
+stages, replicas and their sharding, micro-batches, schedule, recomputation none or full), its step as the plan
+simulates it; and "every priced axis" (cluster_priced.search_priced: the same axes with interleaved 1F1B and
+sequence parallelism, which the runtime does not run but the published runs do), its search objective. The
+second's space holds the forced configuration and both are search objectives, so "chosen plan at least as fast"
+compares those two. Prices are the analytic model's from the GPU table (cost_model/gpus.json: GEMM efficiency
+by precision, fused attention, NCCL bus bandwidths, each with its source).
 
 Usage: python benchmarks/published.py [--rows 1.7B,405B-8k] [--no-chosen]
 Last line: `published runs: K of N within 15% (forced configuration), J of N chosen plan at least as fast as

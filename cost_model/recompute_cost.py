@@ -194,7 +194,7 @@ class _Walk:
                 extra += self.extra[i]
                 best = max(best, earlier + extra + self.grads[i])
             return best
-        freed = [0] * max(1, len(self.names))  # kept values some node at or before i still needs: by when they are freed
+        freed = [0] * max(1, len(self.names))  # kept values some node at or before i needs, by when freed
         for r in kept:
             freed[min(self.release.get(r, 0), len(freed) - 1)] += self.size({r})
         alive = 0

@@ -80,9 +80,14 @@ def plan(shape: str, graph: Any, order: list[str], shardable: Any, **options: An
     return made, found, time.perf_counter() - start
 
 
+def sharding(found: Any) -> str:
+    """The solution's sharding mode, or each stage's where they differ (cluster_space.cheapest_modes)."""
+    return found.sharding if len(set(found.modes)) == 1 else "/".join(found.modes)
+
+
 def describe(made: Any, found: Any, seconds: float) -> str:
     memory = max(s.memory_bytes for s in made.stages)
-    return (f"{found.stages} stages x {found.replicas} replicas x tensor {found.tensor}, sharding {found.sharding}, "
+    return (f"{found.stages} stages x {found.replicas} replicas x tensor {found.tensor}, sharding {sharding(found)}, "
             f"{found.micro_batches} micro-batches, {made.schedule}, recompute {made.stages[0].recompute}: step "
             f"{made.predicted_step_ms:.1f} ms, memory/GPU {human_bytes(memory)} (planned in {seconds:.1f} s)")
 
@@ -149,7 +154,7 @@ def gpt3_h100(graph: Any, order: list[str], shardable: Any) -> str:
         kinds = memory_kinds(made, stage)
         print(f"      {stage.index:>5} " + "".join(f"{human_bytes(kinds[k]):>13}" for k in KINDS)
               + f"{human_bytes(stage.memory_bytes):>13}")
-    return f"{found.sharding}, tensor {found.tensor}, {found.stages} stages"
+    return f"{sharding(found)}, tensor {found.tensor}, {found.stages} stages"
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster
 from cost_model.memory import usable_bytes
 from cost_model.precision import MIXED, PURE_BF16
-from examples.models import make_gpt
+from examples.models import GPT, GPTConfig, make_gpt
 from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
@@ -22,7 +22,7 @@ from partitioner.capture.trace import trace
 from partitioner.place.blocks import block_cuts
 from partitioner.place.cluster_axes import SplitChoice
 from partitioner.place.cluster_plan import plan_on_cluster
-from partitioner.place.cluster_space import Split
+from partitioner.place.cluster_space import Split, cheapest_modes
 from partitioner.place.hybrid import InfeasibleError
 from partitioner.place.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
@@ -86,6 +86,41 @@ def test_sharded_replicas_slice_every_micro_batch() -> None:
     params = stage.param_bytes / 2  # the bf16 compute copy's bytes: 2 per element
     assert kinds["optimizer"] == -(-int(2 * params) // 8) * 4 and kinds["master"] == -(-int(params) // 8) * 4
     plan.check()
+
+
+def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
+    """1F1B's first stage holds 2 micro-batches in flight, its last 1: at 41.5 MB a GPU only zero3 fits the first,
+    while the last has room for zero1 (one gather a step, not two a micro-batch): the stages differ."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(width=256, layers=8, seq=64))  # 8 blocks: zero3 holds 2 of a stage's 4 gathered
+    x = torch.randint(0, 512, (16, 64))
+    gm = trace(model, (x,), {}).graph_module
+    graph = build_graph(gm, [x])
+    order, shardable = [n.name for n in compute_nodes(gm)], find_shardable(gm, graph)
+    capacity = 41.5e6
+    pin: dict[str, Any] = {"precision": MIXED, "micro_batches": 16, "stages": 2, "schedules": ("1f1b",)}
+    plan, found = planned(graph, order, shardable, headroom=capacity / CLUSTER.gpu.memory_bytes, **pin)
+    modes = [s.sharding for s in plan.stages]
+    assert modes == found.modes == ["zero3", "zero1"] and found.sharding == "zero3" and plan.data_split == "slice"
+    plan.check()
+    lines = DrawablePlan.from_plan(plan).summary().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:5] == ["stage", "ranks", "replicas", "tensor",
+                                                                        "sharding"])
+    assert [line.split()[4] for line in lines[at + 2:at + 4]] == modes  # the summary's sharding column
+    # each mode alone on every stage, room for all: the plan's own memory and the search's W of each stage
+    alone = {mode: planned(graph, order, shardable, choice=SplitChoice(tensor=[1], sharding=[mode]), **pin)
+             for mode in ("none", "zero1", "zero2", "zero3")}
+    for s, mode in enumerate(modes):
+        assert all(f.bounds == found.bounds for _, f in alone.values())  # same cuts: stage s is the same nodes
+        assert alone[mode][0].stages[s].memory_bytes <= capacity
+        faster = [x for x, (_, f) in alone.items() if f.work_s[s] < alone[mode][1].work_s[s]]
+        assert all(alone[x][0].stages[s].memory_bytes > capacity for x in faster), (s, mode, faster)
+    uniform, one = planned(graph, order, shardable, headroom=capacity / CLUSTER.gpu.memory_bytes,
+                           choice=SplitChoice(tensor=[1], sharding=["zero3"]), **pin)  # the only one mode that fits
+    assert found.step_s < one.step_s and plan.predicted_step_ms <= uniform.predicted_step_ms
+    # a stage leaves the configuration's mode only for a strictly faster one that fits
+    assert cheapest_modes({"zero3": ([2.0, 2.0], [5.0, 5.0]), "zero1": ([1.0, 2.0], [9.0, 4.0])}, "zero3",
+                          6.0) == ["zero3", "zero3"]
 
 
 def test_each_state_is_counted_at_its_dtype() -> None:

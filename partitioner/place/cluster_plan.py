@@ -298,16 +298,18 @@ def solution_plan(
 
     With a tensor degree t > 1 or sharded replicas (or a precision in `space`), each stage's numbers are
     split_stages.price_stages': stage `ranks` are each replica's first rank, `tensor` and `tensor_groups`
-    (`groups` within the stage) say what its t ranks split, `sharding` how its replicas shard, and a
-    sharded plan slices every micro-batch over the replicas (data_split "slice": m / d micro-batches).
+    (`groups` within the stage) say what its t ranks split, `sharding` how its replicas shard
+    (each stage's mode: solution.modes), and a plan with a sharded stage slices every micro-batch over the
+    replicas (data_split "slice": m / d micro-batches).
     Such plans keep `programs` empty (lowered where they run) and predict replica 0's pipeline.
     """
     p, d, m = solution.stages, solution.replicas, solution.micro_batches
-    t, sharding = solution.tensor, solution.sharding
+    t, modes = solution.tensor, solution.modes
     if m % d:
         raise PartitionError(f"{m} micro-batches over {d} replicas: the cluster plan needs d | m")
     rule = space.rule if space is not None else None
-    split = t > 1 or sharding != "none" or (rule is not None and rule.precision is not None)
+    sharded = any(mode != "none" for mode in modes)
+    split = t > 1 or sharded or (rule is not None and rule.precision is not None)
     bounds = solution.bounds
     stage_nodes = [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
     graph_mb = per_micro_batch(split_graph(graph, groups, t) if t > 1 else graph, m)
@@ -339,7 +341,7 @@ def solution_plan(
         plan.predicted_step_ms = replica_step(
             plan.schedule, m, d, [s.forward_ms for s in plan.stages], [s.backward_ms for s in plan.stages],
             [message.get((s - 1, s), 0.0) for s in range(p)], [s.allreduce_ms for s in plan.stages])
-        if sharding != "none":
+        if sharded:
             plan.micro_batches, plan.data_split = m // d, "slice"
         return plan
     devices = {r: local_device(cluster, r) for rs in ranks for r in rs}
@@ -357,10 +359,10 @@ def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution:
         raise PartitionError("a split or sharded cluster plan needs the search's StateRule (cluster_axes.py)")
     blocks = space.blocks if space.blocks is not None else np.full(len(order), -1)
     price_stages(plan, graph, solution.bounds, micro_batches=solution.micro_batches, groups=groups,
-                 tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.sharding,
+                 tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.modes,
                  rings=[ring_of(cluster, stage.ranks) for stage in plan.stages],
                  param_bytes=space.split(t).problem.param_bytes, blocks=blocks, optimizer=optimizer)
-    for stage in plan.stages:
+    for stage, mode in zip(plan.stages, solution.modes):
         inside = set(stage.nodes)
-        stage.tensor, stage.sharding = t, solution.sharding  # type: ignore[assignment]
+        stage.tensor, stage.sharding = t, mode  # type: ignore[assignment]
         stage.tensor_groups = [g.spec() for g in groups if inside.issuperset(g.nodes)] if t > 1 else []

@@ -22,7 +22,8 @@ model's repeated blocks), else every position of a small graph, else equal count
 Tensor degrees and sharding modes (cluster_space.Axes): a tensor degree t prices its own problem (each
 of t ranks runs 1/t of the split layers, their collectives added: tensor_split.py) on the first rank
 of each replica (cluster_space.layout: TP innermost); a sharding mode prices the replicas' collectives
-and states (split_costs.py). Without Axes the search is by stages, replicas and micro-batches alone.
+and states (split_costs.py), then each stage of the chosen plan takes the fastest mode that fits it
+(cheapest_modes: stages holding fewer micro-batches may gather less). Without Axes: stages, replicas, m alone.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from partitioner.place.cluster_space import (
     ClusterSolution,
     RankOrder,
     Split,
+    cheapest_modes,
     default_micro_batches,
     layout,
 )
@@ -292,7 +294,7 @@ def search_cluster(
 def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
                     schedules: Sequence[str] = SCHEDULES, virtual: int = 1) -> ClusterSolution:
     """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more
-    (interleaved 1F1B with `virtual` > 1 chunks per rank)."""
+    (interleaved 1F1B with `virtual` > 1 chunks per rank); each stage's sharding mode: cluster_space.cheapest_modes."""
     space = _space(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     ranks = layout(len(bounds) - 1, d, order, t)
@@ -302,9 +304,11 @@ def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Ca
     if schedule == "1f1b" and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
         held = [evaluate_cluster(space, wins, bounds, m, name, t, sharding)[2] for name in ("gpipe", schedule)]
         schedule = "gpipe" if held[0] == held[1] else schedule
-    final, work, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, sharding, virtual)
+    modes = cheapest_modes({x: evaluate_cluster(space, wins, bounds, m, schedule, t, x, virtual)[1:]
+                            for x in space.modes_for(d)}, sharding, float(problem.capacity.min()))
+    final, work, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, modes, virtual)
     return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory, tensor=t, sharding=sharding,
-                           virtual=virtual)
+                           virtual=virtual, stage_sharding=modes)
 
 
 def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray,
@@ -333,17 +337,18 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
 
 def evaluate_cluster(
     space: Axes | HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
-    tensor: int = 1, sharding: str = "none", virtual: int = 1,
+    tensor: int = 1, sharding: str | Sequence[str] = "none", virtual: int = 1,
 ) -> tuple[float, list[float], list[float]]:
     """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate;
-    `virtual` > 1: interleaved, the windows already scaled)."""
+    `sharding`: one mode, or each stage's; `virtual` > 1: interleaved, the windows already scaled)."""
     space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)
     split = space.split(tensor)
     pricer, p = _Pricer(split.problem, cuts, space, split), len(wins)
     work, memory = [], []
     for s, window in enumerate(wins):
-        wk, static, flight = (x[s, s + 1] for x in pricer.parts(window, m, sharding))
+        mode = sharding if isinstance(sharding, str) else sharding[s]
+        wk, static, flight = (x[s, s + 1] for x in pricer.parts(window, m, mode))
         work.append(float(wk))
         io = float(pricer.grid.recv[s, s + 1] + pricer.grid.send[s, s + 1]) / m  # a chunk's boundary values
         chunks = interleaved_chunks(p - s, p, m // window[0], virtual) if virtual > 1 else 0

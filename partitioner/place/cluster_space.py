@@ -22,8 +22,8 @@ from partitioner.place.hybrid_problem import HybridProblem
 from partitioner.place.split_costs import StateRule
 
 __all__ = [
-    "PER_REPLICA", "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "default_micro_batches",
-    "layout", "tensor_degrees",
+    "PER_REPLICA", "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "cheapest_modes",
+    "default_micro_batches", "layout", "tensor_degrees",
 ]
 
 # Which ranks share hosts: a stage's replicas ("replicas-together": stage s on ranks s*d .. s*d+d-1, its
@@ -106,8 +106,14 @@ class ClusterSolution:
     candidates: list[Candidate] = field(default_factory=list)  # the TOP best (p, d) by objective, first-pass cuts
     cuts: np.ndarray | None = None  # the first pass's cut candidates (for `refine`)
     tensor: int = 1  # ranks per replica, its layers split across them
-    sharding: str = "none"  # how the replicas shard their states (rules.sharding)
+    sharding: str = "none"  # the configuration's sharding mode (rules.sharding), the one the search compared
     virtual: int = 1  # chunks per rank, interleaved (partitioner/place/virtual_stages.py)
+    stage_sharding: list[str] = field(default_factory=list)  # each stage's mode (cheapest_modes); empty: `sharding`
+
+    @property
+    def modes(self) -> list[str]:
+        """Each stage's sharding mode."""
+        return self.stage_sharding or [self.sharding] * self.stages
 
     @property
     def stages(self) -> int:
@@ -124,6 +130,21 @@ def layout(p: int, d: int, order: RankOrder, tensor: int = 1) -> list[list[int]]
     if order == "replicas-together":
         return [[tensor * (s * d + j) for j in range(d)] for s in range(p)]
     return [[tensor * (j * p + s) for j in range(d)] for s in range(p)]
+
+
+def cheapest_modes(priced: dict[str, tuple[list[float], list[float]]], chosen: str, capacity: float) -> list[str]:
+    """Each stage's sharding mode: from `priced` (mode -> (W per stage, bytes per replica of each stage), same
+    cuts), the one of least W among those whose bytes fit `capacity`; `chosen` (the configuration's) unless
+    another is strictly faster, so no stage's W grows and neither does the step (fill x max W). Later
+    stages of 1F1B hold fewer micro-batches in flight: they may fit a mode that gathers less."""
+    out = []
+    for s in range(len(priced[chosen][0])):
+        best = chosen
+        for mode, (w, held) in priced.items():
+            if held[s] <= capacity and w[s] < priced[best][0][s]:
+                best = mode
+        out.append(best)
+    return out
 
 
 def default_micro_batches(gpus: int, batch: int | None, stages_limit: int) -> list[int]:

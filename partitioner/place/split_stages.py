@@ -50,7 +50,7 @@ def stage_units(param_bytes: np.ndarray, blocks: np.ndarray, a: int, b: int) -> 
 
 def price_stages(
     plan: Plan, graph: nx.DiGraph, bounds: Sequence[int], *, micro_batches: int, groups: Sequence[ShardGroup],
-    tensor_ring: Ring, rule: StateRule, sharding: str, rings: Sequence[Ring], param_bytes: np.ndarray,
+    tensor_ring: Ring, rule: StateRule, sharding: str | Sequence[str], rings: Sequence[Ring], param_bytes: np.ndarray,
     blocks: np.ndarray, optimizer: str,
 ) -> None:
     """Give each stage of an assembled one-pipeline `plan` its split, sharded numbers (module docstring).
@@ -60,6 +60,7 @@ def price_stages(
         bounds: the stage cuts, positions in the node order of `param_bytes` and `blocks`.
         micro_batches: m, micro-batches of the whole step (each of batch / m samples).
         groups: the split groups (all stages'); tensor_ring: one tensor group's all-reduce.
+        sharding: the replicas' mode (rules.sharding), one for every stage or each stage's.
         rings: each stage's data-parallel all-reduce (its replicas' first ranks).
         param_bytes, blocks: per node, its weights on one tensor rank and its block (blocks.block_ids).
         optimizer: what assemble counted the states with ((2 + its states) x param_bytes).
@@ -68,7 +69,8 @@ def price_stages(
     size = batch / micro_batches if batch else 1.0
     precision, d = rule.states, len(plan.stages[0].ranks) if plan.stages[0].ranks else 1
     legacy = (2 + optimizer_states(optimizer))
-    for stage, a, b in zip(plan.stages, bounds, bounds[1:]):
+    modes = [sharding] * len(plan.stages) if isinstance(sharding, str) else list(sharding)
+    for stage, a, b, mode in zip(plan.stages, bounds, bounds[1:], modes):
         inside = set(stage.nodes)
         forward = backward = 0.0
         for group in groups:
@@ -79,7 +81,7 @@ def price_stages(
         stage.backward_ms += 1e3 * backward
         unit, root = (x / rule.itemsize for x in stage_units(param_bytes, blocks, a, b))
         params = stage.param_bytes / rule.itemsize
-        dp = DataParallelCost(sharding, d, rings[stage.index], precision.itemsize("compute"),
+        dp = DataParallelCost(mode, d, rings[stage.index], precision.itemsize("compute"),
                               precision.itemsize("grad"), overlap=rule.precision is not None)
         unit = min(unit, params)
         f_s, b_s = stage.forward_ms / 1e3, stage.backward_ms / 1e3
@@ -89,7 +91,7 @@ def price_stages(
         stage.compute_ms = stage.forward_ms + stage.backward_ms
         stage.allreduce_ms = 1e3 * float(dp.per_step(params, unit, f_s, b_s))
         stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d
-        kinds = state_bytes(params, precision, mode=sharding, degree=d, micro_batches=max(1, plan.micro_batches),
+        kinds = state_bytes(params, precision, mode=mode, degree=d, micro_batches=max(1, plan.micro_batches),
                             root=root, unit=unit)
         if stage.memory_bytes:
             stage.memory_bytes += int(sum(kinds)) - legacy * stage.param_bytes

@@ -105,8 +105,8 @@ def grad_groups(plan: Plan, model: nn.Module, readers: Mapping[int, tuple[torch.
                 reducer = replica_group(ranks, gpus_per_host=plan.gpus_per_host, flat=handle)  # every rank
                 if rank not in ranks:
                     continue
-                if leaders == last_ranks:
-                    loss_group = handle  # this rank is in it: a group
+                if leaders == last_ranks and isinstance(handle, dist.ProcessGroup):  # this rank is in it: a group
+                    loss_group = handle
                 if leaders in by_ranks:
                     params = [p for _, p in sorted(by_ranks[leaders], key=lambda e: e[0])]
                     groups.append(GradGroup(ranks, params, reducer, wire(*ranks)))

@@ -33,8 +33,10 @@ from partitioner.request import (
     RecomputeChoice,
     RunOptions,
     ScheduleChoice,
+    ShardingChoice,
     SplitPoint,
     SplitPoints,
+    TensorChoice,
 )
 from partitioner.show.visualizer import DrawablePlan
 from runtime.distributed import DistributedPipeline
@@ -68,6 +70,8 @@ def plan(
     update: Update = "sync",
     calibration: CalibrationArg = None,
     precision: Any = None,
+    sharding: ShardingChoice = "auto",
+    tensor: TensorChoice = "auto",
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -78,7 +82,7 @@ def plan(
     a JSON/YAML file or a cost_model.Cluster (any size); every GPU is a torchrun rank
     (rank r on host r // GPUs per host: `plan.gpus_per_host`, its GPU the local cuda:{r % that}), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
-    `calibration` and `precision`: as for `partition`.
+    `calibration`, `precision`, `sharding` and `tensor`: as for `partition`.
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
@@ -89,7 +93,8 @@ def plan(
         micro_batches=micro_batches, schedule=schedule, placement=placement, replicas=replicas,
         virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
-        gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision))
+        gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision), sharding=sharding,
+        tensor=tensor)
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     check_model_options(model, request)
     return DrawablePlan.from_plan(plan_model(model, args, kwargs, request))
@@ -122,6 +127,8 @@ def partition(
     calibrate: int | None = None,
     calibration: CalibrationArg = None,
     precision: Any = None,
+    sharding: ShardingChoice = "auto",
+    tensor: TensorChoice = "auto",
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -198,6 +205,11 @@ def partition(
             state bf16), "fp32", "COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER]", a cost_model.precision.Precision,
             or the torch optimizer you train with (mixed precision with its states). Default None: every
             state at the model's dtype. On a cluster it also lets the planner shard replicas (ZeRO 1/2/3).
+        sharding: with replicas="auto" on a cluster, how stage replicas shard their states: "auto" (the
+            default: the planner chooses per stage, with a `precision`), "none" (never: e.g. as Megatron-LM's
+            SC'21 runs), or "zero1", "zero2", "zero3" (FSDP2) for every stage.
+        tensor: with replicas="auto", the tensor-parallel degree of every stage: "auto" (the default: the
+            planner chooses), 1 (no layer is split) or a degree such as 8 (on a cluster).
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -218,7 +230,10 @@ def partition(
         resolve(devices), processes=distributed(), micro_batches=micro_batches, schedule=schedule,
         placement=placement, replicas=replicas, virtual_stages=virtual_stages, recompute=recompute, update=update,
         input_split_spec=input_split_spec, split_points=split_points, split_spec=split_spec, cost_model=cost_model,
-        calibration=calibration, precision=_precision(precision))
+        calibration=calibration, precision=_precision(precision), sharding=sharding, tensor=tensor)
+    if given is not None and (sharding, tensor) != ("auto", "auto"):
+        raise PartitionError(f"sharding={sharding!r}, tensor={tensor!r} with a given plan: the plan carries each "
+                             "stage's sharding and tensor degree; plan again with them, or leave both 'auto'")
     run = RunOptions(threads=threads, timeout=timeout, output_merge_spec=output_merge_spec, weights=weights,
                      init=init, staleness=staleness, calibrate=calibrate)
     args, kwargs = example_call(model, example_inputs, example_kwargs)

@@ -27,6 +27,7 @@ from cost_model.calibration_store import CalibrationArg
 from cost_model.precision import Precision
 from partitioner.errors import PartitionError
 from rules.schedules import either, schedule_names, searched_names
+from rules.sharding import SHARDING_MODES, ShardingMode
 from runtime.materialize import Init
 from runtime.microbatch import InputSplitSpec, OutputMergeSpec, check_merge_spec
 from runtime.plan import RECOMPUTE_MODES, UPDATES, Schedule, Update
@@ -43,8 +44,9 @@ except ImportError:  # torch without distributed: split_spec cannot be given
         END = 2
 
 __all__ = [
-    "PLACEMENTS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "SPLIT_POINTS", "PlacementChoice", "PlanRequest",
-    "RecomputeChoice", "RunOptions", "ScheduleChoice", "SplitPoint", "SplitPoints",
+    "PLACEMENTS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "SHARDING_CHOICES", "SPLIT_POINTS", "PlacementChoice",
+    "PlanRequest", "RecomputeChoice", "RunOptions", "ScheduleChoice", "ShardingChoice", "SplitPoint", "SplitPoints",
+    "TensorChoice",
 ]
 
 PlacementChoice = Literal["pipeline", "branches", "auto"]
@@ -59,6 +61,11 @@ RECOMPUTE_CHOICES: tuple[str, ...] = (*RECOMPUTE_MODES, "auto")
 # "markers": pipe_split() calls and split_spec are cuts every plan makes; "cost": cut by cost alone.
 SplitPoints = Literal["markers", "cost"]
 SPLIT_POINTS: tuple[str, ...] = get_args(SplitPoints)
+# What the hybrid search (replicas="auto") may use besides stages and replicas: "auto" lets it choose;
+# a sharding mode (rules.sharding) is every stage's; a tensor degree every stage's (1: no layer split).
+ShardingChoice = ShardingMode | Literal["auto"]
+SHARDING_CHOICES: tuple[str, ...] = ("auto", *SHARDING_MODES)
+TensorChoice = int | Literal["auto"]
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
@@ -72,6 +79,8 @@ class PlanRequest:
 
     `devices`: one per rank (resolved torch devices; a described cluster's need not be here).
     `processes`: one process per rank (torchrun) rather than one process holding every device.
+    `sharding` and `tensor`: what the hybrid search (replicas="auto") may shard replicas by and split layers
+    over; "auto": it chooses (partitioner.place.cluster_axes.SplitChoice), "none" and 1: it never does.
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
     described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the
     dtypes training keeps each state in (cost_model.precision.Precision.of reads names and optimizers);
@@ -96,6 +105,8 @@ class PlanRequest:
     gpus_per_host: int = 0
     cluster: bool = False
     precision: Precision | None = None
+    sharding: ShardingChoice = "auto"
+    tensor: TensorChoice = "auto"
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -131,11 +142,35 @@ class PlanRequest:
         if self.replicas is not None and not self.processes:
             raise PartitionError("replicas need one process per stage replica: launch with torchrun (or initialize "
                                  "torch.distributed)")
+        self._check_split()
 
     def _check_replicas(self) -> None:
         replicas: Any = self.replicas  # as the user passed it
         if isinstance(replicas, str) and replicas != "auto":
             raise PartitionError(f"replicas={replicas!r}; use 'auto' or a list of counts such as [2, 1]")
+
+    def _check_split(self) -> None:
+        """sharding and tensor: known values, and ones the hybrid search can honour ("auto", "none" and 1 always)."""
+        if not isinstance(self.sharding, str) or self.sharding not in SHARDING_CHOICES:
+            raise PartitionError(f"sharding={self.sharding!r}; use one of {', '.join(map(repr, SHARDING_CHOICES))}")
+        tensor: Any = self.tensor  # as the user passed it
+        if tensor != "auto" and (isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1):
+            raise PartitionError(f"tensor={tensor!r}; use 'auto' (the search chooses) or a degree such as 8 (1: no "
+                                 "layer is split)")
+        if self.sharding not in ("auto", "none"):
+            if self.replicas != "auto":
+                raise PartitionError(f"sharding={self.sharding!r} shards stage replicas the hybrid planner makes; "
+                                     "use replicas='auto' (or sharding='none')")
+            if self.precision is None:
+                raise PartitionError(f"sharding={self.sharding!r} needs the training precision its sharded states "
+                                     "are counted at: give precision= (e.g. 'mixed'), or use sharding='none'")
+        if isinstance(self.tensor, int) and self.tensor > 1:
+            if self.replicas != "auto":
+                raise PartitionError(f"tensor={self.tensor} splits layers in the stages the hybrid planner makes; "
+                                     "use replicas='auto' (or tensor=1)")
+            if self.world % self.tensor:
+                raise PartitionError(f"tensor={self.tensor} does not divide the {self.world} devices into tensor "
+                                     f"groups; use a degree that divides {self.world}, or tensor='auto'")
 
     @classmethod
     def of(cls, devices: Sequence[torch.device], **options: Any) -> PlanRequest:

@@ -290,6 +290,31 @@ def test_cluster_plan_chooses_the_micro_batches(capsys: pytest.CaptureFixture[st
     assert chosen and float(tried[chosen.group(1)]) == min(float(v) for v in tried.values())
 
 
+def test_cluster_plan_told_not_to_shard_or_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """--sharding none and --tensor 1 reach the search: left free, this batch of 2 on 8 H100 splits and shards."""
+    argv = ["plan", GPT, "--cluster", "1x8xH100", "--quiet", "--global-batch", "2", "--micro-batches", "2",
+            "--schedule", "1f1b"]
+
+    def stage_rows(out: str) -> list[list[str]]:
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.split()[:5] == ["stage", "ranks", "replicas", "tensor",
+                                                                            "sharding"])
+        return [line.split() for line in lines[at + 2:] if line.split() and line.split()[0].isdigit()][:8]
+
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    free = stage_rows(out.split("memory per GPU by kind")[0])
+    assert any(r[3] != "1" for r in free) and any(r[4] != "none" for r in free), out
+    code, out, err = run([*argv, "--sharding", "none", "--tensor", "1"], capsys)
+    assert code == 0, err
+    told = stage_rows(out.split("memory per GPU by kind")[0])
+    assert told and all(r[3:5] == ["1", "none"] for r in told), out
+    code, _, err = run([*argv, "--tensor", "two"], capsys)
+    assert code == 2 and "--tensor 'two': write auto, or a tensor degree" in err, err
+    code, _, err = run([*argv, "--sharding", "zero1", "--precision", "none"], capsys)
+    assert code == 2 and "sharding='zero1' needs the training precision" in err, err
+
+
 HUGE = ("import torch\nfrom torch import nn\n"
         "def make(batch=16):\n    with torch.device('meta'):\n"
         "        model = nn.Sequential(*[nn.Linear(32768, 32768) for _ in range(160)])\n"

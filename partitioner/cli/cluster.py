@@ -35,12 +35,13 @@ from partitioner.place.cluster_search import reporting
 from partitioner.place.planning import device_capacity
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.predict.replica_fold import rank_span
+from partitioner.request import SHARDING_CHOICES
 from partitioner.show.hosts import text_rows
 from partitioner.show.visualizer import simulated_timeline
 from runtime.plan import Plan, human_bytes
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
-           "parse_precision", "parse_replicas", "plan_cluster", "plan_keywords", "throughput"]
+           "parse_precision", "parse_replicas", "parse_tensor", "plan_cluster", "plan_keywords", "throughput"]
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -68,6 +69,13 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                       "gradients and Adam moments), bf16, fp32, COMPUTE/PARAM/GRAD/STATE[:OPTIMIZER], or none (every "
                       "state at the model's dtype). Default: mixed with --cluster (which then also shards replicas "
                       "where it pays), none otherwise")
+    plan.add_argument("--sharding", choices=SHARDING_CHOICES, default="auto",
+                      help="with --replicas auto, how stage replicas shard their states: auto (the planner chooses, "
+                      "with a --precision), none (never, as Megatron-LM's SC'21 runs), or zero1, zero2, zero3 for "
+                      "every stage (default auto)")
+    plan.add_argument("--tensor", metavar="auto|T", default="auto",
+                      help="with --replicas auto, the tensor-parallel degree of every stage: auto (the planner "
+                      "chooses), 1 (no layer split) or a degree such as 8 (default auto)")
 
 
 def parse_replicas(text: str | None) -> list[int] | Literal["auto"] | None:
@@ -109,11 +117,22 @@ def parse_precision(text: str | None, cluster: bool) -> Precision | None:
         raise UsageError(f"--precision {text}: {exc}") from None
 
 
+def parse_tensor(text: str) -> int | Literal["auto"]:
+    """--tensor: 'auto', or a degree >= 1."""
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--tensor {text!r}: write auto, or a tensor degree >= 1 such as 8 (1: no layer split)")
+    return int(text)
+
+
 def plan_keywords(args: argparse.Namespace) -> dict[str, Any]:
-    """plan()'s replicas (and processes: one per replica), and precision, from `plan` without --cluster."""
+    """plan()'s replicas (and processes: one per replica), precision, sharding and tensor, from `plan` without
+    --cluster."""
     replicas = parse_replicas(getattr(args, "replicas", None))
     return {"replicas": replicas, "processes": True if replicas is not None else None,
-            "precision": parse_precision(getattr(args, "precision", None), cluster=False)}
+            "precision": parse_precision(getattr(args, "precision", None), cluster=False),
+            "sharding": getattr(args, "sharding", "auto"), "tensor": parse_tensor(getattr(args, "tensor", "auto"))}
 
 
 def _cluster(text: str) -> Cluster:
@@ -175,6 +194,7 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
     cluster = _cluster(args.cluster)
     replicas = parse_replicas(args.replicas) if args.replicas is not None else "auto"  # a cluster: searched
     precision = parse_precision(args.precision, cluster=True)
+    tensor = parse_tensor(args.tensor)
     if isinstance(replicas, list) and sum(replicas) != cluster.size:
         fix = "too few GPUs for" if sum(replicas) > cluster.size else "GPUs left over by"
         raise UsageError(f"--replicas {args.replicas}: {fix} the stages: {len(replicas)} stages with {sum(replicas)} "
@@ -204,7 +224,8 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
                     plan = make_plan(example.model, cluster=cluster, example_inputs=example.args,
                                      example_kwargs=example.kwargs, micro_batches=m, schedule=args.schedule,
                                      replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
-                                     update=args.update, precision=precision)  # fmt: skip
+                                     update=args.update, precision=precision, sharding=args.sharding,
+                                     tensor=tensor)  # fmt: skip
                 if len(tries) > 1:
                     _check_plan(plan, cluster, capacity, given=False)
                 made[m] = plan

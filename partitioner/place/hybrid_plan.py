@@ -19,6 +19,7 @@ from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
+from partitioner.place.cluster_axes import ANY_SPLIT, SplitChoice
 from partitioner.place.cluster_plan import cluster_of, plan_on_cluster
 from partitioner.place.graph_costs import hybrid_problem
 from partitioner.place.hybrid import SCHEDULES, HybridSolution, solve_hybrid
@@ -48,6 +49,7 @@ def plan_hybrid(
     recompute: Literal["none", "full", "auto"] = "none",
     precision: Precision | None = None,
     shardable: Shardable | None = None,
+    choice: SplitChoice = ANY_SPLIT,
 ) -> Plan:
     """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
 
@@ -67,6 +69,9 @@ def plan_hybrid(
             the cluster search and, on devices of one kind, the search over device lists
             (hybrid_split.py: a tensor degree per stage, kept only where it splits a layer and is
             predicted faster, or where nothing fits whole); None: every layer whole.
+        choice: the tensor degrees and sharding modes allowed (cluster_axes.SplitChoice; default: the search
+            chooses). The device-list search never shards and chooses each stage's degree, so a choice that
+            fixes a degree > 1 or a sharding mode is planned by the cluster search alone; tensor [1] splits nothing.
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
@@ -77,23 +82,34 @@ def plan_hybrid(
     plan simulated faster is kept (not with a `precision`: that search counts every state at the model's dtype).
     """
     cluster = cluster_of(cost) if memory_bytes is None else None
+    unsplit = choice.tensor is not None and set(choice.tensor) == {1}
+    fixed = ([f"tensor degrees {list(choice.tensor)}"] if choice.tensor is not None and not unsplit else []) + (
+        [f"sharding {list(choice.sharding)}"] if choice.sharding is not None and set(choice.sharding) != {"none"}
+        else [])
+    counts_only = bool(fixed)  # what the device-list search cannot honour: the cluster search plans alone
     counted: tuple[Plan, float] | None = None
     if cluster is not None and len(devices) == cluster.size:
+        alone = cluster.size > EXHAUSTIVE_GPUS or precision is not None or counts_only
         try:
             made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
                                           schedules=schedules, stages=stages, replicate=replicate,
                                           optimizer=optimizer, headroom=headroom, recompute=recompute,
-                                          precision=precision, shardable=shardable)
+                                          precision=precision, shardable=shardable, choice=choice)
             counted = made, found.step_s
         except PartitionError:
-            if cluster.size > EXHAUSTIVE_GPUS or precision is not None:
+            if alone:
                 raise
-        if counted is not None and (cluster.size > EXHAUSTIVE_GPUS or precision is not None):
+        if counted is not None and alone:
             return counted[0]  # the device-list search counts states at the model's dtype only
+    if counts_only:
+        raise PartitionError(f"{' and '.join(fixed)} are planned by the search over a cluster's GPUs only "
+                             "(plan(cluster=...)); on a list of devices use tensor='auto' or 1 and sharding='auto' "
+                             "or 'none'")
     problem = hybrid_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
     )
-    space, groups, rings = tensor_space(graph, order, devices, cost, problem, shardable if replicate else None)
+    split = shardable if replicate and not unsplit else None
+    space, groups, rings = tensor_space(graph, order, devices, cost, problem, split)
     try:
         sol = _solve(problem, micro_batches, schedules, stages, replicate, space)
     except PartitionError:

@@ -25,6 +25,7 @@ from partitioner.capture.shardable import find_shardable
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
+from partitioner.place.cluster_axes import SplitChoice
 from partitioner.place.hybrid_plan import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
@@ -39,7 +40,7 @@ from runtime.stage import stage_io, weight_groups
 
 __all__ = [
     "choose", "choose_recompute",
-    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "schedule_layouts",
+    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "schedule_layouts", "split_choice",
     "stage_ranks_for", "within_memory",
 ]
 
@@ -53,6 +54,12 @@ def stage_ranks_for(request: PlanRequest) -> list[list[int]]:
         return stage_layout(request.world, schedule, request.replicas, request.virtual_stages)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
+
+
+def split_choice(request: PlanRequest) -> SplitChoice:
+    """The tensor degrees and sharding modes the request lets the hybrid search use (None: it chooses)."""
+    return SplitChoice(tensor=None if request.tensor == "auto" else [request.tensor],
+                       sharding=None if request.sharding == "auto" else [request.sharding])
 
 
 @dataclass
@@ -163,7 +170,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
         whole = whole_graph()
         made = plan_hybrid(whole, placing.order, devices, cost, micro_batches=micro_batches,
                            schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none",
-                           precision=request.precision,
+                           precision=request.precision, choice=split_choice(request),
                            shardable=find_shardable(gm, whole))  # replicas="auto" runs under torchrun
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]

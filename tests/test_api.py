@@ -23,19 +23,6 @@ def weighted_loss(out: Any, weights: list[torch.Tensor]) -> torch.Tensor:
     return sum((leaf * w).sum() for leaf, w in zip(leaves, weights))
 
 
-def assert_same_outputs(out: Any, ref: Any) -> None:
-    assert type(out) is type(ref)
-    leaves, spec = pytree.tree_flatten(out)
-    ref_leaves, ref_spec = pytree.tree_flatten(ref)
-    assert spec == ref_spec
-    for a, b in zip(leaves, ref_leaves):
-        if isinstance(b, torch.Tensor):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            assert rel_err(a, b) < 1e-5
-        else:
-            assert a == b
-
-
 def run_and_compare(
     name: str, stages: int, micro_batches: int, train: bool = True, threads: bool | None = None,
     placement: str = "pipeline",
@@ -57,7 +44,7 @@ def run_and_compare(
 
     out = pipe(*args, **kwargs)
     ref = reference(*args, **kwargs)
-    assert_same_outputs(out, ref)
+    zoo.assert_same_outputs(out, ref)
 
     weights = [
         torch.randn_like(x) for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor) and x.is_floating_point()

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.analytic import AnalyticCostModel
@@ -30,20 +29,6 @@ DEVICES = ["cpu", "cpu"]
 
 def _side(name: str, seq: int) -> int:
     return {LONG: 40, SHORT: 24}[seq] if name == "vit" else seq
-
-
-def assert_same(out: Any, ref: Any, tol: float = 1e-5) -> None:
-    """Same type and structure (a ModelOutput stays one), every tensor within `tol` relative."""
-    assert type(out) is type(ref)
-    leaves, spec = pytree.tree_flatten(out)
-    ref_leaves, ref_spec = pytree.tree_flatten(ref)
-    assert spec == ref_spec
-    for a, b in zip(leaves, ref_leaves):
-        if isinstance(b, torch.Tensor):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            assert zoo.rel(a, b) < tol, zoo.rel(a, b)
-        else:
-            assert a == b
 
 
 def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -97,7 +82,8 @@ def test_eval_output_equals_the_plain_model(family: Family) -> None:
     family.pipe.eval()
     family.reference.eval()
     with torch.no_grad():
-        assert_same(family.pipe(*family.args, **family.kwargs), family.reference(*family.args, **family.kwargs))
+        out = family.pipe(*family.args, **family.kwargs)
+        zoo.assert_same_outputs(out, family.reference(*family.args, **family.kwargs))
 
 
 def test_eval_train_step_gradients_equal(family: Family) -> None:
@@ -129,7 +115,7 @@ def test_shorter_sequence_equals_the_plain_model(family: Family) -> None:
     torch.manual_seed(1)
     args, kwargs = family.case.inputs(BATCH, _side(family.name, SHORT))
     with torch.no_grad():
-        assert_same(family.pipe(*args, **kwargs), family.reference(*args, **kwargs))
+        zoo.assert_same_outputs(family.pipe(*args, **kwargs), family.reference(*args, **kwargs))
 
 
 @pytest.mark.timeout(180)
@@ -142,7 +128,7 @@ def test_built_on_meta_with_weights_equals_the_plain_model(family: Family) -> No
                      micro_batches=MICRO_BATCHES, weights=reference.state_dict())
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with torch.no_grad():
-        assert_same(pipe(*family.args, **family.kwargs), reference(*family.args, **family.kwargs))
+        zoo.assert_same_outputs(pipe(*family.args, **family.kwargs), reference(*family.args, **family.kwargs))
 
 
 # --- the reproductions of issue 25 ---
@@ -189,7 +175,7 @@ def test_llama_with_attention_dropout_partitions_in_training_mode() -> None:
     assert math.isfinite(float(pipe.train_step(args, target, loss_fn)))  # type: ignore[arg-type]
     pipe.eval()
     with torch.no_grad():
-        assert_same(pipe(*args), reference(*args))
+        zoo.assert_same_outputs(pipe(*args), reference(*args))
 
 
 def test_a_failed_meta_partition_leaves_real_buffers_as_they_were() -> None:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import pipe_split
 
@@ -20,6 +21,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of `a` against the reference `b`, in float64 (bf16 outputs compare fairly)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def assert_same_outputs(out: Any, ref: Any, tol: float = 1e-5) -> None:
+    """Same type and structure (a ModelOutput stays one), every tensor of the same shape and dtype within `tol`
+    relative, every other leaf equal."""
+    assert type(out) is type(ref)
+    leaves, spec = pytree.tree_flatten(out)
+    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    assert spec == ref_spec
+    for a, b in zip(leaves, ref_leaves):
+        if isinstance(b, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert rel(a, b) < tol, rel(a, b)
+        else:
+            assert a == b
 
 
 class MLP(nn.Module):

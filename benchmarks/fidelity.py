@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fidelity_worker import CONFIGS, ROUNDS, _data  # noqa: E402
+from torchrun_job import torchrun_json  # noqa: E402
 
 from cost_model.calibration import Calibration, fit_calibration  # noqa: E402
 from cost_model.links import loopback_link  # noqa: E402
@@ -55,15 +55,8 @@ TIMEOUT_S = 240
 def run_config(name: str, folder: Path, rounds: int, part: int = 0) -> dict[str, Any]:
     """One torchrun job of fidelity_worker.py for `name` (`rounds` rounds); its JSON result."""
     out = folder / f"{abs(hash(name))}-{part}.json"
-    ranks = CONFIGS[name][4]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(ROOT / "benchmarks" / "fidelity_worker.py"), name, str(out), str(rounds)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"config {name!r} failed (exit {proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return dict(json.loads(out.read_text()))
+    return torchrun_json(ROOT / "benchmarks" / "fidelity_worker.py", [name, str(out), str(rounds)], CONFIGS[name][4],
+                         out, f"config {name!r}", TIMEOUT_S)
 
 
 def run_all(names: list[str], folder: Path, passes: int) -> list[dict[str, Any]]:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from models import GPT, GPTConfig  # noqa: E402
+from torchrun_job import torchrun_json  # noqa: E402
 
 from partitioner import partition  # noqa: E402
 
@@ -86,14 +87,8 @@ def worker(schedule: str, out: str, measure: int, machine: bool) -> None:
 
 def run_job(schedule: str, folder: Path, k: int, measure: int, machine: bool) -> dict[str, Any]:
     out = folder / f"{schedule}-{k}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", schedule, str(out), "--measure", str(measure), *(["--machine"] if machine else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"{schedule} job failed (exit {proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    return dict(json.loads(out.read_text()))
+    args = ["--worker", schedule, str(out), "--measure", str(measure), *(["--machine"] if machine else [])]
+    return torchrun_json(__file__, args, 2, out, f"{schedule} job", TIMEOUT_S)
 
 
 def main() -> None:

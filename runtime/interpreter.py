@@ -23,7 +23,7 @@ import torch.fx
 from runtime.boundary import as_leaves, detached, gradients, leaves, summed
 from runtime.caller_backward import at_backward_end, trace_backward
 from runtime.clock import Clock, Mark
-from runtime.microbatch import graph_output, to_device
+from runtime.microbatch import output_builder, to_device
 from runtime.mutation import own_copies
 from runtime.program import Op
 from runtime.routes import Routes, stage_aliases
@@ -62,12 +62,12 @@ class Interpreter:
         self._restores = {s.index for s in stages if switches_state(s.module)}
         self._batches: dict[int, tuple[Sequence[Op], list[Span]]] = {}  # id(program ops) -> its batches, see `run`
         self.shared: frozenset[tuple[int, int]] = frozenset()  # see `begin`
+        self._inline: set[int] = set()  # see `begin`
         self.routes = routes
         self.transport = transport
         self.rank_of = rank_of
         self.rank = rank
         self.last = len(routes.reads) - 1
-        self._output_node = output_node
         self._constants = dict(constants)
         self._unflatten = unflatten_outputs
         self._reduce = reduce
@@ -77,6 +77,11 @@ class Interpreter:
         self._unresolved: list[tuple[dict[str, Any], Clock]] = []  # entries still holding marks, not seconds
         self.outputs: dict[int, Any] = {}
         self.loss: torch.Tensor | None = None
+        # One step's state (`begin` to `end`): what backwards will use, what waits to be sent
+        self.saved: dict[tuple[int, int], tuple[dict[int, list[Any]], dict[str, Any], Any]] = {}
+        self.weight_work: dict[tuple[int, int], WeightWork] = {}  # a split B's part for its W
+        self.outgoing: dict[Key, list[Any]] = {}
+        self._batch: list[Op] = []
         # Asynchronous updates (runtime.versions): each stage's weight versions, and the stream's state.
         self.versions: dict[int, StageVersions] = {}
         self.weighted_backward = True  # False (stash): each micro-batch's update uses its own loss, unweighted
@@ -87,6 +92,9 @@ class Interpreter:
         self.self_computed: dict[int, list[SelfComputed]] = {}
         for call in self_computed(stages):
             self.self_computed.setdefault(call.stage, []).append(call)
+        self._reads, self._sends, self._moves = routes.walks(stages)  # what a forward walks, worked out once
+        self._output = output_builder(output_node, self._constants)
+        self._rare = {s.index for s in stages if s.writes} | self._restores | set(self.self_computed)
 
     @property
     def trace(self) -> list[dict[str, Any]]:
@@ -100,24 +108,22 @@ class Interpreter:
 
     def begin(self, step: StepInputs, local: dict[Key, list[Any]],
               shared: frozenset[tuple[int, int]] = frozenset()) -> None:
-        """Start a step; `local` holds values between stages of this process (shared by its workers).
-
-        Values go through `local` between stages of this rank, and between the (src, dst) stage
-        pairs in `shared`: workers of one process run in one thread, on one device (no SEND/RECV).
-        """
-        self.shared = shared
-        self.clock = Clock(self._device()) if self.tracing else _HOST
+        """Start a step; `local` holds values between stages of this rank, and between the (src, dst) stage
+        pairs in `shared` (workers of one process in one thread, on one device: no SEND/RECV)."""
+        if shared is not self.shared:
+            self.shared, self._inline = shared, self.routes.inline(self.stages, shared)
+        if self.tracing or self.clock is not _HOST:
+            self.clock = Clock(self._device()) if self.tracing else _HOST
         self.step = step
         self.local = local
         self._micro = {i: (step, i) for i in range(len(step.envs))}
         self.envs = {i: dict(env) for i, env in enumerate(step.envs)}
-        self.saved: dict[tuple[int, int], tuple[dict[int, list[Any]], dict[str, Any], Any]] = {}
-        self.weight_work: dict[tuple[int, int], WeightWork] = {}  # a split B's part for its W
-        self.outgoing: dict[Key, list[Any]] = {}
-        self.outputs = {}
+        if self.saved or self.weight_work or self.outgoing or self._batch:  # what a failed step left
+            self.saved, self.weight_work, self.outgoing, self._batch = {}, {}, {}, []
+        if self.outputs:  # a new dict only where the caller did not take the last
+            self.outputs = {}
         train_last = step.mode == "train" and self.last in self.stages
         self.loss = torch.zeros((), device=self._device()) if train_last else None
-        self._batch: list[Op] = []
         self._streaming = False
 
     def end(self) -> None:
@@ -127,8 +133,8 @@ class Interpreter:
         self.envs = {}
         self._micro = {}
         self.local = {}
-        if self.saved or self.weight_work or self.outgoing:  # a failed step
-            self.saved, self.weight_work, self.outgoing = {}, {}, {}
+        if self.saved or self.weight_work or self.outgoing or self._batch:  # a failed step
+            self.saved, self.weight_work, self.outgoing, self._batch = {}, {}, {}, []
         self.step = _NO_STEP
 
     def begin_stream(self, local: dict[Key, list[Any]]) -> None:
@@ -263,13 +269,26 @@ class Interpreter:
         env = self.envs[i]
         step, j = self._micro[i]
         train = step.mode == "train"
+        quick = not (train or self.tracing or self.versions or self.weight_grad_hook is not None)
+        if quick and s in self._inline and s not in self._rare:  # pipe(x) in one thread, nothing special: short way
+            local = self.local
+            for t, names in self._reads[s]:
+                env.update(zip(names, local.pop((t, s, i))))
+            env.update(zip(stage.outputs, stage.module(*[to_device(env[name], stage.device) if move else env[name]
+                                                         for name, move in zip(stage.inputs, self._moves[s])])))
+            for c, names in self._sends[s]:
+                local[(s, c, i)] = [env[n] for n in names]
+            if s == self.last:
+                self.outputs[i] = self._output(env)
+            return
         received: dict[int, list[Any]] = {}  # what the backward sends gradients back for (train)
-        for t, names in self.routes.reads[s].items():
+        for t, names in self._reads[s]:
             values = self._value((t, s, i), stage.device)
             if train:
                 values = received[t] = as_leaves(values)
             env.update(zip(names, values))
-        inputs = [to_device(env[name], stage.device) for name in stage.inputs]
+        inputs = [to_device(env[name], stage.device) if move else env[name]
+                  for name, move in zip(stage.inputs, self._moves[s])]
         if stage.writes:  # its own copies (runtime.mutation): the caller's tensors get them (steps.write_back)
             inputs = own_copies(stage.inputs, inputs, stage.writes)
             step.envs[j].update((self.aliases[n], v) for n, v in zip(stage.inputs, inputs)
@@ -278,18 +297,16 @@ class Interpreter:
         if s in self._restores:
             with caller_state():  # grad mode and autocast restored whatever the stage switches, even if it raises
                 outputs = self._call(stage, i, inputs)
-        elif self.versions:
-            outputs = self._call(stage, i, inputs)
         else:
-            outputs = stage.module(*inputs)
+            outputs = self._call(stage, i, inputs)
         if self.tracing:
             self._record("forward", s, i, start)
         env.update(zip(stage.outputs, outputs))
-        for c, names in self.routes.sends[s].items():
+        for c, names in self._sends[s]:
             self._give((s, c, i), [env[n] for n in names])
         loss = None
         if s == self.last:
-            out = graph_output(self._output_node, env, self._constants)
+            out = self._output(env)
             if train:  # the loss sees what the model returns; pipe(x) gathers raw outputs, then unflattens
                 raw = micro_batch_loss(step, j, self._unflatten(out), stage.device)
                 loss = raw * step.weights[j]

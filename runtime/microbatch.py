@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -10,7 +10,8 @@ import torch.utils._pytree as pytree
 
 __all__ = [
     "MergeRule", "OutputMergeSpec", "InputSplitSpec", "batch_size", "check_merge_spec", "gather", "graph_output",
-    "SplitDim", "output_paths", "plain_containers", "scatter", "split_sizes", "tensors_in", "to_device",
+    "SplitDim", "output_builder", "output_paths", "plain_containers", "scatter", "split_sizes", "tensors_in",
+    "to_device",
 ]
 
 # [Note: merging micro-batches never guesses]
@@ -186,6 +187,8 @@ def split_sizes(size: int, chunks: int) -> list[int]:
 
 def plain_containers(value: Any) -> Any:
     """fx's immutable_dict / immutable_list as the plain dict / list the model itself returns."""
+    if type(value) is torch.Tensor:
+        return value
     if isinstance(value, dict):
         return {k: plain_containers(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -203,6 +206,19 @@ def graph_output(output_node: torch.fx.Node, values: dict[str, Any], constants: 
     return plain_containers(
         torch.fx.node.map_arg(output_node.args[0], lambda n: values[n.name] if n.name in values else constants[n.name])
     )
+
+
+def output_builder(output_node: torch.fx.Node, constants: dict[str, Any]) -> Callable[[dict[str, Any]], Any]:
+    """`graph_output` of `output_node` as a function of the computed values, its structure read once: a step
+    builds its output without walking the node's arguments again (a tensor or a tuple of them, usually)."""
+    arg = output_node.args[0]
+    if isinstance(arg, torch.fx.Node):
+        name: str = arg.name
+        return lambda values: plain_containers(values[name] if name in values else constants[name])
+    if type(arg) is tuple and all(isinstance(a, torch.fx.Node) for a in arg):
+        names: list[str] = [a.name for a in arg if isinstance(a, torch.fx.Node)]
+        return lambda values: tuple(plain_containers(values[n] if n in values else constants[n]) for n in names)
+    return lambda values: graph_output(output_node, values, constants)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

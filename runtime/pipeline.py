@@ -130,6 +130,7 @@ class Pipeline(Calibratable, nn.Module):
         self._pools: dict[int, ThreadPoolExecutor] = {}
         self._streams: dict[int, Any] = {}  # each worker's CUDA compute stream (None off CUDA)
         self._orders = InlineOrders()  # the one-thread order of each mode's programs, worked out once
+        self._tracing = False  # see `tracing`
         devices = [s.device for s in stages]  # one thread: stages on one device hand values over directly
         self._shared = frozenset((a, b) for a in range(len(devices)) for b in range(len(devices))
                                  if a != b and devices[a] == devices[b])
@@ -163,10 +164,11 @@ class Pipeline(Calibratable, nn.Module):
     @property
     def tracing(self) -> bool:
         """While True, every op's start and end are recorded (see `measured_timeline`)."""
-        return any(w.tracing for mode in self._modes.values() for w in mode.workers)
+        return self._tracing
 
     @tracing.setter
     def tracing(self, on: bool) -> None:
+        self._tracing = on
         for mode in self._modes.values():
             for w in mode.workers:
                 w.tracing = on
@@ -194,10 +196,11 @@ class Pipeline(Calibratable, nn.Module):
         step = forward_step(self._flatten, self._input_names, args, kwargs, self.plan.micro_batches, self._mutated,
                             self._input_dims, leaf_writes=self._leaf_writes)
         last = self._run(step).workers[self._rank_of[-1]]
-        outputs = [to_device(last.outputs[i], self.output_device) for i in range(len(step.envs))]
-        last.outputs = {}  # the caller holds them now
-        if len(outputs) == 1:
-            return self._unflatten(outputs[0])
+        held, last.outputs = last.outputs, {}  # the caller holds them now
+        device = self._stages[-1].device
+        if len(step.envs) == 1:
+            return self._unflatten(to_device(held[0], device))
+        outputs = [to_device(held[i], device) for i in range(len(step.envs))]
         try:
             merged = gather(outputs, step_sizes(step, self._input_dims), self._batched, self._merge_spec)
         except ValueError as exc:
@@ -281,29 +284,38 @@ class Pipeline(Calibratable, nn.Module):
 
     def _run(self, step: StepInputs) -> _Mode:
         """One synchronous step of the model's mode now; returns that mode's workers and programs."""
-        mode = self._mode()
-        programs = mode.programs[step.mode]
+        mode = self._modes.get(self._model[0].training) or self._mode()
         self._transport.reset()
         local: dict[Any, Any] = {}
         # One thread and no trace to record: values between stages on one device skip the mailbox.
-        shared = frozenset() if self._threaded or any(w.tracing for w in mode.workers) else self._shared
+        shared = frozenset() if self._threaded or self._tracing else self._shared
         for w in mode.workers:
             w.begin(step, local, shared)
-        train = step.mode == "train"
         try:
-            with transaction(self._params, mode.bns, grads=train) if train or mode.bns else contextlib.nullcontext():
-                if self._threaded:
-                    self._run_threads(programs, mode.workers)
-                else:
-                    self._run_inline(programs, mode.workers, shared)
-                if train and mode.self_computed and mode.workers[0].weight_grad_hook is None:
-                    check_self_computed(mode.self_computed, len(step.envs))
-            write_back(step)
+            if step.mode == "train" or mode.bns:
+                with transaction(self._params, mode.bns, grads=step.mode == "train"):
+                    self._run_programs(mode, step, shared)
+            elif not self._threaded:  # pipe(x) in one thread: the shortest way there
+                self._transport.blocking = False
+                run_inline(self._orders.of(mode.programs["forward"], shared), mode.workers)
+            else:
+                self._run_programs(mode, step, shared)
+            if step.written:
+                write_back(step)
         finally:
             for w in mode.workers:
                 w.end()
             self._transport.reset()  # a failed step's undelivered values hold their graphs
         return mode
+
+    def _run_programs(self, mode: _Mode, step: StepInputs, shared: frozenset[tuple[int, int]]) -> None:
+        programs = mode.programs[step.mode]
+        if self._threaded:
+            self._run_threads(programs, mode.workers)
+        else:
+            self._run_inline(programs, mode.workers, shared)
+        if step.mode == "train" and mode.self_computed and mode.workers[0].weight_grad_hook is None:
+            check_self_computed(mode.self_computed, len(step.envs))
 
     def _run_inline(self, programs: Sequence[Program], workers: list[Interpreter],
                     shared: frozenset[tuple[int, int]] = frozenset()) -> None:

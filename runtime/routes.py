@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx
@@ -43,6 +43,27 @@ class Routes:
 
     def producers(self) -> list[list[int]]:
         return [sorted(r) for r in self.reads]
+
+    def walks(self, stages: Sequence[Any]) -> tuple[dict[int, list[tuple[int, list[str]]]],
+                                                     dict[int, list[tuple[int, list[str]]]], dict[int, list[bool]]]:
+        """For each of `stages` (runtime.stage.Stage, held by one rank), what its forward walks, so that a step
+        only looks it up: (producer, names) it reads, (consumer, names) it sends, and for each input whether
+        it may sit on another device (a caller's input, or a value of another of these stages on another
+        device; what a transport delivers is on the stage's device already)."""
+        device = {s.index: s.device for s in stages}
+        reads = {s.index: list(self.reads[s.index].items()) for s in stages}
+        sends = {s.index: list(self.sends[s.index].items()) for s in stages}
+        moves = {}
+        for s in stages:
+            producer = {n: t for t, names in self.reads[s.index].items() for n in names}
+            moves[s.index] = [n not in producer or device.get(producer[n], s.device) != s.device for n in s.inputs]
+        return reads, sends, moves
+
+    def inline(self, stages: Collection[int], shared: frozenset[tuple[int, int]]) -> set[int]:
+        """Those of `stages` whose every read and send is between `shared` (src, dst) pairs (one thread, one
+        device: the values go through the workers' shared dict, whatever the micro-batch)."""
+        return {s for s in stages if all((t, s) in shared for t in self.reads[s])
+                and all((s, c) in shared for c in self.sends[s])}
 
 
 def stage_aliases(stages: Sequence[Any], routes: Routes) -> dict[str, str]:

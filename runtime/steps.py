@@ -41,9 +41,10 @@ def forward_step(
 ) -> StepInputs:
     """One call's micro-batches (`pipe(x)`); `leaf_writes`: see `check_leaf_writes`."""
     flat = flatten(args, kwargs)
-    check_leaf_writes(flat, input_names, leaf_writes)
-    return StepInputs(_envs(flat, input_names, micro_batches, dims), "forward",
-                      written=_written(flat, input_names, mutated))
+    if leaf_writes:
+        check_leaf_writes(flat, input_names, leaf_writes)
+    envs = [dict(zip(input_names, flat))] if micro_batches == 1 else _envs(flat, input_names, micro_batches, dims)
+    return StepInputs(envs, "forward", written=_written(flat, input_names, mutated) if mutated else {})
 
 
 def step_sizes(step: StepInputs, dims: Sequence[SplitDim] | None = None) -> list[int]:

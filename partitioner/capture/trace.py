@@ -262,10 +262,13 @@ def _guarded(traced: Traced, model: nn.Module, args: Sequence[Any], kwargs: Mapp
     def show(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
+    # Per example value, once: whether it is a tensor, and whether a call must pass an equal value.
+    kinds = [(isinstance(was, torch.Tensor), _plain(was)) for was in example]
+
     def flatten(call_args: Sequence[Any], call_kwargs: Mapping[str, Any]) -> list[Any]:
         flat = inner(call_args, call_kwargs)
-        for k, (value, was) in enumerate(zip(flat, example)):
-            if isinstance(was, torch.Tensor) == isinstance(value, torch.Tensor) and not (_plain(was) and value != was):
+        for k, (value, was, (tensor, plain)) in enumerate(zip(flat, example, kinds)):
+            if tensor == isinstance(value, torch.Tensor) and not (plain and value != was):
                 continue
             name = names[k] if k < len(names) else f"input {k}"
             raise PartitionError(

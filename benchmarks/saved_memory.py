@@ -7,7 +7,9 @@ published data-parallel runs train it on. The planners now count what autograd s
 autograd saves (torch.autograd.graph.saved_tensors_hooks, each storage once, weights and inputs
 left out) beside the prediction and the old bound, as ratios; then the fp32 ResNet-50 at 128 x 224 x 224
 traced on `meta` (no memory, no time), old bound and now, what a V100 16 GB leaves for it, and the
-hybrid planner's choice for 1,024 images on 8 V100s with each count.
+hybrid planner's choice for 1,024 images on 8 V100s with each count. 128 images per GPU is PipeDream's
+ResNet-50 batch (its profiler runs `main.py -a resnet50 -b 128`: msr-fiddle/pipedream,
+profiler/image_classification/README.md), the data-parallel configuration it trains on 16 GB V100s.
 Sizes are bytes, not times: the figures do not depend on a quiet machine.
 
 Usage: python benchmarks/saved_memory.py
@@ -68,7 +70,9 @@ def main() -> None:
     print(f"\nfp32 ResNet-50, 128 images of 224 x 224 (traced on meta): saved activations {now / GIB:.2f} GiB "
           f"(old bound {old / GIB:.2f} GiB, {old / now:.2f}x)")
     print(f"with weights, gradients and momentum ({weights / GIB:.2f} GiB): {(now + weights) / GIB:.2f} GiB of the "
-          f"{v100 / GIB:.2f} GiB a 16 GB V100 leaves for tensors (old bound: {(old + weights) / GIB:.2f} GiB)")
+          f"{v100 / GIB:.2f} GiB a 16 GB V100 leaves for tensors (old bound: {(old + weights) / GIB:.2f} GiB): "
+          f"PipeDream's data-parallel ResNet-50 at its batch of 128 per GPU "
+          f"{'fits' if now + weights <= v100 else 'does NOT fit'}")
     plans()
     print(f"saved activations, fp32 ResNet-50 at 128 images: {now / GIB:.2f} GiB (was {old / GIB:.2f} GiB); "
           f"small models within {worst:.1%} of autograd")

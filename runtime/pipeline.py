@@ -295,9 +295,6 @@ class Pipeline(Calibratable, nn.Module):
             if step.mode == "train" or mode.bns:
                 with transaction(self._params, mode.bns, grads=step.mode == "train"):
                     self._run_programs(mode, step, shared)
-            elif not self._threaded:  # pipe(x) in one thread: the shortest way there
-                self._transport.blocking = False
-                run_inline(self._orders.of(mode.programs["forward"], shared), mode.workers)
             else:
                 self._run_programs(mode, step, shared)
             if step.written:

@@ -169,7 +169,7 @@ def test_profile_shows_every_node(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "missing.py:make"], "no file missing.py"),
         (["plan", "tests.zoo:mlp", "--devices", "cpu,,cpu"], "--devices 'cpu,,cpu' has an empty entry"),
         (["plan", "tests.zoo:mlp", "--devices", "cuda:99"], "--devices:"),
-        (["plan", "tests.zoo:mlp", "--batch", "5"], "batch 7, but --batch 5 with --micro-batches 1 needs 5"),
+        (["plan", "tests.zoo:mlp", "--batch", "5"], "batch 7, but --batch 5 needs 5;"),
         (["plan", "tests.zoo:mlp", "--micro-batches", "0"], "--micro-batches 0: use 1 or more"),
         (["plan", "tests.zoo:mlp", "--micro-batches", "9"], "--micro-batches 9 is more than the batch of 7"),
         (["plan", "tests.zoo:mlp", "--out", "plan.txt"], "--out plan.txt: the suffix picks the picture"),
@@ -209,6 +209,8 @@ def test_factory_forms(tmp_path: Path) -> None:
     assert example.args[0].shape == (8, 3) and torch.equal(example.args[0][:2], example.args[0][6:])
     with pytest.raises(UsageError, match=r"needs 6 \(a full batch\) or 1.5 \(one micro-batch\)"):
         load_example(path + ":micro", 6, 4)
+    with pytest.raises(UsageError, match=r"batch 2, but --batch 6 needs 6; change --batch"):  # one size only
+        load_example(path + ":micro", 6, 1)
     with pytest.raises(UsageError, match=r"returned int; it must return \(model, example_inputs\)"):
         load_example(path + ":wrong", None, 1)
     # the work failed, not the arguments

@@ -147,10 +147,11 @@ def load_example(spec: str, batch: int | None, micro_batches: int) -> Example:
         if have * micro_batches == batch:
             args, kwargs = _repeat((args, kwargs), have, micro_batches)
         else:
+            needs = (f"with --micro-batches {micro_batches} needs {batch} (a full batch) or "
+                     f"{batch / micro_batches:g} (one micro-batch)" if micro_batches > 1 else f"needs {batch}")
             raise UsageError(
-                f"{spec} gave example inputs with batch {have}, but --batch {batch} with --micro-batches "
-                f"{micro_batches} needs {batch} (a full batch) or {batch / micro_batches:g} (one micro-batch); "
-                "change --batch, or let the factory take a `batch` argument"
+                f"{spec} gave example inputs with batch {have}, but --batch {batch} {needs}; change --batch, or let "
+                "the factory take a `batch` argument (it is called with batch=N)"
             )
     full = batch if batch is not None else have
     if micro_batches > full:

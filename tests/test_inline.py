@@ -171,3 +171,41 @@ def test_a_step_keeps_no_activations_and_a_traced_step_records_its_messages() ->
         reference(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)  # type: ignore[arg-type]
+
+
+class _Skips(nn.Module):
+    """A stage reads from two earlier ones (a skip), and the model returns a tuple with a value of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        g = torch.tanh(self.b(h)) + h
+        return self.c(g), h.sum(dim=1)
+
+
+def test_the_short_way_and_the_traced_way_give_the_plain_models_results_in_turn() -> None:
+    """pipe(x) in one thread takes a short path (values through the shared dict, worked out per set of shared
+    pairs); turning the trace on and off between calls switches paths, and every call equals the plain model."""
+    torch.manual_seed(0)
+    model = _Skips()
+    x = torch.randn(6, 4)
+    pipe: Any = partition(model, ["cpu"] * 3, example_inputs=(x,))
+    for tracing in (False, True, False, True, False):
+        pipe.tracing = tracing
+        pipe.clear_trace()
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                got, want = pipe(x), model(x)
+            assert isinstance(got, tuple) and len(got) == 2
+            for g, w in zip(got, want):
+                assert torch.equal(g, w) and g.requires_grad == w.requires_grad
+        assert bool(pipe.trace) == tracing
+        model.zero_grad()
+        pipe(x)[0].sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad()
+        model(x)[0].sum().backward()
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))

@@ -208,4 +208,4 @@ def test_the_short_way_and_the_traced_way_give_the_plain_models_results_in_turn(
         grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
         model.zero_grad()
         model(x)[0].sum().backward()
-        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        assert all(p.grad is not None and torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))

@@ -306,10 +306,8 @@ def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Ca
         schedule = "gpipe" if held[0] == held[1] else schedule
     priced = {x: evaluate_cluster(space, wins, bounds, m, schedule, t, x, virtual) for x in space.modes_for(d)}
     modes = cheapest_modes({x: found[1:] for x, found in priced.items()}, sharding, float(problem.capacity.min()))
-    # every stage keeping the configuration's mode: that mode's pricing is the plan's (no second evaluation)
-    uniform = all(mode == sharding for mode in modes)
-    final, work, memory = priced[sharding] if uniform else evaluate_cluster(space, wins, bounds, m, schedule, t,
-                                                                            modes, virtual)
+    final, work, memory = (priced[sharding] if all(x == sharding for x in modes)  # the configuration's: not redone
+                           else evaluate_cluster(space, wins, bounds, m, schedule, t, modes, virtual))
     return ClusterSolution(list(bounds), ranks, order, m, schedule, final, work, memory, tensor=t, sharding=sharding,
                            virtual=virtual, stage_sharding=modes)
 

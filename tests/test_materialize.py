@@ -264,3 +264,36 @@ def test_two_torchrun_ranks_each_hold_and_read_only_their_share() -> None:
         assert (float(peak) - float(before)) * 1e9 < 0.6 * total  # the rank's share, not the whole model
         assert float(holds) * 1e9 < 0.6 * total and stray == "0" and missing == "0"
     assert "peak host RSS per rank: max" in run.stdout.splitlines()[-1]
+
+
+class NoGradCast(nn.Module):
+    """`*inputs` (torch.fx refuses it: torch.export traces it) and a buffer cast under no_grad: export puts that
+    region in a nested graph with `_assert_tensor_metadata` checks of the tracing device (meta here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        x = inputs[0]
+        with torch.no_grad():
+            s = self.scale.to(x.dtype).float()
+        return self.b(torch.tanh(self.a(x)) * s)
+
+
+@pytest.mark.timeout(120)
+def test_meta_model_traced_by_export_with_nested_checks_equals_the_plain_model() -> None:
+    torch.manual_seed(0)
+    ref = NoGradCast()
+    with empty_weights():
+        model = NoGradCast()
+    x = torch.randn(6, 8)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, weights=ref.state_dict())
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    out, expected = pipe(x), ref(x)
+    assert rel(out, expected) < 1e-6
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None and rel(p.grad, q.grad) < 1e-6

@@ -153,6 +153,21 @@ def _devices_as_keywords(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _drop_nested_asserts(gm: torch.fx.GraphModule) -> None:
+    """Export's `_assert_tensor_metadata` checks inside nested graphs (the bodies of `wrap_with_set_grad_enabled`
+    and similar) removed, as the stage builder removes the top-level ones: they check the tracing device, meta for
+    a model built on meta, which the weights then leave (torch 2.11 puts one in Llama's rotary embedding)."""
+    for name, sub in gm.named_modules():
+        if not name or not isinstance(sub, torch.fx.GraphModule):
+            continue
+        check = torch.ops.aten._assert_tensor_metadata.default
+        found = [n for n in sub.graph.nodes if n.target is check and not n.users]
+        for node in found:
+            sub.graph.erase_node(node)
+        if found:
+            sub.recompile()
+
+
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     copy = t.detach().clone()
     return nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
@@ -203,6 +218,7 @@ def export_graph(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
         del program
     _point_back(gm, originals)
     _devices_as_keywords(gm)
+    _drop_nested_asserts(gm)
     codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
     in_spec = codegen.pytree_info.in_spec
     out_spec = codegen.pytree_info.out_spec

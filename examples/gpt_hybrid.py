@@ -50,7 +50,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # rank r takes cuda:LOCAL_RANK
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # rank r takes cuda:LOCAL_RANK: with fewer GPUs than processes on this host, every rank runs on the CPU (gloo)
+    device = "cuda" if torch.cuda.device_count() >= local else "cpu"
     cfg = GPTConfig(vocab=256, width=args.width, heads=4, layers=args.layers, seq=32)
     torch.manual_seed(0)
     model = GPT(cfg)

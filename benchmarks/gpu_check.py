@@ -176,13 +176,34 @@ def equivalence(device: torch.device) -> bool:
                 refs = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor) and t.is_floating_point()]
                 sum(t.float().square().mean() for t in outs).backward()  # type: ignore[union-attr]
                 sum(t.float().square().mean() for t in refs).backward()  # type: ignore[union-attr]
-            worst = max([rel(a, b) for a, b in zip(outs, refs)]
-                        + [rel(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
-                           if p.grad is not None and q.grad is not None], default=0.0)
+            pairs = zip(model.named_parameters(), reference.parameters())
+            errors = [(rel(a, b), f"output {i}") for i, (a, b) in enumerate(zip(outs, refs))] + [
+                (rel(p.grad, q.grad), f"grad {n}") for (n, p), q in pairs if p.grad is not None and q.grad is not None]
+            worst, where = max(errors, default=(0.0, ""))
             good = len(outs) == len(refs) and worst <= tolerance
             ok = ok and good
-            print(f"  {dtype} {name:<16} worst relative error {worst:.1e} {'ok' if good else 'FAILED'}")
+            print(f"  {dtype} {name:<16} worst relative error {worst:.1e} {'ok' if good else 'FAILED'}", flush=True)
+            if not good and where.startswith("grad "):
+                print("      " + _against_fp32(where[5:], model, reference, factory, device, args, kwargs))
     return ok
+
+
+def _against_fp32(param: str, model: nn.Module, reference: nn.Module, factory: Callable[[], Any],
+                  device: torch.device, args: Any, kwargs: Any) -> str:
+    """Where the pipeline and the plain model disagree on `param`'s gradient: each one's distance from the
+    gradient of the plain model in fp32 (which side left the function, or both within bf16's reach of it)."""
+    torch.manual_seed(0)
+    exact = factory()[0].to(device).eval()
+    exact.load_state_dict(reference.state_dict())
+    with precision(device, "fp32"):
+        out = exact(*args, **kwargs)
+        sum(t.float().square().mean() for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()).backward()  # type: ignore[union-attr]
+    want = dict(exact.named_parameters())[param].grad
+    got, plain = dict(model.named_parameters())[param].grad, dict(reference.named_parameters())[param].grad
+    assert want is not None and got is not None and plain is not None
+    return (f"{param}: pipeline vs fp32 {rel(got, want):.1e}, plain vs fp32 {rel(plain, want):.1e} "
+            f"(largest |grad| {want.abs().max().item():.1e})")
 
 
 def _refuses(model: nn.Module, device: torch.device, args: Any, kwargs: Any) -> bool:

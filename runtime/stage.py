@@ -211,6 +211,24 @@ def _rewrite_devices(node: torch.fx.Node, device: torch.device) -> None:
         node.kwargs = {**node.kwargs, "device": device}
 
 
+def _nested_on(sub: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """A nested graph of export's (a no_grad or autocast region's body) with its hard-coded devices `device`:
+    a copy sharing the weights, or `sub` itself where no node of it (or of its own nested graphs) names one."""
+    if not any(isinstance(n.kwargs.get("device"), torch.device) for m in sub.modules()
+               if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
+        return sub
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(sub.graph, {}))
+    copied = torch.fx.GraphModule(sub, graph)
+    for node in copied.graph.nodes:
+        _rewrite_devices(node, device)
+        inner = getattr(copied, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(inner, torch.fx.GraphModule):
+            setattr(copied, str(node.target), _nested_on(inner, device))
+    copied.recompile()
+    return copied
+
+
 def build_stages(
     gm: torch.fx.GraphModule,
     plan: Plan,
@@ -322,6 +340,8 @@ def _build_one(
     def attr(n: torch.fx.Node) -> None:
         target = str(n.target)
         obj = operator.attrgetter(target)(gm)
+        if isinstance(obj, torch.fx.GraphModule):
+            obj = _nested_on(obj, device)
         attrs[target] = obj
         value = graph.get_attr(target)
         home = homes.get(id(obj))

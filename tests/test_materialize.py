@@ -267,8 +267,9 @@ def test_two_torchrun_ranks_each_hold_and_read_only_their_share() -> None:
 
 
 class NoGradCast(nn.Module):
-    """`*inputs` (torch.fx refuses it: torch.export traces it) and a buffer cast under no_grad: export puts that
-    region in a nested graph with `_assert_tensor_metadata` checks of the tracing device (meta here)."""
+    """`*inputs` (torch.fx refuses it: torch.export traces it), a buffer cast and a tensor made on the input's
+    device under no_grad: export puts that region in a nested graph that names the tracing device (meta here),
+    in `_assert_tensor_metadata` checks and in the new tensor's device."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,7 +279,7 @@ class NoGradCast(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         x = inputs[0]
         with torch.no_grad():
-            s = self.scale.to(x.dtype).float()
+            s = self.scale.to(x.dtype).float() + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype) / 16
         return self.b(torch.tanh(self.a(x)) * s)
 
 

@@ -139,9 +139,9 @@ def _point_back(gm: torch.fx.GraphModule, originals: dict[int, torch.Tensor]) ->
 
 def _devices_as_keywords(gm: torch.fx.GraphModule) -> None:
     """Positional device arguments (`aten.to.device(x, device(type='cpu'), ...)`) passed by keyword, as export
-    passes the others (`arange(..., device=...)`): the stage builder gives each its stage's device (the graph
-    holds the tracing device, meta for a model on meta)."""
-    for node in gm.graph.nodes:
+    passes the others (`arange(..., device=...)`), in nested graphs too: the stage builder gives each its stage's
+    device (the graph holds the tracing device, meta for a model on meta)."""
+    for node in (n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device)), None)
@@ -150,7 +150,9 @@ def _devices_as_keywords(gm: torch.fx.GraphModule) -> None:
             continue
         node.kwargs = {**dict(zip(names[at:], node.args[at:])), **node.kwargs}
         node.args = node.args[:at]
-    gm.recompile()
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            m.recompile()
 
 
 def _drop_nested_asserts(gm: torch.fx.GraphModule) -> None:

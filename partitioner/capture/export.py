@@ -139,35 +139,27 @@ def _point_back(gm: torch.fx.GraphModule, originals: dict[int, torch.Tensor]) ->
 
 def _devices_as_keywords(gm: torch.fx.GraphModule) -> None:
     """Positional device arguments (`aten.to.device(x, device(type='cpu'), ...)`) passed by keyword, as export
-    passes the others (`arange(..., device=...)`), in nested graphs too: the stage builder gives each its stage's
-    device (the graph holds the tracing device, meta for a model on meta)."""
-    for node in (n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    passes the others (`arange(..., device=...)`), in nested graphs too (the bodies of `wrap_with_set_grad_enabled`
+    and similar): the stage builder gives each its stage's device (the graph holds the tracing device, meta for a
+    model on meta). Export's `_assert_tensor_metadata` checks of that device in nested graphs are dropped, as the
+    stage builder drops the top-level ones (torch 2.11 puts one in Llama's rotary embedding)."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
             continue
-        at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device)), None)
-        names = [a.name for a in node.target._schema.arguments]
-        if at is None or len(node.args) > len(names):
-            continue
-        node.kwargs = {**dict(zip(names[at:], node.args[at:])), **node.kwargs}
-        node.args = node.args[:at]
-    for m in gm.modules():
-        if isinstance(m, torch.fx.GraphModule):
-            m.recompile()
-
-
-def _drop_nested_asserts(gm: torch.fx.GraphModule) -> None:
-    """Export's `_assert_tensor_metadata` checks inside nested graphs (the bodies of `wrap_with_set_grad_enabled`
-    and similar) removed, as the stage builder removes the top-level ones: they check the tracing device, meta for
-    a model built on meta, which the weights then leave (torch 2.11 puts one in Llama's rotary embedding)."""
-    for name, sub in gm.named_modules():
-        if not name or not isinstance(sub, torch.fx.GraphModule):
-            continue
-        check = torch.ops.aten._assert_tensor_metadata.default
-        found = [n for n in sub.graph.nodes if n.target is check and not n.users]
-        for node in found:
-            sub.graph.erase_node(node)
-        if found:
-            sub.recompile()
+        for node in list(sub.graph.nodes):
+            if sub is not gm and node.target is check and not node.users:
+                sub.graph.erase_node(node)
+                continue
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.device)), None)
+            names = [a.name for a in node.target._schema.arguments]
+            if at is None or len(node.args) > len(names):
+                continue
+            node.kwargs = {**dict(zip(names[at:], node.args[at:])), **node.kwargs}
+            node.args = node.args[:at]
+        sub.recompile()
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -220,7 +212,6 @@ def export_graph(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
         del program
     _point_back(gm, originals)
     _devices_as_keywords(gm)
-    _drop_nested_asserts(gm)
     codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
     in_spec = codegen.pytree_info.in_spec
     out_spec = codegen.pytree_info.out_spec

@@ -14,12 +14,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from cost_model import overhead_fit
 from cost_model.group_fit import GroupFit, add_rows, solve
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "measured_stage_ms",
            "stage_records"]
 
-CALIBRATION_VERSION = 3  # 1: factors only (no "version" key); 2: + task_ms, links, step_ms, cores, runs; 3: + groups
+CALIBRATION_VERSION = 4  # 1: factors only (no "version" key); 2: + task_ms, links, step_ms, cores, runs; 3: + groups;
+# 4: + lines
 
 
 def _get(record: Any, *names: str) -> Any:
@@ -82,6 +84,8 @@ class Calibration:
     # "cpu/F" -> [[ata row]..., [atb]]: the weighted normal equations of F (or B, W) ops on
     # [base ms x share of each group in op_mix.GROUPS..., 1] (run_fit); `group_factors` solves them
     groups: dict[str, list[list[float]]] = field(default_factory=dict)
+    # "task" / "SEND" -> normal equations of an overhead that grows with the op before it (cost_model.overhead_fit)
+    lines: dict[str, list[float]] = field(default_factory=dict)
 
     def factor(self, device: Any) -> float:
         """measured / predicted for a device ('cuda:0') or a pair ('cpu->cuda:0'); 1 if unseen."""
@@ -105,6 +109,12 @@ class Calibration:
         among groups by `shares`, `others` ranks of its host computing beside it; None without a group fit."""
         fit = self.group_factors(device, kind)
         return fit.stage_ms(base_ms, shares, others) if fit is not None and shares else None
+
+    def line(self, key: str) -> tuple[float, float] | None:
+        """(a, b) of overhead `key` ("task": per F/B/W op, a + b x its ms; "SEND": per send, a + b x the ms of
+        the sender's op before it), or None when no fitted run gave it (then `task_ms` prices it flat)."""
+        eq = self.lines.get(key)
+        return overhead_fit.solve(eq) if eq else None
 
     def priced(self, devices: Iterable[Any]) -> Calibration:
         """These parameters for a plan whose stage times on `devices` already carry their compute factors
@@ -172,11 +182,12 @@ class Calibration:
         return {"version": CALIBRATION_VERSION, "decay": self.decay, "sums": {k: list(v) for k, v in self.sums.items()},
                 "task_ms": dict(self.task_ms), "links": {k: list(v) for k, v in self.links.items()},
                 "step_ms": self.step_ms, "cores": self.cores, "runs": self.runs,
-                **({"groups": {k: [list(r) for r in v] for k, v in self.groups.items()}} if self.groups else {})}
+                **({"groups": {k: [list(r) for r in v] for k, v in self.groups.items()}} if self.groups else {}),
+                **({"lines": {k: list(v) for k, v in self.lines.items()}} if self.lines else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
-        """Read `to_dict` output (version 1 files: factors only; 2: no group factors).
+        """Read `to_dict` output (version 1 files: factors only; 2: no group factors; 3: no lines).
 
         Raises:
             ValueError: a file from a newer version; re-run the calibration with this version.
@@ -191,6 +202,7 @@ class Calibration:
             {str(k): [float(x) for x in v] for k, v in data.get("links", {}).items()},
             float(data.get("step_ms", 0.0)), float(data.get("cores", 0.0)), float(data.get("runs", 0.0)),
             {str(k): [[float(x) for x in r] for r in v] for k, v in data.get("groups", {}).items()},
+            {str(k): [float(x) for x in v] for k, v in data.get("lines", {}).items()},
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -9,7 +9,7 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
                      host computing during it (averaged over the op)
     group factors    with `shares` (each stage's compute by operator group, cost_model.op_mix):
                      per device and kind, a factor per group, how much each other rank of the host
-                     computing beside an op slows it, and a fixed ms per op, from the same ops
+                     computing beside an op slows it, from the same ops
                      (normal equations kept in the Calibration, solved by cost_model.group_fit),
                      so the factors carry to a model with another mix of groups
     cores            the c in that slowdown, by a search over c minimizing the log error, only
@@ -18,10 +18,11 @@ Plain data in (a Plan or its `to_json` dict, the runtime's gathered trace in ms)
                      messages untraced steps skip: no SEND, RECV or WAKE cost, no link
     task overhead    per rank: time between its traced events, shared out over its F/B/W ops
                      (Python dispatch, autograd set-up); "SEND": the time posting batches with
-                     sends ("send" events) per SEND op of the programs
+                     sends ("send" events) per SEND op of the programs; both also as lines growing with
+                     the op before them (`lines`, cost_model/overhead_fit.py), which the simulator prefers
     link             latency and bandwidth of the cached loopback measurement (cost_model.links)
     "RECV"           per RECV op, the receiver's own time: posting receive-only batches ("recv" events
-                     of the peer's stage) shared over the RECV ops, plus the mean take ("recv" events
+                     of the peer's stage) shared over the RECV ops, plus the median take ("recv" events
                      of its own stage) that found its message already landed
     "WAKE"           a rank that blocked on a message resumes this long after the message's modelled
                      arrival (sender's compute end + post + latency + bytes / bandwidth): the mean
@@ -43,8 +44,9 @@ import math
 import os
 import re
 import statistics
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from cost_model import overhead_fit
 from cost_model.group_fit import row as group_row
 from cost_model.links import loopback_link
 from cost_model.machine_params import Calibration
@@ -165,15 +167,26 @@ def _one_thread(steps: Sequence[Mapping[str, Any]]) -> bool:
     return bool(steps)
 
 
+def _merged(step: Mapping[str, Any], one_thread: bool) -> list[tuple[int, list[Mapping[str, Any]]]]:
+    """The step's rows (`one_thread`: their events together, as the one thread that ran them)."""
+    rows = _rows(step)
+    if one_thread:
+        rows = [(0, sorted((e for _, events in rows for e in events), key=lambda e: float(e["start"])))]
+    return rows
+
+
+def _add_line(made: Calibration, key: str, rows: Sequence[tuple[tuple[float, float], float]]) -> None:
+    """Fold one run's rows into overhead line `key` (cost_model/overhead_fit.py); older runs decay."""
+    if rows:
+        made.lines[key] = overhead_fit.add(made.lines.get(key, []), rows, made.decay)
+
+
 def _overhead_ms(steps: Sequence[Mapping[str, Any]], one_thread: bool = False) -> float | None:
     """Per F/B/W op: each rank's untraced time between its events, over its ops (`one_thread`: the rows'
     events together, as the one thread that ran them)."""
     spare, ops = 0.0, 0
     for step in steps:
-        rows = _rows(step)
-        if one_thread:
-            rows = [(0, sorted((e for _, events in rows for e in events), key=lambda e: float(e["start"])))]
-        for _, events in rows:
+        for _, events in _merged(step, one_thread):
             if not events:
                 continue
             span = max(float(e["end"]) for e in events) - float(events[0]["start"])
@@ -192,10 +205,10 @@ def _post_ms(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]]) -> flo
 
 
 def _takes(plan: Mapping[str, Any], steps: Iterable[Mapping[str, Any]],
-           ) -> tuple[list[tuple[float, float, float, float]], float, int]:
-    """The receivers' side of the messages: (take start, take end, data ready, bytes) of each take whose
-    producer is traced (ready: the sender's compute end), the ms spent posting receive-only batches, and
-    the number of steps. A "recv" event of a rank's own stage is a take (waiting in transport.take);
+           ) -> tuple[list[tuple[float, float, float, float, float]], float, int]:
+    """The receivers' side of the messages: (take start, take end, data ready, bytes, producing op's ms) of each
+    take whose producer is traced (ready: the sender's compute end), the ms spent posting receive-only batches,
+    and the number of steps. A "recv" event of a rank's own stage is a take (waiting in transport.take);
     one of the peer's stage is the posting of a receive-only batch (see runtime/interpreter.py _post)."""
     stages = plan.get("stages", [])
     takes, posting, count = [], 0.0, 0
@@ -214,35 +227,37 @@ def _takes(plan: Mapping[str, Any], steps: Iterable[Mapping[str, Any]],
                 if not 0 <= dst < len(stages) or int(e.get("peer", -1)) not in by_rank:
                     continue
                 mb, reads = int(e.get("microbatch", -1)), set(stages[dst].get("reads_from", []))
-                sent = [(float(x["end"]), int(x["stage"])) for x in by_rank[int(e["peer"])]
+                sent = [(float(x["end"]), int(x["stage"]), float(x["end"]) - float(x["start"]))
+                        for x in by_rank[int(e["peer"])]
                         if int(x.get("microbatch", -2)) == mb and (
                             (x.get("kind") == "forward" and int(x["stage"]) in reads)
                             or (x.get("kind") == "backward" and dst in stages[int(x["stage"])].get("reads_from", [])))
                         and float(x["end"]) <= end]
                 if sent:
-                    ready, src = max(sent)
-                    takes.append((start, end, ready, float(stages[max(src, dst)].get("recv_bytes", 0))))
+                    ready, src, ms = max(sent)
+                    takes.append((start, end, ready, float(stages[max(src, dst)].get("recv_bytes", 0)), ms))
     return takes, posting, count
 
 
-def _receive_costs(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], post_ms: float, latency_ms: float,
-                   per_ms: float) -> tuple[float | None, float | None]:
+def _receive_costs(plan: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], post: Callable[[float], float],
+                   latency_ms: float, per_ms: float) -> tuple[float | None, float | None]:
     """(receiver's ms per RECV op, wake-up ms) as the simulator charges them (partitioner/predict/simulator.py).
 
-    A message lands at arrival = sender's compute end + its post + latency + bytes / bandwidth.
-    A take reached after that costs its whole length (copying out, Python): with the posting of
-    receive-only batches, shared over the RECV ops, that is the per-RECV cost. A take reached
-    before it blocks: the rank resumes (arrival + wake); wake is the mean of (end - arrival) over
-    those, since every late wake-up on the critical path delays the step by its full length.
+    A message lands at arrival = sender's compute end + its post (`post` of that op's ms) + latency +
+    bytes / bandwidth. A take reached after that costs its length (copying out, Python): the median
+    (a robust centre, as for the sends' posting: cost_model/overhead_fit.py), with the posting of
+    receive-only batches shared over the RECV ops, is the per-RECV cost. A take reached before it
+    blocks: the rank resumes (arrival + wake); wake is the mean of (end - arrival) over those, since
+    every late wake-up on the critical path delays the step by its full length.
     """
     takes, posting, count = _takes(plan, steps)
     receives = sum(1 for p in plan.get("programs", []) for op in p.get("ops", []) if str(op).startswith("RECV"))
     if not takes or not count:
         return None, None
-    arrival = [ready + post_ms + latency_ms + nbytes / per_ms for _, _, ready, nbytes in takes]
-    ready_takes = [end - start for (start, end, _, _), a in zip(takes, arrival) if start >= a]
-    woken = [end - a for (start, end, _, _), a in zip(takes, arrival) if start < a]
-    per_take = statistics.fmean(ready_takes) if ready_takes else 0.0
+    arrival = [ready + post(ms) + latency_ms + nbytes / per_ms for _, _, ready, nbytes, ms in takes]
+    ready_takes = [end - start for (start, end, *_), a in zip(takes, arrival) if start >= a]
+    woken = [end - a for (start, end, *_), a in zip(takes, arrival) if start < a]
+    per_take = statistics.median(ready_takes) if ready_takes else 0.0
     recv = (posting / (receives * count) if receives else 0.0) + per_take
     return recv, (max(0.0, statistics.fmean(woken)) if woken else None)
 
@@ -341,16 +356,21 @@ def fit_run(plan_data: Any, trace: Mapping[str, Any], *, step_ms: float, previou
     if overhead is not None:
         for kind in ("F", "B", "W"):
             made.task_ms[kind] = _blend(made.task_ms.get(kind, 0.0), overhead, w_old)
+    ranks = [[events for _, events in _merged(step, one_thread)] for step in steps]
+    _add_line(made, "task", [r for step in ranks for r in overhead_fit.task_rows(step, _KINDS)])
     if one_thread:  # untraced steps skip the messages between its stages (only a trace posts them)
         for key in ("SEND", "RECV", "WAKE"):
             made.task_ms[key] = 0.0
+        made.lines.pop("SEND", None)
     else:
         post = _post_ms(plan, steps)
         if post is not None:
             made.task_ms["SEND"] = _blend(made.task_ms.get("SEND", 0.0), post, w_old)
+        _add_line(made, "SEND", overhead_fit.send_points([events for step in ranks for events in step], _KINDS))
         latency, per_ms = made.links.get(backend) or _default_link(backend)
         made.links[backend] = [latency, per_ms]  # the cached loopback measurement: a blocked receiver waits "WAKE"
-        recv, wake = _receive_costs(plan, steps, made.task_ms.get("SEND", 0.0), latency, per_ms)
+        line, flat = made.line("SEND"), made.task_ms.get("SEND", 0.0)
+        recv, wake = _receive_costs(plan, steps, lambda ms: overhead_fit.price(line, ms, flat), latency, per_ms)
         for key, value in (("RECV", recv), ("WAKE", wake)):
             if value is not None:
                 made.task_ms[key] = _blend(made.task_ms.get(key, 0.0), value, w_old)

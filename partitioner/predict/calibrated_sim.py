@@ -3,11 +3,13 @@
 `simulate(plan, calibration=c)` lands here. Each op of the programs is priced from the
 calibration's general parameters (cost_model/run_fit.py fits them from a traced run):
 
-    F/B/W     the plan's stage time x the device's factor for that kind + the per-task overhead,
+    F/B/W     the plan's stage time x the device's factor for that kind + the per-task overhead
+              (a + b x that time where a run fitted the "task" line, cost_model/overhead_fit.py),
               x the processor-sharing slowdown max(1, k / cores) while k CPU rows (ranks or
               worker slots) of one host compute at once: they share the host's cores
-    SEND      the sender posts it (its thread busy for the "SEND" task time), then the message
-              takes latency + bytes / bandwidth of the backend's link
+    SEND      the sender posts it (its thread busy for the "SEND" line's a + b x its compute op before,
+              else the flat "SEND" task time), then the message takes latency + bytes / bandwidth of the
+              backend's link
     RECV      the receiver's thread is busy for the "RECV" task time (posting, taking the message);
               a compute op whose message lands after its rank is ready starts "WAKE" ms after
               the landing (a blocked thread waits to be woken and get a core back)
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from cost_model import overhead_fit
 from cost_model.calibration import Calibration
 from cost_model.run_fit import sharing
 from partitioner.predict.lowering import default_programs
@@ -71,7 +74,7 @@ def simulate_calibrated(
     def one_pass() -> tuple[Timeline, list[list[tuple[float, float] | None]]]:
         run = ProgramRun(plan, programs, message, group)
         run.compute_price = _compute_price(plan, programs, calibration, stretch)
-        run.post_ms = calibration.task_ms.get("SEND", 0.0)
+        run.post_ms, run.post_per_ms = calibration.line("SEND") or (calibration.task_ms.get("SEND", 0.0), 0.0)
         run.recv_ms = calibration.task_ms.get("RECV", 0.0)
         run.wake_ms = calibration.task_ms.get("WAKE", 0.0)
         run.couple_batches()
@@ -105,11 +108,13 @@ def _message(plan: Plan, programs: list[Program], calibration: Calibration, tran
 def _compute_price(plan: Plan, programs: list[Program], calibration: Calibration,
                    stretch: dict[tuple[int, int], float]) -> Callable[[int, int, Op], float]:
     reads = [bool(s.reads_from) for s in plan.stages]  # as ProgramRun reads the stage DAG
+    line = calibration.line("task")
 
     def price(row: int, index: int, op: Op) -> float:
         stage = plan.stages[op.stage]
         base = compute_ms(stage, op.kind, op.split, reads[op.stage]) * calibration.compute_factor(stage.device, op.kind)
-        return (base + calibration.task_ms.get(op.kind, 0.0)) * stretch.get((row, index), 1.0)
+        return (base + overhead_fit.price(line, base, calibration.task_ms.get(op.kind, 0.0))) * stretch.get(
+            (row, index), 1.0)
 
     return price
 

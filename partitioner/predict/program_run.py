@@ -56,7 +56,8 @@ class ProgramRun:
                  group: Callable[[Group], float], members: Mapping[int, Sequence[int]] | None = None) -> None:
         self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
         self.compute_price: Callable[[int, int, Op], float] | None = None  # (row, op index, op) -> ms
-        self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs)
+        self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs) ...
+        self.post_per_ms = 0.0  # ... plus this much per ms of its rank's compute op before it
         self.recv_ms = 0.0  # the receiver's own time per RECV: posting it and taking the message (calibrated)
         self.wake_ms = 0.0  # a rank blocked on a message resumes this long after it arrives (calibrated)
         self.coupled: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # see couple_batches
@@ -70,6 +71,7 @@ class ProgramRun:
             for p in ps:
                 self.consumers[p].append(s)
         self.clock = [0.0] * len(self.programs)
+        self.last_ms = [0.0] * len(self.programs)  # each row's latest compute op's length
         self.times: list[list[tuple[float, float] | None]] = [[None] * len(p.ops) for p in self.programs]
         self.finished: dict[tuple[str, int, int], float] = {}
         self.transfers: dict[tuple[int, int, int], tuple[float, float]] = {}
@@ -182,6 +184,7 @@ class ProgramRun:
             end = start + compute_ms(stage, op.kind, op.split, bool(self.producers[s]))
         self.rows[k].events.append(Event(compute_kind(op.kind), s, mb, start, end))
         self.clock[k] = self.finished[(op.kind, s, mb)] = end
+        self.last_ms[k] = end - start
         self.times[k][i] = (start, end)
         return True
 
@@ -197,8 +200,9 @@ class ProgramRun:
         if ready is None or peer is None:
             return False
         duration = self.message(op.src, op.dst)
-        if self.post_ms > 0:  # posting occupies the sender's thread before the message leaves
-            self.clock[k] = max(self.clock[k], ready) + self.post_ms
+        post = max(0.0, self.post_ms + self.post_per_ms * self.last_ms[k])
+        if post > 0:  # posting occupies the sender's thread before the message leaves
+            self.clock[k] = max(self.clock[k], ready) + post
         start = max(self.clock[k], ready, self.link_free.get((k, peer), 0.0))
         key = (op.src, op.dst, op.microbatch)
         self.transfers[key] = self.times[k][i] = (start, start + duration)

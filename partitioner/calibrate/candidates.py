@@ -25,7 +25,7 @@ from torch import nn
 
 from cost_model.analytic import CostModel
 from cost_model.calibration import Calibration, fit_calibration
-from cost_model.calibration_store import find_calibration, save_calibration
+from cost_model.calibration_store import calibration_path, find_calibration, save_calibration
 from cost_model.default import default_cost_model
 from partitioner.calibrate.measure import Candidate, Measurement
 from partitioner.calibrate.predict import calibrated_plan, calibrated_step_ms, shares_of
@@ -121,7 +121,11 @@ def fit_and_rank(pipe: Any, setup: Setup, ran: Measurement, path: Path, *, repla
     only); the challenger to measure, if any. See the module docstring."""
     if ran.trace is None:
         raise PartitionError("calibrate: no trace was gathered on rank 0")
-    previous = find_calibration(setup.devices, processes=distributed(), given=path if path.is_file() else None)
+    # calibration= given (a Calibration, or a path: fresh until written) is the prior, never the machine's file
+    given = setup.request.calibration
+    if not isinstance(given, Calibration):
+        given = None if path == calibration_path(setup.devices, processes=distributed()) else path
+    previous = find_calibration(setup.devices, processes=distributed(), given=given)
     shares = shares_of(pipe.plan, setup.model)
     cal = fit_calibration(pipe.plan, ran.trace, step_ms=ran.step_ms, previous=previous,
                           priced_with=priced_with(setup), shares=shares)

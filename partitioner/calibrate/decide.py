@@ -7,7 +7,8 @@
          runner-up when its prediction is within the simulator's proven error of the running one
          (how far the running plan's prediction, made before this run, was from this run)
       -> measure the challenger as long; it replaces the running plan (adopted in place) only when
-         measured faster by more than the noise of the two measurements (MIN_GAIN at least)
+         measured faster by more than the standard error of the two medians' difference where the
+         calibrated simulator predicted it faster, twice that where it did not (MIN_GAIN at least)
 
 Fitting and planning the candidates is partitioner.calibrate.candidates; the refit a pipeline does by
 itself after its first training steps (no extra steps, nothing switched) is partitioner.calibrate.passive.
@@ -21,6 +22,7 @@ same decision.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -108,14 +110,18 @@ def calibrate(
             raise decided if isinstance(decided, BaseException) else PartitionError(f"rank 0: {decided}")
         cands: dict[str, Candidate] = decided["cands"]
         current, challenger = decided["current"], decided["challenger"]
-        chosen, trace = current, ran.trace
+        chosen, trace, within_noise = current, ran.trace, False
         if challenger is not None:
             other = build(setup, type(pipe.plan).from_json(decided["plan"]), pipe)  # drawable where the pipe's is
             got = measure(other, steps, call)
             snap.restore()
             cands[challenger].measured_ms = got.step_ms
-            margin = max(MIN_GAIN, ran.spread, got.spread)  # a switch must beat the measurements' noise
+            # a switch must beat the measurements' noise (the standard error of the two medians' difference):
+            # once where the calibrated simulator also says the challenger is faster, twice where it does not
+            agrees = cands[challenger].predicted_after_ms < cands[current].predicted_after_ms
+            margin = max(MIN_GAIN, (1 if agrees else 2) * math.hypot(ran.noise, got.noise))
             switch = got.step_ms < ran.step_ms * (1.0 - margin)
+            within_noise = not switch and got.step_ms < ran.step_ms
             _log(cands[current], cands[challenger], decided["error"], margin, cands[challenger if switch else current])
             if switch:
                 pipe.adopt(other)
@@ -137,7 +143,8 @@ def calibrate(
         steps=steps, path=str(where), measured_ms=ran.step_ms, predicted_before_ms=before,
         predicted_after_ms=cands[current].predicted_after_ms, previous=current, chosen=chosen,
         replanned=challenger is not None and chosen != current,
-        reverted=challenger is not None and (chosen != current) != predicted_switch,
+        reverted=challenger is not None and (chosen != current) != predicted_switch and not within_noise,
+        within_noise=within_noise,
         candidates=cands, factors=decided["factors"], fitted=decided["fitted"], plan=final,
         trace=trace if rank0 else None, timeline=decided.get("timeline") if chosen == current and rank0 else None)
     for c in cands.values():

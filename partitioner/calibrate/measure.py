@@ -7,12 +7,13 @@ what `pipe.calibrate` returns. partitioner.calibrate.decide decides what to do w
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,17 +25,29 @@ from runtime.calibration_hook import StepCall
 from runtime.launch import distributed
 from runtime.plan import Plan
 
-__all__ = ["CalibrationReport", "Candidate", "Measurement", "Snapshot", "default_step", "measure_steps"]
+__all__ = ["CalibrationReport", "Candidate", "Measurement", "Snapshot", "default_step", "measure_steps",
+           "step_statistics"]
 
 
 @dataclass
 class Measurement:
     """A measured run: the median step (ms; under torchrun the slowest rank's), the last step's trace,
-    and the run's noise: the interquartile range of its steps over their median (0 with fewer than 4)."""
+    and the run's noise: the relative standard error of that median (see `step_statistics`)."""
 
     step_ms: float
     trace: dict[str, Any] | None
-    spread: float = 0.0
+    noise: float = 0.0
+
+
+def step_statistics(times: Sequence[float]) -> tuple[float, float]:
+    """(median ms, its relative standard error) of step times. The error is estimated robustly, from the
+    interquartile range (a normal sigma is IQR / 1.349; the median of n draws varies by 1.2533 sigma /
+    sqrt(n)), so one step slowed by other work on the host does not set it; 0 with fewer than 4 steps."""
+    median = statistics.median(times)
+    if len(times) < 4:
+        return median, 0.0
+    quartiles = statistics.quantiles(times, n=4, method="inclusive")  # within the steps: robust for few
+    return median, 1.2533 * (quartiles[2] - quartiles[0]) / 1.349 / math.sqrt(len(times)) / max(median, 1e-9)
 
 
 @dataclass
@@ -61,6 +74,7 @@ class CalibrationReport:
     chosen: str
     replanned: bool  # the pipe now runs another plan
     reverted: bool  # the measurement contradicted the calibrated prediction, and the measurement won
+    within_noise: bool = False  # the challenger measured faster, but not by more than the measurements' noise
     candidates: dict[str, Candidate] = field(default_factory=dict)
     factors: dict[str, float] = field(default_factory=dict)
     fitted: dict[str, Any] = field(default_factory=dict)  # the fit's other figures: task_ms, links, step_ms, cores
@@ -85,15 +99,23 @@ class CalibrationReport:
             measured = f"{c.measured_ms:.2f}" if c.measured_ms is not None else "-"
             lines.append(f"{c.name:<28} {c.predicted_before_ms:>17.2f} {c.predicted_after_ms:>16.2f} {measured:>10}")
         what = "reverted to" if self.reverted and self.replanned else "re-planned to" if self.replanned else "kept"
-        lines.append(f"{what} {self.chosen}" + (" (the calibrated prediction was wrong)" if self.reverted else ""))
+        why = " (the calibrated prediction was wrong)" if self.reverted else ""
+        if self.within_noise:
+            other = next((c.name for c in self.candidates.values() if c.name != self.chosen and c.measured_ms), "")
+            why = f" ({other} measured faster, within the measurements' noise)"
+        lines.append(f"{what} {self.chosen}{why}")
         return "\n".join(lines)
 
 
 def measure_steps(pipe: Any, steps: int, call: StepCall) -> Measurement:
-    """Run `steps` training steps of `pipe`; the median step time and the last step's trace."""
+    """Run `steps` training steps of `pipe`; the median step time and the last step's trace. A pipe that has
+    not run a step yet runs one more first, untimed: its first step exchanges message headers and warms
+    the allocator, and would count as noise against it."""
     times: list[float] = []
     many = distributed()
     tracing = pipe.tracing
+    if getattr(pipe, "last_step", None) is None:
+        pipe.train_step(call.inputs, call.targets, call.loss_fn, call.input_kwargs, call.loss_reduction)
     for i in range(steps):
         if i == steps - 1:
             pipe.clear_trace()
@@ -108,14 +130,12 @@ def measure_steps(pipe: Any, steps: int, call: StepCall) -> Measurement:
     pipe.tracing = tracing
     trace = pipe.gather_trace() if many else pipe.measured_timeline()
     pipe.clear_trace()
-    step_ms = statistics.median(times)
-    quartiles = statistics.quantiles(times, n=4) if len(times) >= 4 else [step_ms] * 3
-    spread = (quartiles[2] - quartiles[0]) / max(step_ms, 1e-9)
+    step_ms, noise = step_statistics(times)
     if many:
-        slowest = torch.tensor([step_ms, spread], dtype=torch.float64)
+        slowest = torch.tensor([step_ms, noise], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        step_ms, spread = float(slowest[0]), float(slowest[1])
-    return Measurement(step_ms, trace, spread)
+        step_ms, noise = float(slowest[0]), float(slowest[1])
+    return Measurement(step_ms, trace, noise)
 
 
 class Snapshot:

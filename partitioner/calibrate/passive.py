@@ -22,7 +22,6 @@ user traces. A failure is logged and ends the watch; it never fails the training
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from cost_model.calibration_store import calibration_path
 from partitioner.calibrate.candidates import MIN_GAIN, Setup, fit_and_rank, option_sets, rebuild, regather
-from partitioner.calibrate.measure import CalibrationReport, Candidate, Measurement
+from partitioner.calibrate.measure import CalibrationReport, Candidate, Measurement, step_statistics
 from runtime.launch import distributed
 
 __all__ = ["STEPS", "StepWatch"]
@@ -97,15 +96,13 @@ class StepWatch:
     def _measured(self) -> Measurement:
         """The median start-to-start time of steps 2 .. N (the slowest rank's) and the traces gathered."""
         periods = [(b - a) * 1e3 for a, b in zip(self.starts[1:-1], self.starts[2:])]
-        step_ms = statistics.median(periods)
-        quartiles = statistics.quantiles(periods, n=4) if len(periods) >= 4 else [step_ms] * 3
-        spread = (quartiles[2] - quartiles[0]) / max(step_ms, 1e-9)
+        step_ms, noise = step_statistics(periods)
         if distributed():
-            slowest = torch.tensor([step_ms, spread], dtype=torch.float64)
+            slowest = torch.tensor([step_ms, noise], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            step_ms, spread = float(slowest[0]), float(slowest[1])
+            step_ms, noise = float(slowest[0]), float(slowest[1])
         traces = [t for t in self.traces if t is not None]
-        return Measurement(step_ms, {"steps": traces} if traces else None, spread)
+        return Measurement(step_ms, {"steps": traces} if traces else None, noise)
 
     def _refit(self, pipe: Any) -> None:
         setup = self.setup
@@ -160,7 +157,7 @@ class StepWatch:
         if challenger is None:
             return
         mine, theirs = cands[current].predicted_after_ms, cands[challenger].predicted_after_ms
-        if theirs < mine * (1.0 - max(MIN_GAIN, ran.spread)):
+        if theirs < mine * (1.0 - max(MIN_GAIN, 2 * ran.noise)):
             logger.info("calibrated: %s is predicted %.2f ms per step against %.2f ms for the running %s; "
                         "pipe.calibrate() measures it and switches if it is faster", challenger, theirs, mine,
                         current)

@@ -13,8 +13,9 @@ same model and weights, new stages and programs).
 
 A pipeline is calibrated by default from its own first training steps: `partition` also
 installs a `StepWatch` (partitioner.calibrate.passive), which `train_step` calls as each step
-starts (from `remember_step`, before the step runs). It may switch tracing on for a step and
-refit once; it never runs a step of its own. `set_step_watch(None)` removes it.
+starts (from `remember_step`, before the step runs) and as a synchronous step's work ends
+(`end_step`). It may switch tracing on for a step and refit once; it never runs a step of its
+own. `set_step_watch(None)` removes it.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ class CalibrationHook(Protocol):
 
 
 class StepWatch(Protocol):
-    """What `train_step` calls as each step starts, with the pipeline (see the module docstring)."""
+    """What `train_step` calls as each step starts, with the pipeline (see the module docstring), and as a
+    synchronous step's work ends (`step_ended`): the loop's own work between steps is told apart."""
 
     def __call__(self, pipe: Any) -> None: ...
+
+    def step_ended(self, pipe: Any) -> None: ...
 
 
 class Calibratable:
@@ -109,6 +113,12 @@ class Calibratable:
         watch = self.__dict__.get("_step_watch")
         if watch is not None:
             watch(self)
+
+    def end_step(self) -> None:
+        """Tell the step watch, if one is installed, that a synchronous training step's work has ended."""
+        watch = self.__dict__.get("_step_watch")
+        if watch is not None:
+            watch.step_ended(self)
 
     def adopt(self, other: Any) -> None:
         """Take over `other`'s whole state (a pipeline of the same model built from another plan).

@@ -283,6 +283,7 @@ class DistributedPipeline(Calibratable, nn.Module):
                 interpreter._record("allreduce-wait", min(self._stages), -1, start)
         write_back(step)
         interpreter.end()  # the step's activations go with its graph (runtime.interpreter)
+        self.end_step()
         loss = interpreter.loss
         if loss is None:
             return None

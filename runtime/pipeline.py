@@ -234,6 +234,7 @@ class Pipeline(Calibratable, nn.Module):
         refuse_optimizer(optimizer)
         loss = self._run(step).workers[self._rank_of[-1]].loss
         assert loss is not None
+        self.end_step()
         return loss
 
     def set_weight_grad_hook(self, hook: WeightGradHook | None) -> None:

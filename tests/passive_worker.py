@@ -2,7 +2,8 @@
 
 Each rank partitions a small GPT (calibrated by default; argument "auto": schedule="auto", so the
 candidates are planned again, which gathers every weight on rank 0 and drops them again), gives the
-step watch a fake clock (rank r's steps (r + 1) x 5 ms apart, so the slowest rank's 10 ms counts),
+step watch a fake clock (rank r's steps (r + 1) x 5 ms apart, each ending 1 ms before the next starts, so
+the slowest rank's 9 ms inside train_step counts, and its 1 ms between steps is added to the pipe's prediction),
 and trains 12 steps beside the plain model trained alike. Checks, per rank: losses and weights equal
 the plain model's, every rank updated its plan to the same prediction, the measured step is the
 slowest rank's. Prints 'RESULT ... ok=True|False'.
@@ -45,7 +46,8 @@ def main() -> int:
     pipe = partition(model, ["cpu"] * dist.get_world_size(), example_inputs=(x,), micro_batches=2, **auto)
     watch = hook_of(pipe).watch
     assert watch is not None
-    ticks = iter([k * (rank + 1) * 5e-3 for k in range(STEPS + 1)])
+    # each step's start, then its end 1 ms before the next one starts (the loop's optimizer step)
+    ticks = iter([t for k in range(STEPS + 1) for t in (k * (rank + 1) * 5e-3, ((k + 1) * (rank + 1) * 5 - 1) * 1e-3)])
     watch.clock = lambda: next(ticks)
     before = pipe.plan.predicted_step_ms
     opt = torch.optim.SGD([p for p in model.parameters() if p.numel()], lr=0.1, momentum=0.9)
@@ -69,7 +71,8 @@ def main() -> int:
     dist.all_gather_object(seen, (pipe.plan.predicted_step_ms, report.measured_ms))
     same = all(s == seen[0] for s in seen)
     saved = Path(report.path).is_file() if rank == 0 else True
-    ok = (same and saved and report.measured_ms == 10.0 and pipe.plan.predicted_step_ms != before
+    loop = abs(pipe.plan.predicted_step_ms - report.predicted_after_ms - 1.0) < 1e-6
+    ok = (same and saved and abs(report.measured_ms - 9.0) < 1e-9 and loop and pipe.plan.predicted_step_ms != before
           and loss_err < 1e-5 and weight_err < 1e-4 and not pipe.tracing and watch.done)
     print(f"RESULT rank={rank} mode={MODE} predicted={pipe.plan.predicted_step_ms:.2f} (was {before:.2f}) "
           f"measured={report.measured_ms} same={same} saved={saved} loss_err={loss_err:.1e} "

@@ -33,11 +33,14 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeClock:
-    """Step starts PERIODS_MS apart (seconds); counts its calls."""
+    """Steps whose work takes PERIODS_MS (seconds), each followed by `loop_ms` of the loop's own work (its
+    optimizer step, data) before the next one starts; counts its calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop_ms: float = 1.0) -> None:
         self.calls = 0
-        self._times: Iterator[float] = iter([sum(PERIODS_MS[:k]) / 1e3 for k in range(len(PERIODS_MS) + 1)])
+        starts = [sum(PERIODS_MS[:k]) + k * loop_ms for k in range(len(PERIODS_MS) + 1)]
+        times = [t for k, start in enumerate(starts[:-1]) for t in (start, starts[k + 1] - loop_ms)] + starts[-1:]
+        self._times: Iterator[float] = iter([t / 1e3 for t in times])
 
     def __call__(self) -> float:
         self.calls += 1
@@ -76,19 +79,36 @@ def test_the_first_steps_refit_the_plan_and_the_steps_are_those_of_a_pipe_withou
     losses = _train(pipe, model, x, y, STEPS + 2)
     assert [float(v) for v in losses] == [float(v) for v in _train(plain, twin, x, y, STEPS + 2)]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
-    assert clock.calls == STEPS + 1  # each step's start, and the refit at step 11's; nothing after
+    assert clock.calls == 2 * STEPS + 1  # each step's start and end, and the refit at step 11's; nothing after
     report = pipe.calibration_report
-    assert report.steps == STEPS and report.measured_ms == pytest.approx(5.0)  # the median of steps 2 .. 10
-    assert report.predicted_before_ms == before and pipe.plan.predicted_step_ms == report.predicted_after_ms
+    assert report.steps == STEPS and report.measured_ms == pytest.approx(5.0)  # steps 2 .. 10 inside train_step
+    assert report.predicted_before_ms == before
+    assert pipe.plan.predicted_step_ms == pytest.approx(report.predicted_after_ms + 1.0)  # + the loop's own work
     assert pipe.plan.predicted_step_ms != before
-    assert pipe.plan.alternatives["measured"] == pytest.approx(5.0)
+    assert pipe.plan.alternatives["measured"] == pytest.approx(6.0)  # the loop's step: start to start
     assert pipe.plan.alternatives["calibrated"] == pipe.plan.predicted_step_ms
     saved = Calibration.load(report.path)
     assert saved.runs == 1.0 and saved.factor("cpu/F") > 0 and saved.group_factors("cpu", "F") is not None
     assert saved.cores == 1.0  # one process ran both stages in one thread
     assert not pipe.tracing and pipe._step_watch is None and watch.done
-    assert report.timeline.makespan_ms == pytest.approx(pipe.plan.predicted_step_ms)  # what the page draws
+    assert report.timeline.makespan_ms == pytest.approx(report.predicted_after_ms)  # what the page draws: the step
     assert report.trace is not None and report.visualize(tmp_path / "plan.html").is_file()
+
+
+def test_the_loops_own_work_between_steps_is_not_saved_as_the_machines() -> None:
+    # 100 ms between one step's end and the next one's start (another pipeline's steps, say): this loop's
+    # prediction has them, the machine's calibration (which plans every later model here) does not
+    model, x, y = _gpt()
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
+    watch = hook_of(pipe).watch
+    assert watch is not None
+    watch.clock = FakeClock(loop_ms=100.0)
+    _train(pipe, model, x, y, STEPS + 1)
+    report = pipe.calibration_report
+    saved = Calibration.load(report.path)
+    assert saved.step_ms < 5.0 and report.fitted["step_ms"] == saved.step_ms
+    assert pipe.plan.predicted_step_ms == pytest.approx(report.predicted_after_ms + 100.0)
+    assert pipe.plan.alternatives["measured"] == pytest.approx(5.0 + 100.0)
 
 
 def test_calibrate_zero_turns_it_off_and_a_number_calibrates_now() -> None:

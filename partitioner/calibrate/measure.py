@@ -37,6 +37,7 @@ class Measurement:
     step_ms: float
     trace: dict[str, Any] | None
     noise: float = 0.0
+    loop_ms: float = 0.0  # the loop's own work between steps (optimizer, data; the passive refit's)
 
 
 def step_statistics(times: Sequence[float]) -> tuple[float, float]:

@@ -3,14 +3,19 @@
 `partition` installs a `StepWatch`; `train_step` calls it as each step starts (runtime.calibration_hook).
 It changes nothing the steps compute and runs no step of its own:
 
-    start of step 1 .. N      the start time taken (`clock`); steps N - T + 1 .. N traced (T = `traced`)
+    step 1 .. N               its start and end times taken (`clock`); steps N - T + 1 .. N traced (T = `traced`)
     start of step N + 1       tracing off; rank 0 fits the traces (previous calibration blended, group factors),
-                              the step time being the median start-to-start time of steps 2 .. N (the
+                              the step time being the median time of steps 2 .. N inside train_step (the
                               slowest rank's under torchrun); saves the JSON; predicts the running plan
                               and, where an argument was "auto", every candidate again with it
                               (partitioner.calibrate.candidates); every rank: pipe.plan.predicted_step_ms
                               and .alternatives updated, pipe.calibration_report set; the watch is removed
     later steps               nothing
+
+What the loop does between steps (the optimizer step, loading data, another pipeline's steps) is this loop's,
+not the machine's: the saved calibration is fitted on the time inside train_step, as `pipe.calibrate` measures
+it, and the median time between one step's end and the next one's start (`Measurement.loop_ms`) is added to this
+pipe's own prediction only, so pipe.plan.predicted_step_ms is what the loop takes per step.
 
 A candidate predicted faster is reported, not switched to: mid-training, a switch would move weights and
 optimizer state between ranks or devices, and telling the two apart needs steps of the challenger. The log
@@ -22,6 +27,7 @@ user traces. A failure is logged and ends the watch; it never fails the training
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +57,7 @@ class StepWatch:
     traced: int = TRACED
     clock: Callable[[], float] = time.perf_counter
     starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
     traces: list[Any] = field(default_factory=list)
     tracing: bool = False
     done: bool = False
@@ -64,6 +71,16 @@ class StepWatch:
             self.stop(pipe)
             logger.warning("calibration after the first steps failed, the plan keeps its prediction: %s: %s",
                            type(exc).__name__, exc)
+
+    def step_ended(self, pipe: Any) -> None:
+        """The step that started last has done its work (the loop's own work follows)."""
+        if not self.done and len(self.ends) < len(self.starts):
+            try:
+                self.ends.append(self.clock())
+            except Exception as exc:  # noqa: BLE001 - calibration must never fail a training step
+                self.stop(pipe)
+                logger.warning("calibration after the first steps failed, the plan keeps its prediction: %s: %s",
+                               type(exc).__name__, exc)
 
     def _step_starts(self, pipe: Any) -> None:
         if pipe.plan.update != "sync" or pipe.plan.staleness:
@@ -94,15 +111,22 @@ class StepWatch:
             pipe.set_step_watch(None)
 
     def _measured(self) -> Measurement:
-        """The median start-to-start time of steps 2 .. N (the slowest rank's) and the traces gathered."""
-        periods = [(b - a) * 1e3 for a, b in zip(self.starts[1:-1], self.starts[2:])]
+        """The median time of steps 2 .. N inside train_step and between steps (the slowest rank's; without
+        an end for every step, the start-to-start time and no loop time), and the traces gathered."""
+        starts = self.starts[1:-1]
+        periods = [(b - a) * 1e3 for a, b in zip(starts, self.starts[2:])]
+        loop_ms = 0.0
+        if len(self.ends) >= len(self.starts) - 1:
+            inside = [(e - a) * 1e3 for a, e in zip(starts, self.ends[1:])]
+            loop_ms = statistics.median(p - i for p, i in zip(periods, inside))
+            periods = inside
         step_ms, noise = step_statistics(periods)
         if distributed():
-            slowest = torch.tensor([step_ms, noise], dtype=torch.float64)
+            slowest = torch.tensor([step_ms, noise, loop_ms], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            step_ms, noise = float(slowest[0]), float(slowest[1])
+            step_ms, noise, loop_ms = (float(x) for x in slowest)
         traces = [t for t in self.traces if t is not None]
-        return Measurement(step_ms, {"steps": traces} if traces else None, noise)
+        return Measurement(step_ms, {"steps": traces} if traces else None, noise, loop_ms=loop_ms)
 
     def _refit(self, pipe: Any) -> None:
         setup = self.setup
@@ -139,12 +163,12 @@ class StepWatch:
         current, challenger = decided["current"], decided["challenger"]
         plan = pipe.plan
         before = plan.predicted_step_ms
-        plan.predicted_step_ms = decided["running_ms"]
-        plan.alternatives["calibrated"] = decided["running_ms"]
-        plan.alternatives["measured"] = ran.step_ms
+        plan.predicted_step_ms = decided["running_ms"] + ran.loop_ms  # this loop's step, its own work included
+        plan.alternatives["calibrated"] = plan.predicted_step_ms
+        plan.alternatives["measured"] = ran.step_ms + ran.loop_ms
         if len(cands) > 1:
             for c in cands.values():
-                plan.alternatives[f"{c.name} calibrated"] = c.predicted_after_ms
+                plan.alternatives[f"{c.name} calibrated"] = c.predicted_after_ms + ran.loop_ms
         self.setup.current = current
         steps = ran.trace["steps"] if ran.trace else []
         pipe.calibration_report = CalibrationReport(
@@ -152,8 +176,9 @@ class StepWatch:
             predicted_after_ms=decided["running_ms"], previous=current, chosen=current, replanned=False,
             reverted=False, candidates=cands, factors=decided["factors"], fitted=decided["fitted"], plan=plan,
             trace=steps[-1] if steps else None, timeline=timeline)
-        logger.info("calibrated from the first %d steps: measured %.2f ms per step, predicted %.2f ms (was %.2f); "
-                    "saved to %s", self.steps, ran.step_ms, plan.predicted_step_ms, before, where)
+        logger.info("calibrated from the first %d steps: measured %.2f ms per step (%.2f of them between steps, the "
+                    "loop's own work), predicted %.2f ms (was %.2f); saved to %s", self.steps,
+                    ran.step_ms + ran.loop_ms, ran.loop_ms, plan.predicted_step_ms, before, where)
         if challenger is None:
             return
         mine, theirs = cands[current].predicted_after_ms, cands[challenger].predicted_after_ms

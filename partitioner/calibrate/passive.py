@@ -68,9 +68,7 @@ class StepWatch:
         try:
             self._step_starts(pipe)
         except Exception as exc:  # noqa: BLE001 - calibration must never fail a training step
-            self.stop(pipe)
-            logger.warning("calibration after the first steps failed, the plan keeps its prediction: %s: %s",
-                           type(exc).__name__, exc)
+            self._failed(pipe, exc)
 
     def step_ended(self, pipe: Any) -> None:
         """The step that started last has done its work (the loop's own work follows)."""
@@ -78,9 +76,12 @@ class StepWatch:
             try:
                 self.ends.append(self.clock())
             except Exception as exc:  # noqa: BLE001 - calibration must never fail a training step
-                self.stop(pipe)
-                logger.warning("calibration after the first steps failed, the plan keeps its prediction: %s: %s",
-                               type(exc).__name__, exc)
+                self._failed(pipe, exc)
+
+    def _failed(self, pipe: Any, exc: Exception) -> None:
+        self.stop(pipe)
+        logger.warning("calibration after the first steps failed, the plan keeps its prediction: %s: %s",
+                       type(exc).__name__, exc)
 
     def _step_starts(self, pipe: Any) -> None:
         if pipe.plan.update != "sync" or pipe.plan.staleness:

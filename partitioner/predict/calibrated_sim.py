@@ -68,13 +68,15 @@ def simulate_calibrated(
                 return priced * calibration.factor("allreduce")
         return fallback(ranks) * calibration.factor("allreduce")
 
+    send_line, flat_send = calibration.line("SEND"), calibration.task_ms.get("SEND", 0.0)
+    task_line = calibration.line("task")  # solved once, not per pass
     shared = _shared_rows(plan, programs, calibration.cores)
     stretch: dict[tuple[int, int], float] = {}
 
     def one_pass() -> tuple[Timeline, list[list[tuple[float, float] | None]]]:
         run = ProgramRun(plan, programs, message, group)
-        run.compute_price = _compute_price(plan, programs, calibration, stretch)
-        run.post_ms, run.post_per_ms = calibration.line("SEND") or (calibration.task_ms.get("SEND", 0.0), 0.0)
+        run.compute_price = _compute_price(plan, programs, calibration, task_line, stretch)
+        run.post_price = lambda ms: overhead_fit.price(send_line, ms, flat_send)
         run.recv_ms = calibration.task_ms.get("RECV", 0.0)
         run.wake_ms = calibration.task_ms.get("WAKE", 0.0)
         run.couple_batches()
@@ -105,10 +107,9 @@ def _message(plan: Plan, programs: list[Program], calibration: Calibration, tran
     return price
 
 
-def _compute_price(plan: Plan, programs: list[Program], calibration: Calibration,
+def _compute_price(plan: Plan, programs: list[Program], calibration: Calibration, line: tuple[float, float] | None,
                    stretch: dict[tuple[int, int], float]) -> Callable[[int, int, Op], float]:
     reads = [bool(s.reads_from) for s in plan.stages]  # as ProgramRun reads the stage DAG
-    line = calibration.line("task")
 
     def price(row: int, index: int, op: Op) -> float:
         stage = plan.stages[op.stage]

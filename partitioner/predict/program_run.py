@@ -56,8 +56,8 @@ class ProgramRun:
                  group: Callable[[Group], float], members: Mapping[int, Sequence[int]] | None = None) -> None:
         self.plan, self.programs, self.message, self.group = plan, list(programs), message, group
         self.compute_price: Callable[[int, int, Op], float] | None = None  # (row, op index, op) -> ms
-        self.post_ms = 0.0  # the sender's own time to post one SEND (calibrated runs) ...
-        self.post_per_ms = 0.0  # ... plus this much per ms of its rank's compute op before it
+        # the sender's own time to post one SEND, given the ms of its rank's compute op before it (calibrated runs)
+        self.post_price: Callable[[float], float] | None = None
         self.recv_ms = 0.0  # the receiver's own time per RECV: posting it and taking the message (calibrated)
         self.wake_ms = 0.0  # a rank blocked on a message resumes this long after it arrives (calibrated)
         self.coupled: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # see couple_batches
@@ -200,7 +200,7 @@ class ProgramRun:
         if ready is None or peer is None:
             return False
         duration = self.message(op.src, op.dst)
-        post = max(0.0, self.post_ms + self.post_per_ms * self.last_ms[k])
+        post = self.post_price(self.last_ms[k]) if self.post_price is not None else 0.0
         if post > 0:  # posting occupies the sender's thread before the message leaves
             self.clock[k] = max(self.clock[k], ready) + post
         start = max(self.clock[k], ready, self.link_free.get((k, peer), 0.0))

@@ -463,7 +463,39 @@ def hf_case(name: str) -> HFCase:
         config = hf.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=32, patch_size=8, num_labels=5)
         return HFCase(hf.ViTForImageClassification, config, _pixels)
+    if name in _MORE:
+        cls_model, config = _MORE[name](hf)
+        return HFCase(cls_model, config, _tokens(128))
     raise KeyError(name)
 
 
+def _more() -> dict[str, Callable[[Any], tuple[Any, Any]]]:
+    """Issue 36's families: each name's (model class, default config with the sizes shrunk, special tokens below
+    128); experts shrunk to 4 (2 per token) so a block holds several."""
+    layers = {"num_hidden_layers": 2}
+    moe = {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}
+    return {
+        "opt": lambda hf: (hf.OPTForCausalLM, hf.OPTConfig(
+            vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+            word_embed_proj_dim=32, max_position_embeddings=64)),
+        "gpt_neox": lambda hf: (hf.GPTNeoXForCausalLM, hf.GPTNeoXConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
+            **layers)),
+        "falcon": lambda hf: (hf.FalconForCausalLM, hf.FalconConfig(
+            vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, **layers)),
+        "gptj": lambda hf: (hf.GPTJForCausalLM, hf.GPTJConfig(
+            vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, bos_token_id=0,
+            eos_token_id=0)),
+        "mixtral": lambda hf: (hf.MixtralForCausalLM, hf.MixtralConfig(**moe)),
+        "qwen3_moe": lambda hf: (hf.Qwen3MoeForCausalLM, hf.Qwen3MoeConfig(
+            **{**moe, "moe_intermediate_size": 16, "head_dim": 8})),
+        "gpt_oss": lambda hf: (hf.GptOssForCausalLM, hf.GptOssConfig(
+            **{**moe, "head_dim": 8, "sliding_window": 4})),
+        "bloom": lambda hf: (hf.BloomForCausalLM, hf.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)),
+    }
+
+
+_MORE = _more()
+
 HF_FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "bert", "roberta", "t5", "vit"]
+HF_MORE_FAMILIES = list(_MORE)  # issue 36: the families below as they come

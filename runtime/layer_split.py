@@ -120,18 +120,26 @@ class ShardedRun(nn.Module):
     """A sharded stage run by the interpreter: before each backward, FSDP2 is told whether it is the step's last.
 
     `expect(n)`: the step runs n backwards of this stage on this rank (its micro-batches); the n-th is the last.
+    A stage with one graph per train/eval mode has one run per graph (`other_mode`), sharing the stage and the
+    count, each selecting its graph before it calls the stage ([Note: sharding both modes of a stage]).
     """
 
-    def __init__(self, stage: ShardedStage) -> None:
+    def __init__(self, stage: ShardedStage, graph: int = 0, counts: list[int] | None = None) -> None:
         super().__init__()
         self.stage = stage
-        self._expected = 0
-        self._seen = 0
+        self.mode_graph = graph  # 0: the traced mode's graph, 1: the other mode's
+        self._counts = counts if counts is not None else [0, 0]  # backwards expected this step, seen so far
 
     def expect(self, backwards: int) -> None:
-        self._expected, self._seen = backwards, 0
+        self._counts[:] = [backwards, 0]
+
+    def other_mode(self) -> ShardedRun:
+        """The run of the stage's other graph: same FSDP2 units, same backward count."""
+        return ShardedRun(self.stage, 1 - self.mode_graph, self._counts)
 
     def forward(self, *args: Any) -> Any:
+        if self.stage.modes is not None:
+            self.stage.modes.graph = self.mode_graph
         out = self.stage(*args)
         tensors = [t for t in _leaves(out) if t.requires_grad]
         if tensors and torch.is_grad_enabled():
@@ -139,8 +147,8 @@ class ShardedRun(nn.Module):
         return out
 
     def _before_backward(self, _: Any) -> None:
-        self._seen += 1
-        self.stage.before_backward(last=self._seen >= self._expected)
+        self._counts[1] += 1
+        self.stage.before_backward(last=self._counts[1] >= self._counts[0])
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -155,27 +163,33 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 
 def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: nn.Module,
                  readers: Mapping[int, tuple[torch.Tensor, list[int]]],
-                 owners: Sequence[nn.Module] = ()) -> list[ShardedRun]:
+                 owners: Sequence[nn.Module] = (), others: Sequence[Stage] = ()) -> list[ShardedRun]:
     """Hand this rank's sharded stages to FSDP2 (in stage order: one order of collectives), in place.
 
     A weight another stage also reads (a tied embedding) stays whole: the runtime all-reduces it over both
     stages' ranks. `owners`: modules besides `model` that hold the stages' weights (the traced graph), pointed
     at the shards. Every rank of a stage's data mesh calls this with the same stages. A stage that also
-    recomputes is sharded one unit per checkpointed segment ([Note: sharding a recomputed stage]).
+    recomputes is sharded one unit per checkpointed segment ([Note: sharding a recomputed stage]). `others`: the
+    same stages built from the model's other train/eval graph, sharded with them as one ([Note: sharding both
+    modes of a stage]) and run through the same units.
     """
+    other_of = {s.index: s for s in others}
     runs: list[ShardedRun] = []
     for stage in sorted(stages, key=lambda s: s.index):
         spec = plan.stages[stage.index]
         if spec.sharding == "none":
             continue
         tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
+        other = other_of.get(stage.index)
         sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,
-                              unsharded=tied, owners=owners)
+                              unsharded=tied, owners=owners, other=other.module if other is not None else None)
         for module in sharded.root.modules():
             if isinstance(module, FSDPModule):  # a sum over replicas, as the runtime's own all-reduce
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         run = ShardedRun(sharded)
         stage.module = run  # type: ignore[assignment]
+        if other is not None:
+            other.module = run.other_mode()  # type: ignore[assignment]
         runs.append(run)
     return runs

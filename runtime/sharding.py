@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rules.sharding import GradientSync, ShardingMode, mode_rule, reduces
+from runtime.mode_units import ModeCell, ModeSwitch, pair_units, point_at
 from runtime.recompute import RecomputedStage
 from runtime.recompute_segments import split_segments
 from runtime.tensor_parallel import rebind
@@ -140,12 +141,13 @@ class ShardedStage(nn.Module):
     """
 
     def __init__(self, root: nn.Module, units: list[nn.Module], config: ShardingConfig,
-                 keys: Mapping[str, list[str]]) -> None:
+                 keys: Mapping[str, list[str]], modes: ModeCell | None = None) -> None:
         super().__init__()
         self.root = root
         self.units = units
         self.config = config
         self._keys = dict(keys)  # the root's parameter and buffer paths -> the model's state_dict keys
+        self.modes = modes  # which graph runs, where the stage has one per train/eval mode (runtime.mode_units)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.root(*args, **kwargs)
@@ -185,7 +187,7 @@ class ShardedStage(nn.Module):
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = ShardingConfig(),
                 model: nn.Module | None = None, unsharded: Collection[torch.Tensor] = (),
-                owners: Sequence[nn.Module] = ()) -> ShardedStage:
+                owners: Sequence[nn.Module] = (), other: nn.Module | None = None) -> ShardedStage:
     """Shard a stage module over `mesh` with FSDP2: one unit per repeated block, then the stage's root.
 
     The module's weights (the model's own parameters, also reachable from `model`) become the FSDP2
@@ -205,6 +207,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
         owners: more modules pointed at the shards wherever they hold a weight FSDP2 replaced (the
             traced graph, whose attributes hold a weight it reads directly: a tied head), so what
             they hold is what the stage trains.
+        other: the same stage built from the model's other train/eval graph (forward reads
+            `self.training`): both graphs share one set of units ([Note: sharding both modes of a
+            stage] in runtime.mode_units); `ShardedStage.modes` then says which one runs.
 
     Raises:
         ValueError: the module has no parameters.
@@ -212,8 +217,18 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     if not any(True for _ in module.parameters()):
         raise ValueError("the stage holds no parameters: there is nothing to shard; leave it unsharded")
     root, blocks = _cut(module)
-    keys = _model_keys(root, model) if model is not None else {}
     units = _units(blocks)
+    cell = None
+    if other is not None:  # see [Note: sharding both modes of a stage]
+        cell = ModeCell()
+        other_root, other_blocks = _cut(other)
+        pairs = pair_units(units, _units(other_blocks))
+        units = [ModeSwitch(a, b, cell) for a, b in pairs]
+        for unit, (a, b) in zip(units, pairs):
+            point_at(blocks, a, unit)
+            point_at(other_blocks, b, unit)
+        root = ModeSwitch(root, other_root, cell)
+    keys = _model_keys(root, model) if model is not None else {}
     rule = mode_rule(config.mode, config.gradient_sync)
     ignored = {p for p in root.parameters() if any(p is t for t in unsharded)}
     unsplit = dict(root.named_parameters(remove_duplicate=False))
@@ -227,7 +242,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     chain = [cast(FSDPModule, m) for m in [root, *units]]
     for before, block in zip(chain, chain[1:]):
         block.set_modules_to_backward_prefetch([before])
-    sharded = ShardedStage(root, units, config, keys)
+    sharded = ShardedStage(root, units, config, keys, cell)
     if model is not None:
         _rebind(model, sharded.model_state_dict())
     after = dict(root.named_parameters(remove_duplicate=False))

@@ -64,6 +64,17 @@ def test_fsdp_each_mode_on_two_stages_by_two_replicas_three_adam_steps() -> None
     assert len(recomputed) == 4 and all("linear_calls=[12]" in line for line in recomputed)
 
 
+def test_fsdp_of_a_model_traced_once_per_mode_runs_either_graph() -> None:
+    # forward reads self.training, so each stage has a graph per mode; both shard as one (runtime.mode_units):
+    # "modes" scales activations by 1.5 in training only, so equal in eval means the eval graph ran on the shards.
+    # GPT-2 (torch.export: every weight a get_attr) gets one FSDP2 unit per block, not one per stage.
+    cases = ["modes:1f1b:pp2dp2:zero3", "modes:1f1b:pp2dp2:zero3:none:eval", "modes:gpipe:pp2dp2:zero1:full:eval",
+             "gpt2x4:1f1b:pp2dp2:zero3:none:eval", "gpt2x4:1f1b:tp2dp2:zero1:full:eval"]
+    lines = run(4, "equivalence", *cases, cases=len(cases))
+    units = [re.search(r"units=\[(\d+)\]", line) for line in lines]
+    assert all(u is not None and int(u.group(1)) >= 2 for u in units), "\n".join(lines)
+
+
 def test_fsdp_memory_per_rank_against_training_memory() -> None:
     # every rank within 10%: 1F1B's first stage holds 2 micro-batches, its last 1 (cost_model.training_memory's
     # in_flight). Measured on the production transport: the emulation's threads free message buffers at times of

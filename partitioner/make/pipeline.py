@@ -151,18 +151,13 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
     io = stage_io(gm, plan)
     split = split_groups(plan, devices[rank].type, run.timeout, checked=os.environ.get(NCCL_RULES_ENV) == "1") \
         if splits_layers(plan) else RankSplit()  # every rank makes every group, before any stage uses one
-    if traced.other_mode is not None and any(s.sharding != "none" for s in plan.stages):
-        raise PartitionError("sharding (FSDP2) of a model whose forward reads self.training (two graphs, one per "
-                             "mode) is not supported yet; use sharding='none', or a model without that branch")
     owners = [model] + ([traced.other_mode] if traced.other_mode is not None else [])
     stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill, tensor_mesh=split.tensor_mesh,
                           owners=owners)
     undos = [undo]
     try:
-        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()), owners=[gm])
-        _, placeholders, constants = _graph_io(gm)
-        groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
-        other = None
+        other: StageGraph | None = None
+        other_stages: list[Stage] = []
         if traced.other_mode is not None:  # forward reads self.training: the other mode's graph, cut alike
             other_plan = same_cuts(traced.other_mode, plan, gm)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
@@ -172,6 +167,11 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,
                                stage_io(traced.other_mode, other_plan))
+        # both modes' stages shard as one: see [Note: sharding both modes of a stage] (runtime.mode_units)
+        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()), owners=owners[1:] + [gm],
+                     others=other_stages)
+        _, placeholders, constants = _graph_io(gm)
+        groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         return DistributedPipeline(
             model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
             run.timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, example.dims,

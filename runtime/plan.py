@@ -17,7 +17,7 @@ from runtime.program_check import program_problems
 from runtime.tensor_parallel_spec import TensorParallelGroup
 
 __all__ = ["DATA_SPLITS", "RECOMPUTE_MODES", "UPDATES", "DataSplit", "Placement", "Plan", "RecomputeMode", "Schedule",
-           "StagePlan", "Update", "human_bytes"]
+           "StagePlan", "Update", "human_bytes", "micro_batch_words"]
 
 # A schedule's name: a built-in ("gpipe", "1f1b", "interleaved", "zb1", "zbv", "dualpipev") or one
 # registered later (rules.schedules.register), so a string, not a closed Literal; `Plan.check` checks
@@ -132,6 +132,19 @@ class Plan:
     @property
     def bottleneck_ms(self) -> float:
         return max((s.predicted_ms for s in self.stages), default=0.0)
+
+    @property
+    def pieces(self) -> int:
+        """The micro-batches of one step over all replicas, as `partition(micro_batches=...)` counts them.
+
+        Dealt replicas share the plan's `micro_batches` (micro-batch i on replica i mod r); sliced
+        ones (`data_split="slice"`) each run every one of them on their slice, so a step runs
+        `micro_batches` x replicas micro-batches of batch / that many samples. A stage's replicas
+        each run `pieces // replicas`.
+        """
+        if self.data_split == "slice":
+            return self.micro_batches * max((s.replicas for s in self.stages), default=1)
+        return self.micro_batches
 
     @property
     def recomputes(self) -> bool:
@@ -249,13 +262,16 @@ class Plan:
         line = "  ".join(f"{{:<{w}}}" for w in widths)
         out = [line.format(*header), line.format(*("-" * w for w in widths))]
         out += [line.format(*r) for r in rows]
+        replicated = any(s.replicas > 1 for s in self.stages)
         out.append(
-            f"{len(self.stages)} stages ({self.placement}), {self.micro_batches} micro-batches, "
+            f"{len(self.stages)} stages ({self.placement}), {micro_batch_words(self)}, "
             f"schedule {self.schedule}; "
             + (f"update {self.update}; " if self.update != "sync" else "")
             + (f"staleness {self.staleness}; " if self.staleness else "")
             + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
-            + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch, predicted step {self.predicted_step_ms:.3f} ms"
+            + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch"
+            + (" (a stage's time over its replicas)" if replicated else "")
+            + f", predicted step {self.predicted_step_ms:.3f} ms"
         )
         return "\n".join(out)
 
@@ -305,6 +321,37 @@ def _rank_problems(plan: Plan) -> list[str]:
                     problems.append(f"rank {r} runs stage {s.index} in the group {group} but also in a group from "
                                     f"rank {seen[0]} with tensor={seen[1]}; stages on one rank share its group")
     return problems
+
+
+def micro_batch_words(plan: Plan, batch: int | None = None) -> str:
+    """How a step's batch is cut, in the words every view of a plan uses (summary, CLI, pictures, simulate).
+
+    '512 micro-batches (8 per replica x 64 replicas) of 3 samples': the count is the step's
+    (`Plan.pieces`, what `partition(micro_batches=...)` and `--micro-batches` give), then each replica's
+    share, then the samples one replica's micro-batch holds (on every GPU of that replica). The samples
+    are `batch // pieces` where `batch` is given and divides evenly (else left out), without `batch`
+    the first micro-batch's, read off the plan's graph (dim 0 of its first batched input).
+    """
+    n = plan.pieces
+    words = f"{n} micro-batch{'es' if n != 1 else ''}"
+    replicas = [s.replicas for s in plan.stages]
+    if len(set(replicas)) == 1 and replicas[0] > 1:
+        words += f" ({n // replicas[0]} per replica x {replicas[0]} replicas)"
+    elif len(set(replicas)) > 1:
+        words += f" (dealt over {'/'.join(map(str, replicas))} replicas)"
+    samples = (batch // n if batch % n == 0 else None) if batch is not None else _graph_samples(plan.graph)
+    return words + (f" of {samples} sample{'s' if samples != 1 else ''}" if samples else "")
+
+
+def _graph_samples(graph: dict[str, Any] | None) -> int | None:
+    """Dim 0 of the first input with a dimension in a plan's drawn graph (one micro-batch's), or None."""
+    inputs = sorted((n for n in (graph or {}).get("nodes", []) if n.get("op") == "placeholder"),
+                    key=lambda n: n.get("position", 0))
+    for node in inputs:
+        for shape in node.get("shapes") or []:
+            if shape:
+                return int(shape[0])
+    return None
 
 
 def human_bytes(nbytes: float) -> str:

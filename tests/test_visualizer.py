@@ -161,6 +161,7 @@ def test_page_data(gpt_plan: DrawablePlan) -> None:
                                 "activation_bytes": sum(s.activation_bytes for s in gpt_plan.stages),
                                 "grad_bytes": sum(s.param_bytes for s in gpt_plan.stages),
                                 "capacity_bytes": data["devices"][0]["capacity_bytes"],
+                                "memory_bytes": sum(s.memory_bytes for s in gpt_plan.stages),
                                 "kinds": data["devices"][0]["kinds"]}]  # fmt: skip
     kinds = data["devices"][0]["kinds"]  # memory by kind (partitioner.predict.memory_kinds): the stages' own sum
     assert sum(kinds.values()) == sum(s.memory_bytes for s in gpt_plan.stages)

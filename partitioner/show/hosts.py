@@ -107,9 +107,10 @@ def _with_headings(rows: list[dict[str, Any]], gpus_per_host: int) -> list[dict[
     return out
 
 
-def text_rows(timeline: Any, *, gpus_per_host: int, width: int = 48) -> str:
+def text_rows(timeline: Any, *, gpus_per_host: int, width: int = 48, footer: bool = True) -> str:
     """The grouped rows as text (the CLI's report): host headings, then per row its stages, busy, comm
-    and idle ms of one of its ranks and a Gantt strip (F forward, B backward, W weight, ~ comm only)."""
+    and idle ms of one of its ranks and a Gantt strip (F forward, B backward, W weight, ~ comm only);
+    `footer`: a last line with the makespan, bubble and how many ranks the rows stand for."""
     data = by_host(timeline_data(timeline, "predicted"), timeline, gpus_per_host=gpus_per_host)
     span = float(data["makespan"]) or 1.0
     rows = data["rows"]
@@ -136,6 +137,8 @@ def text_rows(timeline: Any, *, gpus_per_host: int, width: int = 48) -> str:
         stages = ",".join(map(str, row["stages"]))
         lines.append(f"  {str(row['device']):<{name_w - 2}} {stages:<8} {busy:>9.3f} {comm:>9.3f} "
                      f"{span - used:>9.3f}  {''.join(cells)}")  # fmt: skip
+    if not footer:
+        return "\n".join(lines)
     ranks = getattr(timeline, "ranks", None) or sum(len(r.get("ranks", [])) for r in rows)
     drawn = sum(not r.get("heading") for r in rows)
     rows_text = f"{drawn} row{'s' if drawn != 1 else ''}"

@@ -53,8 +53,15 @@ def _band_label(data: Mapping[str, Any], band: int) -> str:
     if band > len(stages):
         return "output"
     s = stages[band - 1]
-    return (f"stage {s['index']} · {s['device']} · {_ms(s['predicted_ms'])} per micro-batch · "
-            f"params {human_bytes(s['param_bytes'])}")
+    return f"stage {s['index']} · {s['device']} · {_per_micro_batch(s)} · params {human_bytes(s['param_bytes'])}"
+
+
+def _per_micro_batch(stage: Mapping[str, Any]) -> str:
+    """'520 ms per micro-batch on each of 64 replicas': one replica's forward, backward and transfers of one
+    micro-batch, as the timeline draws them (not `predicted_ms`, which divides that by the replicas)."""
+    each = stage["forward_ms"] + stage["backward_ms"] + stage["comm_ms"]
+    replicas = int(stage.get("replicas", 1))
+    return f"{_ms(each)} per micro-batch" + (f" on each of {replicas} replicas" if replicas > 1 else "")
 
 
 def to_dot(data: Mapping[str, Any], depth: int | None = None) -> str:
@@ -149,7 +156,6 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib import patheffects
         from matplotlib.patches import FancyBboxPatch, PathPatch, Rectangle
         from matplotlib.path import Path as MPath
     except ImportError:
@@ -167,11 +173,12 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
     right_w = 900.0
     blocks = [40 + 26 * len(stages), 40 + 26 * len(devices)] + [70 + 30 * len(t["rows"]) for t in timelines]
     right_h = sum(blocks) + 40 * len(blocks) + 60
-    W, H = gw + right_w + 60, max(gh + 50, right_h)
+    W, H = gw + right_w + 60, max(gh + 60, right_h)
     fig = plt.figure(figsize=(W / 100, H / 100), dpi=100)
     fig.text(10 / W, 1 - 22 / H, data["title"], fontsize=13, fontweight="bold")
+    fig.text(10 / W, 1 - 40 / H, _subtitle(data["plan"]), fontsize=9.5, color="#333")
 
-    ax = fig.add_axes((0, (H - 40 - gh) / H, gw / W, gh / H))
+    ax = fig.add_axes((0, (H - 50 - gh) / H, gw / W, gh / H))
     ax.set_xlim(0, gw), ax.set_ylim(gh, 0), ax.axis("off")
     for band, top, height in bands:
         color = stages[band - 1]["color"] if 0 < band <= len(stages) else "#9e9e9e"
@@ -179,7 +186,7 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
                                     fc=_mix(color, 0.88), ec=_mix(color, 0.4)))  # fmt: skip
         ax.text(10, top + 19, _band_label(data, band), fontsize=9, fontweight="bold",
                 color=_mix(color, 0.45, "#000000"), zorder=4,
-                path_effects=[patheffects.withStroke(linewidth=4, foreground=_mix(color, 0.88))])  # fmt: skip
+                bbox={"boxstyle": "square,pad=0.1", "fc": _mix(color, 0.88), "ec": "none"})  # text, not a path, in SVG
         if band > 0:
             ax.plot([2, gw - 2], [top - BAND_GAP / 2 + 3] * 2, ls=(0, (6, 4)), color="#777", lw=0.8)
     level_of = {g.id: g for g in groups}
@@ -227,26 +234,57 @@ def render_static(data: Mapping[str, Any], path: Path, depth: int | None = None)
     if not has_graph:
         ax.text(10, 50, "no graph attached to this plan", fontsize=10, color="#666")
 
-    x0, y = (gw + 40) / W, H - 50.0
-    y = _bars(fig, (x0, right_w / W, W, H), y, "Predicted time per micro-batch (forward, backward, transfers)", [
+    x0, y = (gw + 40) / W, H - 60.0
+    title = "Predicted time of one micro-batch on a replica (forward, backward, transfers)"
+    y = _bars(fig, (x0, right_w / W, W, H), y, title, [
         (f"stage {s['index']} · {s['device']}",
          [(s["forward_ms"], s["color"]), (s["backward_ms"], _mix(s["color"], 0.35, "#000000")),
           (s["comm_ms"], "#b9b9b9")],
-         _ms(s["predicted_ms"]) + (f" + AR {_ms(s['allreduce_ms'])}" if s.get("allreduce_ms") else ""))
+         _ms(s["forward_ms"] + s["backward_ms"] + s["comm_ms"])
+         + (f" + all-reduce {_ms(s['allreduce_ms'])} per step" if s.get("allreduce_ms") else ""))
         for s in stages
     ], None)  # fmt: skip
-    used = [d["param_bytes"] + d["grad_bytes"] + d["activation_bytes"] for d in devices]
-    y = _bars(fig, (x0, right_w / W, W, H), y, "Memory: parameters, gradients, activations (red: capacity)", [
-        (f"{d['name']} (stage {', '.join(map(str, d['stages']))})",
-         [(d["param_bytes"], "#5b6770"), (d["grad_bytes"], "#9aa5ad"), (d["activation_bytes"], "#d9a441")],
-         human_bytes(u)
-         + (f" of {human_bytes(d['capacity_bytes'])}" if d.get("capacity_bytes") else " (capacity unknown)"))
-        for d, u in zip(devices, used)
+    kinded = any(memory_parts(d)[0] for d in devices)
+    y = _bars(fig, (x0, right_w / W, W, H), y, "Memory per GPU: " + (
+        "weights, master weights, gradients, optimizer states, activations" if kinded else
+        "parameters, gradients, activations") + " (red: capacity)", [
+        (f"{d['name']}" + ("" if d["name"].startswith("stage ") else f" (stage {', '.join(map(str, d['stages']))})"),
+         memory_parts(d)[1], memory_text(d))
+        for d in devices
     ], [d.get("capacity_bytes") for d in devices])  # fmt: skip
     for t in timelines:
         y = _gantt(fig, (x0, right_w / W, W, H), y, t, stages, Rectangle)
-    fig.savefig(path, dpi=100)
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, selectable
+        fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+MEMORY_KINDS = (("weights", "#5b6770"), ("master", "#7d8a94"), ("gradients", "#9aa5ad"), ("optimizer", "#c3cbd1"),
+                ("activations", "#d9a441"))  # the HTML page's colors (templates/plan.html.tmpl)
+
+
+def memory_parts(device: Mapping[str, Any]) -> tuple[bool, list[tuple[float, str]]]:
+    """A device row's memory bar: by kind (partitioner/predict/memory_kinds.py) where the planner predicted it,
+    else parameters, their gradients and activations; and whether it is by kind."""
+    kinds = device.get("kinds") or {}
+    if any(kinds.values()):
+        return True, [(float(kinds.get(k, 0)), c) for k, c in MEMORY_KINDS]
+    return False, [(device["param_bytes"], "#5b6770"), (device["grad_bytes"], "#9aa5ad"),
+                   (device["activation_bytes"], "#d9a441")]
+
+
+def memory_text(device: Mapping[str, Any]) -> str:
+    """'68.4 GiB of 72.0 GiB (95%)': the row's bar in all, the plan's memory per GPU where it predicted one."""
+    used = sum(v for v, _ in memory_parts(device)[1])
+    cap = device.get("capacity_bytes")
+    share = f" ({100 * used / cap:.{2 if used < cap / 100 else 0}f}%)" if cap else ""
+    return human_bytes(used) + (f" of {human_bytes(cap)}{share}" if cap else " (capacity unknown)")
+
+
+def _subtitle(plan: Mapping[str, Any]) -> str:
+    """'512 micro-batches (8 per replica x 64 replicas) of 3 samples · schedule 1f1b · predicted step 4170 ms'."""
+    return (f"{plan['micro_batch_words']} · schedule {plan['schedule']} · predicted step "
+            f"{_ms(plan['predicted_step_ms'])}")
 
 
 def _bars(
@@ -256,8 +294,8 @@ def _bars(
     """Horizontal stacked bars, one row each; returns the next free y (pixels from the bottom)."""
     x0, w, W, H = frame
     h = 26.0 * len(rows)
-    ax = fig.add_axes((x0 + 190 / W, (y - 24 - h) / H, w - 330 / W, h / H))
-    ax.set_title(title, fontsize=9.5, loc="left", x=-190 / (w * W - 330))
+    ax = fig.add_axes((x0 + 190 / W, (y - 24 - h) / H, w - 420 / W, h / H))  # 230 px right of the bars for text
+    ax.set_title(title, fontsize=9.5, loc="left", x=-190 / (w * W - 420))
     scale = max([sum(v for v, _ in parts) for _, parts, _ in rows] + [1e-12])
     for i, (_label, parts, text) in enumerate(rows):
         row_scale = max(capacity[i], sum(v for v, _ in parts)) if capacity and capacity[i] else scale

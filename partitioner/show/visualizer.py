@@ -29,6 +29,7 @@ from partitioner.show.rows import timeline_data
 from partitioner.show.split import split_summary
 from partitioner.show.static import render_static, to_dot
 from runtime import plan as runtime_plan
+from runtime.plan import micro_batch_words
 
 __all__ = ["DrawablePlan", "color", "page_data", "simulated_timeline", "visualize"]
 
@@ -132,10 +133,11 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         d["grad_bytes"] = d["param_bytes"]
         name = plan.stages[d["stages"][0]].device if plan.gpus_per_host else d["name"]
         d["capacity_bytes"] = by_stage[d["stages"][0]] if plan.gpus_per_host else known.get(name, capacity.get(name))
+        d["memory_bytes"] = sum(plan.stages[k].memory_bytes for k in d["stages"])  # what the plan predicts, in all
     timelines = []
     if timeline is not None:
-        timelines.append(by_host(timeline_data(timeline, "predicted (simulator)"), timeline,
-                                 gpus_per_host=plan.gpus_per_host))  # folded replicas, host headings
+        timelines.append(_replica_numbers(plan, by_host(timeline_data(timeline, "predicted (simulator)"), timeline,
+                                                        gpus_per_host=plan.gpus_per_host)))  # folded, host headings
     if measured is not None:
         timelines.append(timeline_data(measured, "measured (runtime trace)"))
     if graph is None:
@@ -143,7 +145,8 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
                      "with partitioner.predict.graph_data.attach_graph(plan, build_graph(...))")  # fmt: skip
     return with_stage_errors({
         "title": _title(plan),
-        "plan": {"micro_batches": plan.micro_batches, "schedule": plan.schedule, "placement": plan.placement,
+        "plan": {"micro_batches": plan.micro_batches, "pieces": plan.pieces, "data_split": plan.data_split,
+                 "micro_batch_words": micro_batch_words(plan), "schedule": plan.schedule, "placement": plan.placement,
                  "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms,
                  "allreduce_ms": sum(s.allreduce_ms for s in plan.stages), "alternatives": dict(plan.alternatives)},
         "stages": stages,
@@ -152,6 +155,21 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         "timelines": timelines,
         "notes": notes,
     })
+
+
+def _replica_numbers(plan: runtime_plan.Plan, drawn: dict[str, Any]) -> dict[str, Any]:
+    """A sliced plan's timeline with each replica's micro-batches numbered 0 .. micro_batches - 1, as it runs them.
+
+    The simulator runs d sliced replicas as d dealt ones (see [Note: sliced replicas as dealt ones] in
+    partitioner/predict/simulator.py): replica j's k-th micro-batch is numbered k d + j there, but the
+    runtime runs micro-batch k on every replica, each on its slice. Other plans are left as they are.
+    """
+    d = max((s.replicas for s in plan.stages), default=1)
+    if plan.data_split != "slice" or d == 1:
+        return drawn
+    rows = [{**row, "events": [{**e, "mb": e["mb"] // d if e["mb"] >= 0 else e["mb"]} for e in row["events"]]}
+            for row in drawn["rows"]]
+    return {**drawn, "rows": rows}
 
 
 def _title(plan: runtime_plan.Plan) -> str:

@@ -38,7 +38,7 @@ from partitioner.predict.replica_fold import rank_span
 from partitioner.request import SHARDING_CHOICES
 from partitioner.show.hosts import text_rows
 from partitioner.show.visualizer import simulated_timeline
-from runtime.plan import Plan, human_bytes
+from runtime.plan import Plan, human_bytes, micro_batch_words
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
            "parse_precision", "parse_replicas", "parse_tensor", "plan_cluster", "plan_keywords", "throughput"]
@@ -287,9 +287,7 @@ class Throughput:
 def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> Throughput:
     """The plan's step as samples/s, tokens/s and MFU (module docstring)."""
     nodes = (plan.graph or {}).get("nodes", [])
-    sliced = plan.data_split == "slice"  # every micro-batch is sliced over the replicas: d of the graph's
-    forward = float(sum(n.get("flops") or 0 for n in nodes)) * plan.micro_batches * (
-        plan.stages[0].replicas if sliced else 1)
+    forward = float(sum(n.get("flops") or 0 for n in nodes)) * plan.pieces  # the graph is one micro-batch's
     step_s = plan.predicted_step_ms / 1e3
     first = example.args[0] if example.args else None
     tokens = None
@@ -324,14 +322,10 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
     out.print(table)
     memory_table(out, plan)
     t = throughput(plan, example, cluster, dtype)
-    sliced = plan.data_split == "slice"
-    count = plan.micro_batches * (plan.stages[0].replicas if sliced else 1)  # a sliced micro-batch is d of them
-    per = example.batch // count
     precision = Precision.from_dict(plan.precision) if plan.precision else None
-    out.print(f"dtype {dtype}, global batch {example.batch} in {count} micro-batches of {per}"
-              + (f" ({plan.micro_batches} per replica, each sliced over the replicas)" if sliced else "")
-              + f", schedule {plan.schedule}; precision " + (_precision_text(precision) if precision else
-                                                           "none (every state at the model's dtype)"), markup=False)
+    out.print(f"dtype {dtype}, global batch {example.batch} in {micro_batch_words(plan, example.batch)}, "
+              f"schedule {plan.schedule}; precision " + (_precision_text(precision) if precision else
+                                                         "none (every state at the model's dtype)"), markup=False)
     if len(tried) > 1:
         out.print("predicted step of each micro-batch count tried: "
                   + ", ".join(f"{m} {ms:.3f} ms" for m, ms in tried.items()), markup=False)

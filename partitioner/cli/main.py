@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,9 +32,10 @@ from partitioner.errors import PartitionError, TraceError
 from partitioner.predict.assemble import finish
 from partitioner.predict.simulator import simulate
 from partitioner.request import PLACEMENTS, RECOMPUTE_CHOICES
+from partitioner.show.hosts import text_rows
 from partitioner.show.visualizer import DrawablePlan, simulated_timeline, visualize
 from rules.schedules import schedule_names, schedule_spec
-from runtime.plan import UPDATES, human_bytes
+from runtime.plan import UPDATES, Plan, human_bytes, micro_batch_words
 
 __all__ = ["main"]
 
@@ -290,12 +292,13 @@ def _plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         bubble = f", simulated step {timeline.makespan_ms:.3f} ms, bubble {timeline.bubble_fraction:.1%}"
     if plan.update != "sync":  # no flush: the steady step of the stream, not one step's fill and drain
         bubble = f", update {plan.update}: steady step {plan.predicted_step_ms:.3f} ms (no flush between steps)"
+    replicated = any(s.replicas > 1 for s in plan.stages)
     out.print(
-        f"batch {example.batch} in {plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}, "
-        f"schedule {plan.schedule}, "
+        f"batch {example.batch} in {micro_batch_words(plan, example.batch)}, schedule {plan.schedule}, "
         + (f"recompute {', '.join(s.recompute for s in plan.stages)}, " if plan.recomputes else "") +
         f"{plan.placement}; bottleneck {plan.bottleneck_ms:.3f} ms per micro-batch (red){bubble}. Times are forward + "
-        "backward of one micro-batch; sends: bytes to later stages per micro-batch", markup=False,
+        "backward of one micro-batch" + ("; total ms: (compute + comm) over the stage's replicas" if replicated else
+                                         "") + "; sends: bytes to later stages per micro-batch", markup=False,
     )  # fmt: skip
     if plan.alternatives:
         what = "schedule" if args.schedule == "auto" else "placement"
@@ -319,6 +322,7 @@ def _write(args: argparse.Namespace, out: Console, err: Console, plan: Any, time
 
 
 def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    batch: int | None = None
     if args.plan:
         try:
             plan = DrawablePlan.from_json(Path(args.plan).read_text(encoding="utf-8"))
@@ -329,34 +333,54 @@ def _simulate(args: argparse.Namespace, out: Console, err: Console) -> int:
         name = args.plan
     else:
         plan, example = _make_plan(args, err, args.schedule or "gpipe", args.micro_batches or 1)
-        name = example.name
+        name, batch = example.name, example.batch
     chosen = args.schedule if args.schedule != "auto" else plan.schedule  # auto: the planner chose it
-    micro_batches, schedule = args.micro_batches or plan.micro_batches, chosen or plan.schedule
-    changed = (micro_batches, schedule) != (plan.micro_batches, plan.schedule)
-    plan.micro_batches, plan.schedule = micro_batches, schedule
-    try:  # the programs of the new micro-batches or schedule, priced as the plan's were
-        timeline = finish(plan) if changed or not plan.programs else simulate(plan)
+    changed = _reschedule(plan, args.micro_batches or plan.pieces, chosen or plan.schedule)
+    try:  # see [Note: simulate as the plan was predicted]
+        timeline = finish(plan) if changed and plan.programs else simulate(plan)
     except PartitionError as exc:
-        raise UsageError(f"--schedule {plan.schedule} --micro-batches {plan.micro_batches}: {exc}") from None
-    out.print(f"{name}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, schedule {plan.schedule}"
+        raise UsageError(f"--schedule {plan.schedule} --micro-batches {args.micro_batches or plan.pieces}: "
+                         f"{exc}") from None
+    words = micro_batch_words(plan if batch or not changed else replace(plan, graph=None), batch)  # graph: old count
+    out.print(f"{name}: {len(plan.stages)} stages, {words}, schedule {plan.schedule}"
               + (f", recompute {', '.join(s.recompute for s in plan.stages)}" if plan.recomputes else ""),
               markup=False)
     if plan.alternatives:
         out.print("predicted step of each candidate compared: " + ", ".join(
             f"{n} {ms:.3f} ms" for n, ms in plan.alternatives.items()), markup=False)  # fmt: skip
-    out.print(timeline.chart(width=args.width), markup=False)
-    out.print("F forward, B backward, ~ only transfers or all-reduce, . idle", markup=False)
-    table = Table(header_style="bold")
-    for col in ("device", "stages", "busy ms", "comm ms", "idle ms", "idle"):
-        table.add_column(col, justify="left" if col in ("device", "stages") else "right")
-    for d in timeline.devices:
-        idle = d.idle_ms / timeline.makespan_ms if timeline.makespan_ms > 0 else 0.0
-        table.add_row(d.device, ",".join(map(str, d.stages)), f"{d.busy_ms:.3f}", f"{d.comm_ms:.3f}",
-                      f"{d.idle_ms:.3f}", f"{idle:.1%}")
-    out.print(table)
-    out.print(f"makespan {timeline.makespan_ms:.3f} ms, bubble fraction {timeline.bubble_fraction:.1%}", markup=False)
+    out.print(text_rows(timeline, gpus_per_host=plan.gpus_per_host, width=args.width, footer=False), markup=False,
+              soft_wrap=True)
+    out.print("F forward, B backward, W weight gradients, ~ only transfers or all-reduce, . idle", markup=False)
+    rows = len(timeline.devices)
+    predicted = (f"; the plan's predicted step {plan.predicted_step_ms:.3f} ms" if not changed and plan.update == "sync"
+                 and plan.predicted_step_ms else "")
+    out.print(f"makespan {timeline.makespan_ms:.3f} ms, bubble fraction {timeline.bubble_fraction:.1%}, "
+              f"{timeline.ranks} ranks simulated as {rows} row{'s' if rows != 1 else ''} (identical ranks folded; "
+              f"figures per rank){predicted}", markup=False)
     if args.out:
         with step(err, args.quiet, f"writing {args.out}"):
             visualize(plan, args.out, timeline=timeline)
         out.print(f"wrote {args.out}", markup=False)
     return 0
+
+
+def _reschedule(plan: Plan, pieces: int, schedule: str) -> bool:
+    """Give `plan` `pieces` micro-batches in the step (`Plan.pieces`: --micro-batches counts them so) and
+    `schedule`; whether either changed.
+
+    [Note: simulate as the plan was predicted] A plan simulated with its own micro-batches and schedule
+    goes through `simulate(plan)`, the function that made its `predicted_step_ms`, so the two agree. Only
+    a plan whose programs no longer fit is lowered again (`finish`); a plan saved without programs (a
+    cluster plan) is lowered by `simulate` itself, as the planner lowered it. `finish` would lower it
+    with the runtime's lowering, which leaves a sharded stage's reduction to FSDP2 and so out of the step.
+    """
+    if (pieces, schedule) == (plan.pieces, plan.schedule):
+        return False
+    replicas = max(s.replicas for s in plan.stages)
+    if plan.data_split == "slice" and pieces % replicas:
+        raise UsageError(f"--micro-batches {pieces}: the plan slices every micro-batch over {replicas} replicas, "
+                         f"so a step runs a multiple of {replicas} micro-batches; use e.g. "
+                         f"{replicas * max(1, pieces // replicas)}")
+    plan.micro_batches = pieces // replicas if plan.data_split == "slice" else pieces
+    plan.schedule = schedule
+    return True

@@ -50,7 +50,7 @@ from partitioner.predict.recompute_modes import by_mode, mode_costs, placed_memo
 from partitioner.predict.simulator import simulate, steady_step_ms
 from partitioner.predict.timeline import Timeline
 from rules.schedules import virtual_stages
-from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule
+from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule, StagePlan
 
 __all__ = ["assemble", "finish", "predict", "price_update", "recompute_memory", "recount"]
 
@@ -184,7 +184,7 @@ def finish(
     message = message_price(plan, old, transfer_ms)
     price = group_price(plan, old, group_ms, None)
     before = in_flight(old, len(plan.stages)) if old else None
-    devices = {r: s.device for s in plan.stages for r in s.ranks or [s.index]}
+    devices = {r: _rank_device(plan, s, r) for s in plan.stages for r in s.ranks or [s.index]}
     runs = {r: {s.index for s in plan.stages if r in (s.ranks or [s.index])} for r in devices}
     for prog in old:  # a rank that runs what it ran keeps its own device (replicas may differ from the stage's)
         if runs.get(prog.rank, set()) == {op.stage for op in prog.ops if op.is_compute}:
@@ -205,6 +205,16 @@ def finish(
                 stage.activation_bytes += grown
                 stage.memory_bytes += grown if stage.memory_bytes else 0
     return predict(plan, lambda src, dst, nbytes: message(src, dst), price)
+
+
+def _rank_device(plan: Plan, stage: StagePlan, rank: int) -> str:
+    """The device of `rank`, a rank of `stage`: its host's own GPU `cuda:{rank % gpus_per_host}` where the plan
+    names GPUs so (a cluster plan: `gpus_per_host` > 0 and the stage on its first rank's local GPU), else the
+    stage's device. Naming every replica by the stage's device put a cluster stage's replicas on one GPU, and
+    `fits_memory` summed their memory there ("(over memory)" on candidates that fit)."""
+    per_host = plan.gpus_per_host
+    local = per_host > 0 and bool(stage.ranks) and stage.device == f"cuda:{stage.ranks[0] % per_host}"
+    return f"cuda:{rank % per_host}" if local else stage.device
 
 
 def _check(

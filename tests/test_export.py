@@ -1,8 +1,12 @@
-"""Plans for torch.distributed.pipelining and torchtitan: actions, split points, TOML, CSV import, a run by torch."""
+"""Plans for torch.distributed.pipelining and torchtitan: actions, split points, torchtitan jobs, CSV import, a run by
+torch (the torchtitan jobs beside torchtitan itself: tests/test_torchtitan_export.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +24,9 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.devices import DeviceSpec
 from partitioner.cli.main import main
 from partitioner.errors import PartitionError
-from partitioner.export import from_torch_schedule, read_torch_actions, to_torch_schedule, to_torchtitan
+from partitioner.export import from_torch_schedule, read_torch_actions, to_torch_schedule
+from partitioner.export.pipelines import pipeline_schedule
+from partitioner.export.torchtitan import torchtitan_job
 from partitioner.export.wire import wire
 from partitioner.predict.simulator import simulate
 from rules.schedules import schedule_names, unregister
@@ -28,12 +34,6 @@ from tests import zoo
 from tests.test_distributed import results, torchrun
 
 WORKER = str(Path(__file__).resolve().parent / "export_worker.py")
-# torchtitan's JobConfig fields these keys must be (torchtitan/config/job_config.py: Parallelism, Training)
-TORCHTITAN_PARALLELISM = {
-    "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
-    "pipeline_parallel_degree", "pipeline_parallel_split_points", "pipeline_parallel_schedule",
-    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
-}
 PLANS: dict[tuple[Any, ...], partitioner.Plan] = {}
 # A described CPU: plans (cuts included) are the same on every machine and every run.
 CPU = DeviceSpec(name="cpu", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 34, kind="cpu")
@@ -50,11 +50,6 @@ def make_plan(ranks: int, schedule: str, name: str = "tiny_gpt", **kw: Any) -> p
                                       schedule=schedule, processes=True,
                                       cost_model=AnalyticCostModel(measure=lambda d: CPU), **kw)
     return partitioner.Plan.from_json(PLANS[key].to_json())
-
-
-def read_toml(text: str) -> dict[str, Any]:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (on 3.10 the checks that read TOML skip)
-    return dict(tomllib.loads(text))
 
 
 @pytest.fixture
@@ -132,25 +127,79 @@ def test_split_points_name_module_boundaries_and_the_cuts_that_are_not() -> None
     assert split.modules[1] == ["blocks.1"] and split.modules[0][:2] == ["tok", "blocks.0"]
 
 
-def test_torchtitan_toml_uses_its_keys_with_a_comment_each() -> None:
+def overrides(args: list[str]) -> dict[str, str]:
+    """torchtitan's `--section.key=value` arguments as a dict."""
+    return dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def test_torchtitan_job_sets_every_degree_the_batch_and_the_module_lists_with_a_comment_each() -> None:
     plan = make_plan(3, "1f1b", split_spec={"blocks.1": SplitPoint.BEGINNING, "blocks.2": SplitPoint.BEGINNING})
-    text = plan.to_torchtitan("out/schedule.csv")
-    config = read_toml(text)
-    assert set(config["parallelism"]) <= TORCHTITAN_PARALLELISM and set(config) == {"parallelism", "training"}
-    par = config["parallelism"]
-    assert par["pipeline_parallel_degree"] == 3 and par["pipeline_parallel_schedule"] == "PipelineScheduleSingle"
-    assert par["pipeline_parallel_schedule_csv"] == "out/schedule.csv"
-    assert par["pipeline_parallel_split_points"] == ["blocks.1", "blocks.2"]
-    assert par["pipeline_parallel_microbatch_size"] == 2 and config["training"] == {"local_batch_size": 8}
-    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"], par["tensor_parallel_degree"]) \
-        == (1, 1, 1)
-    for line in text.splitlines():
-        if "=" in line and not line.startswith("#"):
-            assert "  # " in line, line  # every value says where it came from
-    assert "predicted step" in text and "Predicted memory per GPU" in text
-    cut_inside = to_torchtitan(make_plan(4, "1f1b"))
-    assert "pipeline_parallel_split_points" not in read_toml(cut_inside)["parallelism"]
-    assert "# pipeline_parallel_split_points: not written" in cut_inside and "falls inside blocks.2" in cut_inside
+    job = torchtitan_job(plan, "out/schedule.csv", module="llama3", config="llama3_debugmodel")
+    args = job.args()
+    assert args[:4] == ["--module", "llama3", "--config", "llama3_debugmodel"]
+    assert args[-1] == "activation-checkpoint:none"  # a tyro subcommand: nothing after it is read as an option
+    assert overrides(args) == {  # 4 micro-batches of 2 samples (12 tokens) on 3 stages, fp32, nothing split
+        "--parallelism.pipeline_parallel_degree": "3", "--parallelism.data_parallel_replicate_degree": "1",
+        "--parallelism.data_parallel_shard_degree": "1", "--parallelism.tensor_parallel_degree": "1",
+        "--parallelism.context_parallel_degree": "1", "--parallelism.expert_parallel_degree": "1",
+        "--parallelism.pipeline_parallel_microbatch_size": "2", "--training.local_batch_size": "8",
+        "--training.global_batch_size": "8", "--training.seq_len": "12",
+        "--parallelism.pipeline_parallel_schedule": "PipelineScheduleSingle",
+        "--parallelism.pipeline_parallel_schedule_csv": "out/schedule.csv",
+        "--training.dtype": "float32", "--training.mixed_precision_param": "float32",
+    }
+    parts = args.index("--parallelism.module_fqns_per_model_part")  # the plan's tok, blocks.N, ln, head
+    assert args[parts + 1:parts + 4] == ["tok_embeddings,layers.0", "layers.1", "layers.2,norm,lm_head"]
+    assert "--training.disable_cuda_graphs" in args  # torchtitan 0.3.0 refuses CUDA graphs with a pipeline
+    text = job.script()
+    assert all(why and f"  # {why}\n  {' '.join(tokens)}" in text for tokens, why in job.options)
+    assert "predicted step" in text and "Predicted memory per GPU" in text and not job.notes
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    cut = torchtitan_job(make_plan(2, "gpipe"))  # cut inside blocks.1: the layer goes whole where most of it runs
+    assert cut.parts.parts == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "norm", "lm_head"]]
+    assert cut.notes[0].startswith("layers.1 (blocks.1): the plan cuts it before blocks_1_ln2")
+    assert cut.notes[0].endswith("exported in stage 1") and "stage 0 37%, stage 1 63%" in cut.notes[0]
+    with pytest.raises(ValueError, match="--module and --config"):
+        cut.args()
+
+
+def test_torchtitan_refuses_what_it_cannot_run_naming_the_stage_and_the_fix() -> None:
+    plan = make_plan(4, "1f1b", replicas=[2, 2])
+    mixed = partitioner.Plan.from_json(plan.to_json())
+    mixed.stages[1].tensor = 2
+    with pytest.raises(PartitionError, match=r"stage 1 splits its layers over 2 ranks and stage 0 over 1: .*one "
+                                             r"tensor degree for every stage \(tensor=2, CLI --tensor 2\)"):
+        torchtitan_job(mixed)
+    mixed = partitioner.Plan.from_json(plan.to_json())
+    mixed.stages[1].sharding = "zero3"
+    with pytest.raises(PartitionError, match=r"stage 1 shards its replicas 'zero3' and stage 0 'none': .*one "
+                                             r"sharding mode for every stage"):
+        torchtitan_job(mixed)
+    with pytest.raises(PartitionError, match=r"stage 1 runs only parts of layers.0 \(placed in stage 0\), "
+                                             r"layers.1 \(placed in stage 2\).*Fix: plan with fewer stages \(4 now, "
+                                             r"the model has 3 layers\)"):
+        torchtitan_job(make_plan(4, "1f1b"))  # 4 stages over 3 blocks, cut inside two of them
+    flat = make_plan(2, "gpipe")
+    for node in flat.graph["nodes"] if flat.graph else []:
+        node["module"] = ""  # a model with no module list: nothing is layers.N
+    with pytest.raises(PartitionError, match="no list of repeated layers .* run the plan on torch.distributed"):
+        torchtitan_job(flat)
+
+
+def test_sliced_micro_batches_are_per_replica(fake_world: Any, tmp_path: Path) -> None:
+    plan = make_plan(4, "1f1b", replicas=[2, 2])  # 4 micro-batches dealt: 2 per pipeline
+    plan.data_split, plan.programs = "slice", []  # every replica runs all 4, each on its slice (sharded replicas)
+    sched = pipeline_schedule(plan)
+    assert (sched.pipelines, sched.micro_batches, sched.stage_to_rank) == (2, 4, {0: 0, 1: 1})
+    assert [sorted(a for a in row if a[1] == "F") for row in sched.actions] == [
+        ["0F0", "0F1", "0F2", "0F3"], ["1F0", "1F1", "1F2", "1F3"]]
+    fake_world(2)
+    runtime = _PipelineScheduleRuntime(torch_stages([0], 2), n_microbatches=4)
+    runtime._load_csv(str(sched.write_csv(tmp_path / "slice.csv")))  # torch's loader and validator take it
+    got = overrides(torchtitan_job(plan, module="m", config="c").args())
+    assert got["--training.local_batch_size"] == str(2 * 4)  # 2 samples a slice x 4 micro-batches per pipeline
+    assert got["--training.global_batch_size"] == str(2 * 4 * 2)  # x 2 pipelines
+    assert got["--parallelism.pipeline_parallel_microbatch_size"] == "2"
 
 
 def test_replicated_stages_are_pipelines_side_by_side() -> None:
@@ -158,7 +207,9 @@ def test_replicated_stages_are_pipelines_side_by_side() -> None:
     sched = plan.to_torch_schedule()
     assert (sched.pipelines, sched.micro_batches, sched.ranks) == (2, 2, 2)
     assert sched.actions == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
-    assert read_toml(plan.to_torchtitan())["parallelism"]["data_parallel_replicate_degree"] == 2
+    got = overrides(torchtitan_job(plan, module="m", config="c").args())
+    assert (got["--parallelism.data_parallel_replicate_degree"], got["--training.local_batch_size"],
+            got["--training.global_batch_size"]) == ("2", "4", "8")  # 2 micro-batches of 2 per pipeline
     plan.stages[0].ranks = [0]
     with pytest.raises(PartitionError, match="same replica count"):
         to_torch_schedule(plan)
@@ -229,21 +280,44 @@ def test_values_cross_cuts_as_tensors_and_come_back_as_they_were() -> None:
         wire("obj", ("text",))
 
 
-def test_cli_export_writes_csv_and_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def run_script(script: Path, *extra: str, **env: str) -> tuple[list[str], list[str]]:
+    """(torchrun's arguments, torchtitan.train's) of a job script, run with a torchrun that prints them."""
+    echo = script.parent / "echo_args.py"
+    echo.write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    run = subprocess.run(["bash", str(script), *extra], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TORCHRUN": f"{sys.executable} {echo}", **env})
+    assert run.returncode == 0, run.stderr
+    argv = json.loads(run.stdout)
+    at = argv.index("torchtitan.train")
+    assert argv[at - 1] == "-m"
+    return argv[:at - 1], argv[at + 1:]
+
+
+def test_cli_export_writes_csv_and_torchtitan_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = make_plan(2, "gpipe")
     (tmp_path / "plan.json").write_text(plan.to_json())
     code = main(["export", "--plan", str(tmp_path / "plan.json"), "--csv", str(tmp_path / "s.csv"),
-                 "--torchtitan", str(tmp_path / "t.toml")])
+                 "--torchtitan", str(tmp_path / "job.sh"), "--torchtitan-module", "llama3"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert (tmp_path / "s.csv").read_text() == plan.to_torch_schedule().csv()
-    config = read_toml((tmp_path / "t.toml").read_text())
-    assert config["parallelism"]["pipeline_parallel_schedule_csv"] == str(tmp_path / "s.csv")
     assert "stage -> rank: 0:0, 1:1" in out and "split points: stage 1 at blocks.1.ln2" in out
+    assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in out and "torchtitan stage 1: layers.1-2, norm, lm_head" in out
+    assert "note: layers.1 (blocks.1): the plan cuts it" in out
+    job = torchtitan_job(plan, str(tmp_path / "s.csv"), module="llama3", config="llama3_debugmodel")
+    launch, args = run_script(tmp_path / "job.sh", "--training.steps=3", CONFIG="llama3_debugmodel", NODE_RANK="0")
+    assert launch[:3] == ["--nnodes=1", "--nproc-per-node=2", "--node-rank=0"]
+    assert args == [*job.args()[:-1], "--training.steps=3", job.args()[-1]]  # overrides go before the subcommand
+    blank = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "CONFIG"})
+    assert blank.returncode != 0 and "set CONFIG to the torchtitan --config" in blank.stderr
     four = make_plan(4, "1f1b")
     (tmp_path / "four.json").write_text(four.to_json())
     assert main(["export", "--plan", str(tmp_path / "four.json"), "--csv", str(tmp_path / "f.csv")]) == 0
     assert "not on a module boundary: the cut before stage 3 falls inside blocks.2" in capsys.readouterr().out
+    assert main(["export", "--plan", str(tmp_path / "four.json"), "--csv", str(tmp_path / "f.csv"),
+                 "--torchtitan", str(tmp_path / "four.sh")]) == 2
+    assert "stage 1 runs only parts of layers.0" in capsys.readouterr().err
 
 
 def test_torch_runtime_runs_the_exported_actions_under_nccl_rules(tmp_path: Path) -> None:

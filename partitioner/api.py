@@ -223,8 +223,8 @@ def partition(
     given = _given_plan(plan, recompute)
     if given is not None:  # the plan's schedule and micro-batches, unless others are asked for
         schedule, virtual_stages = given.schedule, max(given.virtual_stages, 2)
-        if micro_batches == 1 and given.micro_batches != 1:
-            micro_batches = given.micro_batches
+        if micro_batches == 1 and given.pieces != 1:  # a step's micro-batches, over every replica (Plan.pieces)
+            micro_batches = given.pieces
         staleness = staleness or given.staleness
     request = PlanRequest.of(
         resolve(devices), processes=distributed(), micro_batches=micro_batches, schedule=schedule,

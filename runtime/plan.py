@@ -124,6 +124,11 @@ class Plan:
     # The dtypes training keeps each state in ({"compute", "param", "grad", "state", "optimizer", "name"},
     # cost_model.precision.Precision.to_dict()); None: everything at the model's dtype.
     precision: dict[str, str] | None = None
+    # The structure the plan was made on: (name, key) of each compute node of the traced graph, in order, a key
+    # saying what the node calls in which module. A graph traced otherwise (on meta, with other versions) names
+    # its nodes otherwise; the plan binds to it by these ([Note: binding a plan by structure], partitioner/make/
+    # bind.py). Empty: bind by node names only (plans saved before).
+    node_keys: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def devices(self) -> list[str]:
@@ -174,6 +179,8 @@ class Plan:
         for key, default in _PLAN_DEFAULTS.items():
             if data[key] == default:
                 del data[key]
+        if self.node_keys:  # one line each: "name key"
+            data["node_keys"] = [f"{name} {key}" for name, key in self.node_keys]
         data["programs"] = [
             {"rank": p.rank, "device": p.device, "ops": [str(op) for op in p.ops], "predicted": p.predicted}
             for p in self.programs
@@ -193,7 +200,8 @@ class Plan:
             Program(p["rank"], p["device"], [Op.parse(o) for o in p["ops"]], [tuple(x) for x in p.get("predicted", [])])
             for p in data.pop("programs", [])
         ]
-        plan = cls(stages=stages, programs=programs, **data)
+        keys = [(name, key) for name, _, key in (str(e).partition(" ") for e in data.pop("node_keys", []))]
+        plan = cls(stages=stages, programs=programs, node_keys=keys, **data)
         plan.check()
         return plan
 
@@ -280,7 +288,7 @@ class Plan:
 
 
 _STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none"}
-_PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None}
+_PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": []}
 _PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
 
 

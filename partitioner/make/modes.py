@@ -7,52 +7,29 @@ export number repeated operations (`mul_6`), so one added node renames every lat
 are paired by an alignment of their operation sequences instead (what each node calls, in which
 module): a node of the other graph takes the stage of its partner, and a node of its own the stage
 of the operation before it (the latest stage among its inputs, where stages are not a chain). An
-alignment keeps order, so on a chain every node is read in its stage or a later one.
+alignment keeps order, so on a chain every node is read in its stage or a later one. It is the alignment
+a plan binds to another trace of the model by (partitioner.make.bind, [Note: binding a plan by structure]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 import torch
 
-from partitioner.capture.graph import compute_nodes, owning_module
+from partitioner.capture.graph import compute_nodes
 from partitioner.errors import PartitionError
+from partitioner.make.bind import align, structure
 from runtime.plan import Plan
 from runtime.stage import stage_io
 
 __all__ = ["same_cuts"]
 
 
-def _signature(node: torch.fx.Node) -> tuple[str, str, str]:
-    return node.op, str(getattr(node.target, "__name__", node.target)), owning_module(node)
-
-
-def _partners(ours: list[torch.fx.Node], theirs: list[torch.fx.Node]) -> dict[str, str]:
-    """Node name in `ours` -> its partner's name in `theirs`, by an order-keeping alignment of signatures."""
-    matcher = difflib.SequenceMatcher(None, [_signature(n) for n in ours], [_signature(n) for n in theirs],
-                                      autojunk=False)
-    return {ours[i + k].name: theirs[j + k].name
-            for i, j, size in matcher.get_matching_blocks() for k in range(size)}
-
-
 def same_cuts(gm: torch.fx.GraphModule, plan: Plan, traced: torch.fx.GraphModule) -> Plan:
     """`plan`, made for the graph `traced`, for another graph of the same model, `gm` (the other train/eval
     mode), cut at the same places (see [Note: the other mode's cuts])."""
-    stage_of = plan.stage_of()
-    nodes = compute_nodes(gm)
-    partner = _partners(nodes, compute_nodes(traced))
-    chain = plan.placement == "pipeline"
-    assigned: dict[str, int] = {}
-    previous = 0
-    for node in nodes:
-        s = stage_of.get(partner.get(node.name, ""))
-        if s is None:
-            s = max((assigned.get(p.name, 0) for p in node.all_input_nodes), default=0)
-            if chain:
-                s = max(s, previous)
-        assigned[node.name] = previous = s
+    assigned = align(compute_nodes(gm), structure(traced), plan.stage_of(), chain=plan.placement == "pipeline")
     stages = [
         dataclasses.replace(st, nodes=[n for n, s in assigned.items() if s == st.index], reads_from=[])
         for st in plan.stages

@@ -24,6 +24,7 @@ from cost_model.devices import DeviceLike
 from partitioner.capture.example import Example, shaped, trace_example
 from partitioner.capture.fidelity import batched_outputs
 from partitioner.errors import PartitionError
+from partitioner.make.bind import bind
 from partitioner.make.modes import same_cuts
 from partitioner.place.planning import finish_plan
 from partitioner.request import PlanRequest, RunOptions
@@ -63,12 +64,29 @@ def build_pipeline(
     Raises:
         PartitionError: a plan the graph cannot be cut by, or a rank the plan gives no stage.
     """
-    if plan.micro_batches != request.micro_batches:  # a given plan run with another micro-batch count
-        plan.micro_batches, plan.programs = request.micro_batches, []
+    if plan.pieces != request.micro_batches:  # a given plan run with another micro-batch count (a step's)
+        plan.micro_batches, plan.programs = _per_replica(plan, request.micro_batches), []
+    bind(plan, example.graph_module)  # a plan made from another trace (on meta, say): see make.bind
     on_devices(plan, request.devices)
     if request.processes:
         return _distributed(model, example, plan, run, fill, list(request.devices))
     return _local(model, example, plan, request, run, fill)
+
+
+def _per_replica(plan: Plan, micro_batches: int) -> int:
+    """What `plan.micro_batches` becomes for a step of `micro_batches` (Plan.pieces): each replica of a sliced
+    plan runs every one of its micro-batches on a slice, so they divide among the replicas.
+
+    Raises:
+        PartitionError: a sliced plan's replicas do not divide `micro_batches`.
+    """
+    replicas = plan.pieces // plan.micro_batches
+    if micro_batches % replicas:
+        raise PartitionError(f"micro_batches={micro_batches} with a plan that slices each micro-batch over "
+                             f"{replicas} replicas: use a multiple of {replicas} (the step's micro-batches, "
+                             f"{micro_batches // replicas or 1} x {replicas} say), or leave micro_batches out to run "
+                             f"the plan's {plan.pieces}")
+    return micro_batches // replicas
 
 
 def on_devices(plan: Plan, devices: Sequence[torch.device]) -> None:

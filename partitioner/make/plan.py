@@ -17,6 +17,7 @@ from cost_model.calibration_store import with_calibration
 from partitioner.capture.example import Example, shaped, trace_example
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
+from partitioner.make.bind import structure
 from partitioner.place.planning import plan_traced
 from partitioner.predict.assemble import price_update
 from partitioner.request import PlanRequest
@@ -48,7 +49,9 @@ def plan_example(model: nn.Module, example: Example, request: PlanRequest, cost:
             in training mode) gets one sample per micro-batch, which the whole batch gives it more of.
     """
     try:
-        return shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
+        made = shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
+        made.node_keys = structure(example.graph_module)  # what it binds to where it runs (make.bind)
+        return made
     except (RuntimeError, ValueError) as exc:
         if _PER_BATCH_STATISTICS not in str(exc):
             raise

@@ -161,6 +161,8 @@ def test_torchtitan_job_sets_every_degree_the_batch_and_the_module_lists_with_a_
     assert cut.notes[0].endswith("exported in stage 1") and "stage 0 37%, stage 1 63%" in cut.notes[0]
     with pytest.raises(ValueError, match="--module and --config"):
         cut.args()
+    mixed = torchtitan_job(make_plan(2, "gpipe", recompute=["full", "none"]))  # torchtitan: one mode for all
+    assert mixed.checkpointing == "activation-checkpoint:full" and "stages [1] recompute more" in mixed.notes[-1]
 
 
 def test_torchtitan_refuses_what_it_cannot_run_naming_the_stage_and_the_fix() -> None:

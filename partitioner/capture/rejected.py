@@ -21,6 +21,7 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from partitioner.capture.graph import owning_module
+from partitioner.capture.untraceable import where
 from partitioner.errors import PartitionError
 
 __all__ = ["graph_rejects", "model_rejects", "wanted"]
@@ -70,6 +71,24 @@ def _error(inputs: Mapping[str, Any], path: str, module: nn.Module | None, got: 
     )
 
 
+def _needs_values(exc: BaseException, example: Any) -> bool:
+    """Whether `exc` is meta tensors' lack of values (`.item()`, a copy out, a data-dependent size), not the
+    example's fault: the example is on meta and the message says meta."""
+    on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(example))
+    return on_meta and "meta" in str(exc).lower()
+
+
+def _values_error(path: str, module: nn.Module | None, exc: BaseException) -> PartitionError:
+    layer = f"{path or 'the model'} ({type(module).__name__})" if module is not None else (path or "the model")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = where(exc)
+    return PartitionError(
+        f"the model is on meta, and {layer} needs tensor values{f' at {line}' if line else ''} ({type(exc).__name__}: "
+        f"{first}); meta tensors have shapes only. Make that code independent of tensor values (no .item(), no "
+        "data-dependent shapes), or build the model on a real device"
+    )
+
+
 @contextlib.contextmanager
 def _restored(root: nn.Module) -> Iterator[None]:
     """No gradients, the random state forked, the buffers as they were afterwards."""
@@ -105,6 +124,8 @@ def model_rejects(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
             model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises on its example is the answer
         path, module, got = active[-1] if active else ("", model, _shapes((args, kwargs)))
+        if _needs_values(exc, (args, kwargs)):
+            return _values_error(path, module, exc)
         bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
         return _error(dict(bound.arguments), path, module, got, exc)
     finally:

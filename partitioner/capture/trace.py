@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -20,7 +19,8 @@ from partitioner.capture.export import export_graph
 from partitioner.capture.leaves import functions_as_leaves, markers_recorded, take_markers
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.capture.rejected import model_rejects
-from partitioner.errors import PartitionError, TraceError
+from partitioner.capture.untraceable import trace_error, where
+from partitioner.errors import PartitionError
 from runtime.mutation import mutated_inputs, order_mutations
 
 __all__ = ["Traced", "trace", "where"]
@@ -145,7 +145,8 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     signature = inspect.signature(model.forward)
     for p in signature.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(f"forward takes *{p.name}; torch.fx needs named parameters")
+            raise TypeError(f"forward takes {'*' if p.kind is p.VAR_POSITIONAL else '**'}{p.name}; torch.fx needs "
+                            "named parameters")
     bound = signature.bind(*args, **kwargs)
     given = set(bound.arguments)
     bound.apply_defaults()
@@ -215,18 +216,6 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
 def _export_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Traced:
     exported = export_graph(model, args, kwargs)
     return Traced(exported.graph_module, "export", exported.flatten_inputs, exported.unflatten_outputs)
-
-
-def where(exc: BaseException) -> str:
-    """The innermost frame of user code (not torch's) in a traceback, as 'file:line in func'."""
-    tb = exc.__traceback__
-    where = ""
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if "/torch/" not in filename and "/partitioner/" not in filename:
-            where = f"{filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
-        tb = tb.tb_next
-    return where
 
 
 def _with_mutations(traced: Traced) -> Traced:
@@ -344,31 +333,6 @@ def _trace_other_mode(traced: Traced, model: nn.Module, args: Sequence[Any], kwa
     traced.other_mode = other.graph_module
 
 
-_DATA_DEPENDENT = ("data-dependent", "data dependent", "symbolically traced variables cannot be used as inputs to "
-                   "control flow", "GuardOnDataDependentSymNode", "Could not guard")
-
-
-def _fix(fx_error: BaseException, export_error: BaseException) -> str:
-    """What to change, read off what the tracers said."""
-    found = re.search(r"Found <class '([^']+)'> in output", str(export_error))
-    if found and "cache" in found.group(1).rpartition(".")[2].lower():
-        return (f"forward returns a {found.group(1).rpartition('.')[2]} (a key/value cache for generation), which "
-                "a pipeline does not pass between calls: pass use_cache=False (example_kwargs={'use_cache': False}, "
-                "or config.use_cache = False)")
-    if found:
-        return (f"forward returns a {found.group(1)}, which is neither a tensor nor a container of tensors: return "
-                "tensors, tuples, lists, dicts or dataclasses registered with torch.utils._pytree")
-    if any(marker in str(e) for e in (fx_error, export_error) for marker in _DATA_DEPENDENT):
-        return ("make that code independent of tensor values (torch.where instead of an if on a tensor, no .item() "
-                "or data-dependent shapes)")
-    return ("change the code at those lines so that torch.fx (no *args, no control flow on tensors) or torch.export "
-            "(no data-dependent shapes or control flow) can trace it, or pass example_inputs that torch.export accepts")
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-
-
 def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Traced:
     """Trace `model` with torch.fx; fall back to torch.export on the example inputs.
 
@@ -390,11 +354,4 @@ def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | Non
                 rejected = model_rejects(model, on_meta(args) if meta else args, on_meta(kwargs) if meta else kwargs)
                 if rejected is not None:
                     raise rejected from export_error
-                raise TraceError(
-                    f"cannot trace {type(model).__name__}:\n"
-                    f"- torch.fx.symbolic_trace failed at {where(fx_error) or 'an unknown place'}: "
-                    f"{type(fx_error).__name__}: {_first_line(fx_error)}\n"
-                    f"- torch.export failed at {where(export_error) or 'an unknown place'}: "
-                    f"{type(export_error).__name__}: {_first_line(export_error)}\n"
-                    f"Fix: {_fix(fx_error, export_error)}."
-                ) from export_error
+                raise trace_error(model, fx_error, export_error) from export_error

@@ -7,8 +7,9 @@ Each tensor keeps its identity (`torch.utils.swap_tensors`): tied weights stay o
 and the stage graphs, the model and an optimizer all see the new values.
 
 Rules (the README's "meta models" section says the same):
-- `weights` is read by state-dict key, one tensor at a time (runtime.weights). A tied weight is
-  found under any of its names. Shapes and dtypes must equal the model's.
+- `weights` is read by state-dict key, one tensor at a time (runtime.weights); a Hugging Face
+  model's legacy names and layouts as `from_pretrained` reads them (runtime.weight_names). A tied
+  weight is found under any of its names. Shapes and dtypes must equal the model's.
 - `init` runs first, on every module owning a tensor being materialized: a callable
   `init(module)` (which fills what it likes), or "reset_parameters" (each module's own method).
   Each module's call runs under its own seed (`torch.initial_seed()` + a hash of its path), so
@@ -16,13 +17,15 @@ Rules (the README's "meta models" section says the same):
 - What no rule fills is an error: a persistent key missing from `weights`, a parameter whose
   module has no reset_parameters(), or a non-persistent buffer on meta (no checkpoint holds one:
   build it for real, e.g. `with partitioner.meta.empty_weights():` keeps buffers real, or fill it
-  in `init`). Every problem is listed at once, before anything is allocated.
+  in `init`). Every problem is listed at once, before anything is allocated, with the checkpoint's
+  keys that name no tensor of the model (a few, most like the missing ones first, and their count).
 - A tensor that is not on meta is loaded from `weights` too when given (`load_real=True`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import gc
 import zlib
 from typing import Any, Callable, Iterator, Literal
@@ -31,9 +34,12 @@ import torch
 from torch import nn
 
 from runtime.errors import PartitionError
+from runtime.weight_names import NamedSource, named_as_model
 from runtime.weights import WeightSource
 
 __all__ = ["Init", "Materializer", "swap", "tensor_names"]
+
+_SHOWN = 5  # unmatched checkpoint keys named in an error
 
 Init = Callable[[nn.Module], Any] | Literal["reset_parameters"]
 
@@ -85,12 +91,12 @@ class Materializer:
         if weights is None and init is None:
             raise PartitionError("nothing to materialize the model from: pass weights= (a checkpoint) or init=")
         self.model = model
-        self.source = weights
+        self.source = named_as_model(weights, model) if weights is not None else None  # legacy names resolved
         self.init = init
         self.load_real = load_real
         self.names = tensor_names(model)
         self.modules = dict(model.named_modules(remove_duplicate=False))
-        self.keys = set(weights.keys()) if weights is not None else set()
+        self.keys = set(self.source.keys()) if self.source is not None else set()
         self.done: set[int] = set()
         self.seed = torch.initial_seed()  # read once: manual_seed (ours, per module) changes it
 
@@ -134,13 +140,35 @@ class Materializer:
                     "put it in weights= or pass an init= callable that fills it")
         return f"{name!r} is missing from weights; pass a checkpoint that has it, or an init= that fills it"
 
+    def _unmatched(self, missing: list[str]) -> str:
+        """The weights' keys that name no tensor of the model, a few (those most like `missing` first) and their
+        count ('' if none)."""
+        if self.source is None:
+            return ""
+        if isinstance(self.source, NamedSource):
+            unused = self.source.unused
+        else:
+            names = {name for entries in self.names.values() for name, _, _ in entries}
+            unused = sorted(k for k in self.keys if k not in names)
+        if not unused:
+            return ""
+        if missing and len(unused) * len(missing) <= 100_000:
+            unused = sorted(unused, key=lambda k: -max(difflib.SequenceMatcher(None, k, m).ratio() for m in missing))
+        shown = ", ".join(repr(k) for k in unused[:_SHOWN])
+        more = f" and {len(unused) - _SHOWN} more" if len(unused) > _SHOWN else ""
+        return (f"\nweights holds {len(unused)} key(s) that name no tensor of the model: {shown}{more}; a checkpoint "
+                "of another model or configuration, or names to map (load it into the model and pass its state_dict())")
+
     def __call__(self, placed: list[tuple[torch.Tensor, torch.device]]) -> tuple[set[int], Callable[[], None]]:
         """Give storage to every placed tensor that needs it; return their ids and an undo."""
         targets = [(t, d) for t, d in placed if id(t) not in self.done
                    and (t.device.type == "meta" or (self.load_real and self._persistent(t)))]
-        problems = [p for p in (self._problem(t) for t, _ in targets) if p is not None]
+        found = [(t, self._problem(t)) for t, _ in targets]
+        problems = [p for _, p in found if p is not None]
         if problems:
-            raise PartitionError("cannot materialize the model's weights:\n" + "\n".join(f"- {p}" for p in problems))
+            missing = [self.names[id(t)][0][0] for t, p in found if p is not None and id(t) in self.names]
+            raise PartitionError("cannot materialize the model's weights:\n" + "\n".join(f"- {p}" for p in problems)
+                                 + self._unmatched(missing))
         swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def undo() -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
@@ -35,7 +37,10 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.graph import _PyTreeCodeGen
 
-from partitioner.capture.leaves import functions_seen
+from partitioner.capture.export_device import FakeDevice, run_device
+from partitioner.capture.export_functions import Functions, as_leaves, functions_recorded, source_of
+from partitioner.capture.meta import is_meta
+from partitioner.capture.whole import keep_experts_whole
 from partitioner.errors import PartitionError, TraceError
 
 __all__ = ["Exported", "export_graph"]
@@ -70,21 +75,75 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _export(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], every: bool) -> Any:
+class _Writes(io.StringIO):
+    """A stand-in for sys.stderr that keeps each write apart, to write them on later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+
+@contextlib.contextmanager
+def _without_graph_dumps() -> Iterator[None]:
+    """torch.export prints the partial graph of a trace that stopped at a data-dependent value to stderr (the
+    exception's `partial_fx_graph`, once per nested export call: some 50 lines per failed export); the error
+    names the source line instead (capture.trace). Everything else written to stderr meanwhile is written
+    after, unchanged."""
+    real, writes = sys.stderr, _Writes()
+    dump: str | None = None
+    sys.stderr = writes
+    try:
+        yield
+    except BaseException as exc:
+        dump = getattr(exc, "partial_fx_graph", None)
+        raise
+    finally:
+        sys.stderr = real
+        parts, skip = writes.parts, False
+        for text in parts:
+            if dump is not None and text == dump:
+                skip = True  # print(dump) writes the text, then "\n"
+                continue
+            if not (skip and text == "\n"):
+                real.write(text)
+            skip = False
+
+
+def _export(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], every: bool,
+            fake: FakeDevice | None) -> tuple[torch.fx.GraphModule, Functions, dict[int, torch.Tensor]]:
+    """The exported graph (its tensors still the stand-ins), the Functions seen, stand-in id -> the model's tensor."""
     from torch.export import export
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     dynamic_shapes = {k: pytree.tree_map(lambda v: _free_dims(v, every), v) for k, v in bound.arguments.items()}
-    seen: list[type] = []
-    with functions_seen(seen), _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
+    found = Functions()
+    args, kwargs = (fake.inputs(args), fake.inputs(kwargs)) if fake is not None else (args, kwargs)
+    with _stand_ins(model, fake) as originals, functions_recorded(found), \
+            fake.exporting() if fake is not None else contextlib.nullcontext(), \
+            _quiet(logging.getLogger("torch._subclasses.fake_tensor")), \
+            _quiet(logging.getLogger("torch.fx.experimental.symbolic_shapes")), _without_graph_dumps():
         program = export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
-    if seen:  # export inlines a Function's forward and drops its backward: refuse, never run it wrong
-        names = ", ".join(sorted({c.__name__ for c in seen}))
-        raise TraceError(
-            f"forward calls the custom autograd Function(s) {names}, whose own backward torch.export would drop; "
-            "make forward traceable by torch.fx (which keeps each Function whole), e.g. no *args"
-        )
-    return program
+        gm = program.module()
+        del program
+    if found.inlined:  # export inlined a Function's forward and would drop its backward: refuse, never run it wrong
+        raise TraceError(_inlined(found.inlined))
+    return gm, found, originals
+
+
+def _inlined(inlined: dict[type, str]) -> str:
+    """Why each Function could not be kept whole, where it is, and what to change."""
+    unknown = "an unknown place"
+    lines = [f"- {cls.__name__} (defined at {source_of(cls) or unknown}), called at {site or unknown}"
+             for cls, site in inlined.items()]
+    return ("forward calls custom autograd Function(s) that torch.export cannot keep whole (an argument is neither a "
+            "tensor nor a plain value), so their own backward would be dropped:\n" + "\n".join(lines) + "\nFix: pass "
+            "the Function only tensors and plain values (numbers, strings, None), or make it a torch.library.custom_op "
+            "with register_autograd, which export keeps; in a library model, replace the module that calls it "
+            "(setattr(model, path, ...)) with one that does")
 
 
 def _fixed_dims(gm: torch.fx.GraphModule) -> list[tuple[str, dict[int, int]]]:
@@ -104,14 +163,18 @@ def _tensor_dicts(model: nn.Module) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _stand_ins(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+def _stand_ins(model: nn.Module, fake: FakeDevice | None) -> Iterator[dict[int, torch.Tensor]]:
     """The model holding stand-ins of its parameters and buffers while exported; yields stand-in id -> tensor
-    (see [Note: the model's tensors stay free of weak references])."""
+    (see [Note: the model's tensors stay free of weak references]; for a meta model, fake tensors of the device
+    it runs on: see [Note: a meta model takes its device's branches])."""
     slots = [(d, key) for d in _tensor_dicts(model) for key, t in d.items() if t is not None]
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for d, key in slots:
         t = d[key]
         if id(t) not in pairs:  # a tied weight keeps one stand-in
+            if fake is not None:
+                pairs[id(t)] = (t, fake.stand_in(t))
+                continue
             alias = t.detach()
             pairs[id(t)] = (t, nn.Parameter(alias, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
                             else alias)
@@ -199,19 +262,22 @@ def export_graph(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
 
     Raises:
         Exception: what torch.export raised exporting the batch dimension alone; TraceError for
-            custom autograd Functions, whose backward export would drop.
+            custom autograd Functions it cannot keep whole (capture.export_functions).
     """
-    with _stand_ins(model) as originals:
-        try:
-            program = _export(model, args, kwargs, every=True)
-        except TraceError:
-            raise
-        except Exception:  # noqa: BLE001 - some dimension cannot be free: only the batch's, as before
-            program = _export(model, args, kwargs, every=False)
-        gm = program.module()
-        del program
+    fake = FakeDevice(run_device()) if is_meta(model) else None
+    try:
+        gm, found, originals = _export(model, args, kwargs, True, fake)
+    except TraceError:
+        raise
+    except Exception:  # noqa: BLE001 - some dimension cannot be free: only the batch's, as before
+        fake = FakeDevice(fake.device) if fake is not None else None  # a fresh fake mode
+        gm, found, originals = _export(model, args, kwargs, False, fake)
     _point_back(gm, originals)
+    as_leaves(gm, found)
     _devices_as_keywords(gm)
+    if fake is not None:
+        fake.to_meta(gm)
+    keep_experts_whole(gm, model)  # after the line above: the nested graphs it makes hold keyword devices
     codegen = cast(_PyTreeCodeGen, gm.graph._codegen)  # export's graphs take and give pytrees
     in_spec = codegen.pytree_info.in_spec
     out_spec = codegen.pytree_info.out_spec

@@ -28,6 +28,7 @@ from partitioner.make.pipeline import build_pipeline, traced_call
 from partitioner.make.plan import plan_example, plan_model, plan_on_rank0, planning_cost, with_update
 from partitioner.place.planning import stage_ranks_for
 from partitioner.request import (
+    CrossBatchChoice,
     PlacementChoice,
     PlanRequest,
     RecomputeChoice,
@@ -72,6 +73,7 @@ def plan(
     precision: Any = None,
     sharding: ShardingChoice = "auto",
     tensor: TensorChoice = "auto",
+    cross_batch: CrossBatchChoice = "refuse",
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -82,7 +84,7 @@ def plan(
     a JSON/YAML file or a cost_model.Cluster (any size); every GPU is a torchrun rank
     (rank r on host r // GPUs per host: `plan.gpus_per_host`, its GPU the local cuda:{r % that}), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
-    `calibration`, `precision`, `sharding` and `tensor`: as for `partition`.
+    `calibration`, `precision`, `sharding`, `tensor` and `cross_batch`: as for `partition`.
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
@@ -94,7 +96,7 @@ def plan(
         virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
         gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision), sharding=sharding,
-        tensor=tensor)
+        tensor=tensor, cross_batch=cross_batch)
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     check_model_options(model, request)
     return DrawablePlan.from_plan(plan_model(model, args, kwargs, request))
@@ -129,6 +131,7 @@ def partition(
     precision: Any = None,
     sharding: ShardingChoice = "auto",
     tensor: TensorChoice = "auto",
+    cross_batch: CrossBatchChoice = "refuse",
 ) -> Pipeline | DistributedPipeline:
     """Split `model` into pipeline stages on `devices` and return it ready to run.
 
@@ -210,6 +213,11 @@ def partition(
             SC'21 runs), or "zero1", "zero2", "zero3" (FSDP2) for every stage.
         tensor: with replicas="auto", the tensor-parallel degree of every stage: "auto" (the default: the
             planner chooses), 1 (no layer is split) or a degree such as 8 (on a cluster).
+        cross_batch: with micro_batches > 1, what to do with an operation of forward that mixes samples across
+            the batch (`h - h.mean(0)`, `softmax(h, 0)`, `h[0]`, `h.T @ h`), which a micro-batch would compute
+            over its own samples only: "refuse" (the default: a PartitionError naming it and its line) or
+            "allow" (run it per micro-batch, logged). BatchNorm modules and outputs without a batch dim (a
+            scalar loss, merged by `output_merge_spec`) are the runtime's, never refused.
 
     `pipe(x)` returns what `model(x)` returns and `loss.backward()` reaches the model's own
     parameters (one process); `pipe.train_step(x, y, loss_fn)` runs a whole step of the
@@ -230,7 +238,8 @@ def partition(
         resolve(devices), processes=distributed(), micro_batches=micro_batches, schedule=schedule,
         placement=placement, replicas=replicas, virtual_stages=virtual_stages, recompute=recompute, update=update,
         input_split_spec=input_split_spec, split_points=split_points, split_spec=split_spec, cost_model=cost_model,
-        calibration=calibration, precision=_precision(precision), sharding=sharding, tensor=tensor)
+        calibration=calibration, precision=_precision(precision), sharding=sharding, tensor=tensor,
+        cross_batch=cross_batch)
     if given is not None and (sharding, tensor) != ("auto", "auto"):
         raise PartitionError(f"sharding={sharding!r}, tensor={tensor!r} with a given plan: the plan carries each "
                              "stage's sharding and tensor degree; plan again with them, or leave both 'auto'")

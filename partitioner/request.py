@@ -44,9 +44,9 @@ except ImportError:  # torch without distributed: split_spec cannot be given
         END = 2
 
 __all__ = [
-    "PLACEMENTS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "SHARDING_CHOICES", "SPLIT_POINTS", "PlacementChoice",
-    "PlanRequest", "RecomputeChoice", "RunOptions", "ScheduleChoice", "ShardingChoice", "SplitPoint", "SplitPoints",
-    "TensorChoice",
+    "CROSS_BATCH_CHOICES", "PLACEMENTS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "SHARDING_CHOICES", "SPLIT_POINTS",
+    "CrossBatchChoice", "PlacementChoice", "PlanRequest", "RecomputeChoice", "RunOptions", "ScheduleChoice",
+    "ShardingChoice", "SplitPoint", "SplitPoints", "TensorChoice",
 ]
 
 PlacementChoice = Literal["pipeline", "branches", "auto"]
@@ -66,6 +66,10 @@ SPLIT_POINTS: tuple[str, ...] = get_args(SplitPoints)
 ShardingChoice = ShardingMode | Literal["auto"]
 SHARDING_CHOICES: tuple[str, ...] = ("auto", *SHARDING_MODES)
 TensorChoice = int | Literal["auto"]
+# What an operation that mixes samples across the batch does with micro_batches > 1 (capture.cross_batch):
+# "refuse" (the default): an error naming it; "allow": it runs on each micro-batch alone, logged.
+CrossBatchChoice = Literal["refuse", "allow"]
+CROSS_BATCH_CHOICES: tuple[str, ...] = get_args(CrossBatchChoice)
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
@@ -81,6 +85,7 @@ class PlanRequest:
     `processes`: one process per rank (torchrun) rather than one process holding every device.
     `sharding` and `tensor`: what the hybrid search (replicas="auto") may shard replicas by and split layers
     over; "auto": it chooses (partitioner.place.cluster_axes.SplitChoice), "none" and 1: it never does.
+    `cross_batch`: whether an operation mixing samples across the batch is refused with micro_batches > 1.
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
     described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the
     dtypes training keeps each state in (cost_model.precision.Precision.of reads names and optimizers);
@@ -107,6 +112,7 @@ class PlanRequest:
     precision: Precision | None = None
     sharding: ShardingChoice = "auto"
     tensor: TensorChoice = "auto"
+    cross_batch: CrossBatchChoice = "refuse"
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -130,6 +136,9 @@ class PlanRequest:
                                  "schedule='1f1b'")
         if self.split_points not in SPLIT_POINTS:
             raise PartitionError(f"split_points={self.split_points!r}; use one of {', '.join(map(repr, SPLIT_POINTS))}")
+        if self.cross_batch not in CROSS_BATCH_CHOICES:
+            raise PartitionError(f"cross_batch={self.cross_batch!r}; use 'refuse' (operations mixing samples across "
+                                 "the batch are an error with micro_batches > 1) or 'allow' (they run per micro-batch)")
         if self.placement != "pipeline" and (self.replicas is not None or self.schedule not in ("gpipe", "auto")):
             raise PartitionError(f"placement={self.placement!r} runs the GPipe schedule without replicas")
         if self.replicas == "auto" and self.schedule not in (*searched_names(), "auto"):

@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["batch_outputs", "build_graph", "compute_nodes", "owning_module"]
+__all__ = ["batch_outputs", "build_graph", "compute_nodes", "owning_module", "run_restored"]
 
 # Nodes that do no work and are dropped from stages (export's guards and metadata asserts).
 _NO_WORK = {"_guards_fn"}
@@ -86,7 +86,7 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
     return total
 
 
-def _run_restored(gm: torch.fx.GraphModule, run: Any) -> Any:
+def run_restored(gm: torch.fx.GraphModule, run: Any) -> Any:
     """`run()` with no grad and the RNG forked, the graph's buffers restored afterwards."""
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     try:
@@ -105,7 +105,7 @@ def batch_outputs(
     the whole example (`sizes[0]` samples) and on its first micro-batch (`sizes[1]`): a leaf whose
     dim 0 follows the batch size is; a scalar, a fixed-size tensor or a Python value is not."""
     def leaves(inputs: Sequence[Any]) -> list[Any]:
-        return pytree.tree_leaves(_run_restored(gm, lambda: torch.fx.Interpreter(gm).run(*inputs)))
+        return pytree.tree_leaves(run_restored(gm, lambda: torch.fx.Interpreter(gm).run(*inputs)))
 
     big, small = leaves(whole), leaves(chunk)
     return [
@@ -118,7 +118,7 @@ def batch_outputs(
 def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGraph:
     """Run `gm` once on `flat_inputs` (no grad, buffers restored) and build the annotated DiGraph."""
     recorder = _Recorder(gm)
-    _run_restored(gm, lambda: recorder.run(*flat_inputs))
+    run_restored(gm, lambda: recorder.run(*flat_inputs))
 
     graph = nx.DiGraph()
     seen: set[int] = set()

@@ -82,8 +82,8 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self, not_leaves: set[nn.Module]) -> None:
         super().__init__()
         self.not_leaves = not_leaves
-        # Buffers become get_attr nodes (not baked-in constants), so they stay the model's.
-        self.proxy_buffer_attributes = True
+        # Buffers become get_attr nodes (not baked-in constants), so they stay the model's; node.meta["stack_trace"]
+        self.proxy_buffer_attributes = self.record_stack_traces = True  # lets errors name forward's lines
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m in self.not_leaves:

@@ -49,7 +49,8 @@ def traced_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     if request.processes:
         devices = init_process_group(given, timeout) if not dist.is_initialized() else joined_devices(given)
         request = request.but(devices=tuple(devices))
-    example = shaped(model, None, trace_example, model, args, kwargs, request.micro_batches, request.input_split_spec)
+    example = shaped(model, None, trace_example, model, args, kwargs, request.micro_batches, request.input_split_spec,
+                     request.cross_batch)
     return request, example
 
 

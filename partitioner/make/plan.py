@@ -76,7 +76,7 @@ def plan_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     def planned(shapes: bool) -> Plan:
         a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
         example = shaped(model, None, trace_example, model, a, k, request.micro_batches, request.input_split_spec,
-                         shapes=shapes)
+                         request.cross_batch, shapes=shapes)
         return plan_example(model, example, request, cost, shapes=shapes)
 
     try:

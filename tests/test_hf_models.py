@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 import warnings
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch import nn
 from cost_model.analytic import AnalyticCostModel
 from partitioner import PartitionError, TraceError, partition
 from partitioner.capture import cache
+from partitioner.capture.graph import owning_module
+from partitioner.capture.whole import expert_stacks
 from partitioner.meta import empty_weights
 from tests import zoo
 
@@ -44,6 +47,18 @@ def assert_same_gradients(model: nn.Module, reference: nn.Module) -> None:
     assert worst <= 1e-4 * scale, (worst, scale)
 
 
+def assert_every_gradient_close(model: nn.Module, reference: nn.Module, tol: float = 1e-5) -> None:
+    """Every parameter's gradient within `tol` of the plain model's, relative to that gradient's own norm (or to
+    1e-3 of the largest, for one that is zero but for rounding: attention's key bias)."""
+    pairs = [(name, p.grad, r.grad) for (name, p), r in zip(model.named_parameters(), reference.parameters())]
+    scale = max(float(r.double().norm()) for _, _, r in pairs if r is not None)
+    for name, g, r in pairs:
+        assert (g is None) == (r is None), name
+        if g is not None and r is not None:
+            error = float((g.double() - r.double()).norm()) / max(float(r.double().norm()), 1e-3 * scale)
+            assert error < tol, (name, error)
+
+
 def without_cache(model: nn.Module) -> nn.Module:
     """The plain model as the pipeline traced it: use_cache off (partitioner.capture.cache says so in the log)."""
     for module in model.modules():
@@ -67,7 +82,7 @@ class Family:
                               micro_batches=MICRO_BATCHES, cost_model=AnalyticCostModel())
 
 
-@pytest.fixture(scope="module", params=zoo.HF_FAMILIES)
+@pytest.fixture(scope="module", params=zoo.HF_FAMILIES + zoo.HF_MORE_FAMILIES)
 def family(request: pytest.FixtureRequest) -> Family:
     return Family(request.param)
 
@@ -76,6 +91,27 @@ def family(request: pytest.FixtureRequest) -> Family:
 def test_partitions_in_training_mode_on_two_stages(family: Family) -> None:
     assert len(family.pipe.plan.stages) == 2
     assert all(stage.nodes for stage in family.pipe.plan.stages)
+    if family.name in MIXTURES:
+        assert_experts_whole(family)
+
+
+MIXTURES = ["mixtral", "qwen3_moe", "gpt_oss"]
+
+
+def assert_experts_whole(family: Family) -> None:
+    """Each layer's stack of experts is one node of one stage (capture.whole), in both modes' stages: no stage
+    runs a tensor operation of a stack of experts outside it."""
+    stacks = expert_stacks(family.model)
+    assert len(stacks) == family.case.config.num_hidden_layers
+    stages_of: dict[str, set[int]] = {}
+    for s, module in enumerate(family.pipe.stage_modules):
+        for node in module.graph.nodes:
+            if node.meta.get("whole"):
+                stages_of.setdefault(node.meta["whole"], set()).add(s % len(family.pipe.plan.stages))
+            elif node.op == "call_function" and node.target is not operator.getitem:
+                inside = [p for p in stacks if owning_module(node) == p or owning_module(node).startswith(p + ".")]
+                assert not inside or not isinstance(node.meta.get("val"), torch.Tensor), (node.name, inside)
+    assert sorted(stages_of) == sorted(stacks) and all(len(s) == 1 for s in stages_of.values()), stages_of
 
 
 def test_eval_output_equals_the_plain_model(family: Family) -> None:
@@ -97,6 +133,8 @@ def test_eval_train_step_gradients_equal(family: Family) -> None:
     ref_loss.backward()
     assert loss is not None and abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     assert_same_gradients(family.model, family.reference)
+    if family.name in zoo.HF_MORE_FAMILIES:  # issue 36's families: every gradient on its own scale
+        assert_every_gradient_close(family.model, family.reference)
 
 
 def test_train_step_with_dropout_is_finite(family: Family) -> None:

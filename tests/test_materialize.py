@@ -11,6 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -298,3 +299,67 @@ def test_meta_model_traced_by_export_with_nested_checks_equals_the_plain_model()
     expected.square().mean().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad is not None and q.grad is not None and rel(p.grad, q.grad) < 1e-6
+
+
+# --- issue 36: checkpoints as from_pretrained reads them, errors that name what the checkpoint holds ---
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt_neox", "mixtral"])
+def test_a_save_pretrained_folder_loads_as_from_pretrained_reads_it(name: str, tmp_path: Path) -> None:
+    # GPT-NeoX's folder names the head embed_out.weight (a legacy name); Mixtral's holds each expert apart
+    # (experts.{i}.w1/w2/w3), which from_pretrained stacks into experts.gate_up_proj and down_proj
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    case = zoo.hf_case(name)
+    ref = case.build().eval()
+    ref.config.use_cache = False
+    ref.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) != set(ref.state_dict())  # not the model's own names
+    with empty_weights():
+        model = case.build()
+    model.eval()
+    (x,), _ = case.inputs(4, 12)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, weights=str(tmp_path))
+    out, expected = pipe(x).logits, ref(x, use_cache=False).logits
+    assert rel(out, expected) < 1e-6
+    target = torch.randn_like(expected)
+    F.mse_loss(out, target).backward()
+    F.mse_loss(expected, target).backward()
+    for (key, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None and rel(p.grad, q.grad) < 1e-5, key
+
+
+def test_a_missing_key_error_lists_the_checkpoints_unmatched_keys() -> None:
+    state = reference().state_dict()
+    state["blocks.1.proj.weights"] = state.pop("blocks.1.proj.weight")  # a typo
+    state.update({f"extra.{i}": torch.zeros(1) for i in range(6)})
+    x, _ = batch()
+    with pytest.raises(PartitionError, match=r"'blocks\.1\.proj\.weight' is missing from weights(.|\n)*weights holds 7 "
+                                             r"key\(s\) that name no tensor of the model: 'blocks\.1\.proj\.weights', "
+                                             r"'extra\.\d', .* and 2 more"):
+        partition(meta_gpt(), ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, weights=state)
+
+
+class ItemCount(nn.Module):
+    """forward needs a value (`.item()`) and takes *inputs (so torch.export traces it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        k = int((inputs[0] > 0).sum().item()) % 3 + 1
+        return self.b(self.a(inputs[0])[:, :k].sum(1, keepdim=True) * inputs[0])
+
+
+def test_a_meta_model_that_needs_values_is_told_so_not_blamed_on_its_input() -> None:
+    ref = ItemCount()
+    with empty_weights():
+        model = ItemCount()
+    with pytest.raises(PartitionError, match=r"the model is on meta, and the model \(ItemCount\) needs tensor values "
+                                             r"at .*test_materialize\.py:\d+ in forward .*no \.item\(\)") as caught:
+        partition(model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 8),), micro_batches=2,
+                  weights=ref.state_dict())
+    assert "rejects its example" not in str(caught.value)

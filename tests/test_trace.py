@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import re
 import weakref
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from cost_model.analytic import AnalyticCostModel
+from partitioner import partition
 from partitioner.capture.trace import trace
 from partitioner.errors import TraceError
 from tests import zoo
@@ -141,3 +146,124 @@ def test_only_real_side_effects_warn() -> None:
 
     with pytest.warns(UserWarning, match=r"forward set calls while being traced"):
         trace(Counting(), (torch.randn(3, 2),))
+
+
+# --- issue 36: custom autograd Functions and custom ops under torch.export, errors without torch's graph dumps ---
+
+
+class Rounded(torch.autograd.Function):
+    """Rounds to quarters; its backward (3 x the incoming gradient) is deliberately not the forward's derivative
+    (0 almost everywhere): only the Function's own backward gives these gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3
+
+
+class Tagged:
+    """A plain object, which a graph cannot hold as an argument."""
+
+    scale = 2.0
+
+
+class TaggedScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tag: Tagged) -> torch.Tensor:
+        return x * tag.scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * Tagged.scale, None
+
+
+class WithKwargs(nn.Module):
+    """forward takes **kwargs, as Hugging Face models do: torch.fx refuses it, so torch.export traces it."""
+
+    def __init__(self, tagged: bool = False) -> None:
+        super().__init__()
+        self.tagged = tagged
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = self.a(x)
+        h = TaggedScale.apply(h, Tagged()) if self.tagged else Rounded.apply(h)
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_a_function_under_export_is_one_leaf_running_its_own_backward() -> None:
+    torch.manual_seed(0)
+    model, x = WithKwargs(), torch.randn(6, 8)
+    traced = trace(model, (x,))
+    assert traced.method == "export"
+    leaves = [n for n in traced.graph_module.graph.nodes if getattr(n.target, "autograd_function", None) is Rounded]
+    assert len(leaves) == 1
+    reference = copy.deepcopy(model)
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel())
+    assert len(pipe.plan.stages) == 2
+    pipe(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert zoo.rel(pipe(x), reference(x)) < 1e-6
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and r.grad is not None and zoo.rel(p.grad, r.grad) < 1e-5, name
+
+
+def test_a_function_export_cannot_keep_is_named_with_its_lines_and_the_fix() -> None:
+    with pytest.raises(TraceError) as caught:
+        trace(WithKwargs(tagged=True), (torch.randn(6, 8),))
+    text = str(caught.value)
+    assert re.search(r"TaggedScale \(defined at .*test_trace\.py:\d+\), called at .*test_trace\.py:\d+ in forward",
+                     text)
+    assert "forward takes **kwargs" in text
+    assert "Fix: pass the Function only tensors and plain values" in text and "torch.library.custom_op" in text
+
+
+def test_a_custom_op_with_its_autograd_is_kept_and_its_gradients_are_eager_ones() -> None:
+    pytest.importorskip("transformers")
+    from transformers.integrations import moe  # noqa: F401 - registers transformers::grouped_mm_fallback
+
+    op = torch.ops.transformers.grouped_mm_fallback
+
+    class Grouped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 8, 5))
+
+        def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            offsets = torch.tensor([2, 5, 6], dtype=torch.int32)
+            return op(x, self.weight, offsets)
+
+    torch.manual_seed(0)
+    model, x = Grouped(), torch.randn(6, 8, requires_grad=True)
+    traced = trace(model, (x,))
+    assert traced.method == "export"
+    assert any(n.target is op.default for n in traced.graph_module.graph.nodes)
+    out = traced.graph_module(*traced.flatten_inputs((x,), {}))
+    weights = torch.randn(6, 5)
+    (out * weights).sum().backward()
+    grad_x, grad_w = x.grad.clone(), model.weight.grad.clone()  # type: ignore[union-attr]
+    x.grad, model.weight.grad = None, None
+    expected = torch.cat([x[:2] @ model.weight[0], x[2:5] @ model.weight[1], x[5:] @ model.weight[2]])
+    (expected * weights).sum().backward()
+    assert zoo.rel(out, expected) < 1e-6
+    assert zoo.rel(grad_x, x.grad) < 1e-6 and zoo.rel(grad_w, model.weight.grad) < 1e-6  # type: ignore[arg-type]
+
+
+def test_a_data_dependent_branch_fails_without_torch_graph_dumps(capfd: pytest.CaptureFixture[str]) -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.max() > 0:
+                return self.lin(x) * 2
+            return x
+
+    with pytest.raises(TraceError, match=r"(?s)test_trace\.py:\d+ in forward.*Fix: make that code independent"):
+        trace(Branchy(), (torch.randn(4, 2),))
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and "Unable to find user code" not in out + err, out + err

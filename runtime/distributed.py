@@ -271,6 +271,8 @@ class DistributedPipeline(Calibratable, nn.Module):
             interpreter.begin(step, {})
             interpreter.run(program)
             self.transport.flush()
+            for run in self._sharded.values():  # fused weights FSDP2 leaves whole (runtime.sharding)
+                run.stage.reduce_whole()
             if interpreter.self_computed and interpreter.weight_grad_hook is None:  # see runtime.weight_grads
                 check_self_computed([c for cs in interpreter.self_computed.values() for c in cs], len(step.envs))
             for g in self._groups:

@@ -40,6 +40,17 @@ gathered its weights: under zero3 a block is gathered for its forward, freed, ga
 its backward and recomputed from that gather (what FSDP does); zero2 and zero1 recompute from the
 copy they keep. A stage checkpointed whole (it writes in place, or is one block) is one unit.
 
+[Note: fused weights under FSDP2]
+A fused q/k/v weight split over tensor ranks holds each rank's part of q, of k and of v (a strided
+split, DTensor's _StridedShard). FSDP2 shards a weight along dim 0 by default; cutting a strided split
+again along the same dim gives a layout no DTensor placement describes (torch 2.13 names it
+(_StridedShard(0, sf=t), _StridedShard(0, sf=3)), and `full_tensor()`, `get_model_state_dict(...,
+full_state_dict=True)` and DCP's gather all return the rows permuted). So FSDP2 shards such a weight
+along another dim (`shard_placement_fn`: its input features), where the two splits compose and torch's
+own tools return the model's weight; a 1-D one (the fused bias) has no other dim and is left whole over
+the replicas (FSDP2's ignored_params), its gradient summed over the data mesh by `reduce_whole` after
+the step's backwards, as FSDP2 sums the others: a few kilobytes a layer.
+
 Every rank of the mesh must run the same forwards and backwards in the same order (each unit's
 all-gather and reduce-scatter is a collective of the mesh): a sharded stage's replicas each take
 their own slice of every micro-batch, they do not deal micro-batches between them.
@@ -56,6 +67,8 @@ import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from rules.sharding import GradientSync, ShardingMode, mode_rule, reduces
 from runtime.mode_units import ModeCell, ModeSwitch, pair_units, point_at
@@ -148,6 +161,7 @@ class ShardedStage(nn.Module):
         self.config = config
         self._keys = dict(keys)  # the root's parameter and buffer paths -> the model's state_dict keys
         self.modes = modes  # which graph runs, where the stage has one per train/eval mode (runtime.mode_units)
+        self.whole: tuple[DeviceMesh, list[nn.Parameter]] | None = None  # see reduce_whole
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.root(*args, **kwargs)
@@ -164,6 +178,26 @@ class ShardedStage(nn.Module):
         fsdp.set_requires_gradient_sync(reduces(self.config.mode, self.config.gradient_sync, last))
         if mode_rule(self.config.mode).keep_gathered:
             fsdp.set_reshard_after_backward(last)
+
+    def reduce_whole(self) -> None:
+        """Sum the gradients of the weights FSDP2 left whole (fused 1-D weights split over tensor ranks) over the
+        stage's data mesh, as FSDP2 sums the others; every rank of the mesh calls it after the step's backwards."""
+        if self.whole is None:
+            return
+        mesh, params = self.whole
+        grads = [p.grad for p in params if p.grad is not None]
+        if len(grads) != len(params):
+            raise RuntimeError(f"{len(params) - len(grads)} of the stage's {len(params)} whole fused weights have no "
+                               "gradient after the step's backward; every rank of a data mesh must hold all")
+        flat = torch.cat([(g.to_local() if isinstance(g, DTensor) else g).reshape(-1) for g in grads])
+        with torch.no_grad():
+            for dim in range(mesh.ndim):  # HSDP: the shard dimension, then the replicate one
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+            at = 0
+            for g in grads:
+                part = g.to_local() if isinstance(g, DTensor) else g
+                part.copy_(flat[at:at + part.numel()].view_as(part))
+                at += part.numel()
 
     def reshard(self) -> None:
         """Free every gathered weight (after an evaluation forward under zero1 or zero2, which keeps them)."""
@@ -230,11 +264,11 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
         root = ModeSwitch(root, other_root, cell)
     keys = _model_keys(root, model) if model is not None else {}
     rule = mode_rule(config.mode, config.gradient_sync)
-    ignored = {p for p in root.parameters() if any(p is t for t in unsharded)}
+    ignored = {p for p in root.parameters() if any(p is t for t in unsharded) or _kept_whole(p)}
     unsplit = dict(root.named_parameters(remove_duplicate=False))
     for unit in [*units, root]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=rule.reshard_after_forward, mp_policy=config.policy,
-                    ignored_params=ignored)
+                    ignored_params=ignored, shard_placement_fn=_shard_dim)
     # Backward prefetch by forward order within one micro-batch: FSDP2's default follows its record of every
     # forward since the last "last backward", so a later micro-batch's backward would end by gathering the
     # previous micro-batch's last block for nothing. The first block's backward "prefetches" the root (already
@@ -243,11 +277,38 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     for before, block in zip(chain, chain[1:]):
         block.set_modules_to_backward_prefetch([before])
     sharded = ShardedStage(root, units, config, keys, cell)
+    whole = list({id(p): p for p in unsplit.values()  # in the module's order: one order on every rank
+                  if _kept_whole(p) and not any(p is t for t in unsharded)}.values())
+    if whole:
+        sharded.whole = (mesh, whole)
     if model is not None:
         _rebind(model, sharded.model_state_dict())
     after = dict(root.named_parameters(remove_duplicate=False))
     rebind(owners, {id(p): after[path] for path, p in unsplit.items() if path in after})
     return sharded
+
+
+def _strided_dim(p: torch.Tensor) -> int | None:
+    """The dim a fused weight is split along over tensor ranks (a strided split: its part of q, of k and of v)."""
+    if isinstance(p, DTensor):
+        for placement in p.placements:
+            if isinstance(placement, _StridedShard):
+                return int(placement.dim)
+    return None
+
+
+def _shard_dim(p: nn.Parameter) -> Shard | None:
+    """FSDP2's dim for `p` (None: its default, dim 0). See [Note: fused weights under FSDP2]."""
+    dim = _strided_dim(p)
+    if dim is None or p.ndim < 2:
+        return None
+    return Shard(next(d for d in range(p.ndim) if d != dim))
+
+
+def _kept_whole(p: torch.Tensor) -> bool:
+    """A fused 1-D weight split over tensor ranks (q/k/v's bias): left whole over the replicas, its gradient
+    all-reduced by `ShardedStage.reduce_whole` ([Note: fused weights under FSDP2])."""
+    return _strided_dim(p) is not None and p.ndim == 1
 
 
 def _cut(module: nn.Module) -> tuple[nn.Module, nn.Module]:

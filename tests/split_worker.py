@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -121,14 +122,22 @@ def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor. One sharded by FSDP2 over the data dimension and split over the tensor one is
-    gathered a dimension at a time: torch 2.13's full_tensor() of a fused q/k/v weight's two strided shards comes
-    back permuted (checked against the plain model; training itself is right)."""
-    if not isinstance(t, DTensor):
-        return t
-    if t.device_mesh.ndim == 2:
-        t = t.redistribute(placements=[Replicate(), t.placements[1]])
-    return t.full_tensor()
+    """The whole tensor of a DTensor, by torch's own DTensor.full_tensor() (a fused q/k/v weight split over tensor
+    ranks and sharded by FSDP2 too is sharded along another dim, so this is the model's weight: runtime.sharding's
+    [Note: fused weights under FSDP2])."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def fresh_weights(model: nn.Module, reference: nn.Module, params: dict[str, nn.Parameter]) -> float:
+    """Right after partition, before a step: how far torch's full-weight tools are from the plain model's weights:
+    `full_tensor()` of every weight this rank holds, and where it holds every weight (one stage),
+    `get_model_state_dict(..., full_state_dict=True)` (every rank calls it: a collective over their meshes)."""
+    expected = reference.state_dict()
+    worst = max((rel(full(q.detach()), expected[n]) for n, q in params.items()), default=0.0)
+    if len(params) == len(list(model.parameters())):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        worst = max(worst, *(rel(v, expected[k]) for k, v in state.items() if v.is_floating_point()))
+    return worst
 
 
 def found_groups(model: nn.Module, x: torch.Tensor, stage: Any) -> list[Any]:
@@ -225,9 +234,10 @@ def equivalence(case: str) -> bool:
     params = held(pipe, model)
     steps = 3 if sharding != "none" else 1
     calls = count_calls(model)
+    worst_fresh = fresh_weights(model, reference, params)
     opt, ref_opt = adam(params.values()), adam(reference.parameters())
     ref_params = dict(reference.named_parameters())
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    worst = {"fresh": worst_fresh, "loss": 0.0, "grad": 0.0, "weight": 0.0}
     for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()

@@ -117,6 +117,9 @@ class FusedLinear(nn.Module):
         return x @ weight if bias is None else torch.addmm(bias, x, weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is not None and bias.dtype != weight.dtype:  # a bias FSDP2 leaves whole is not cast by its mixed
+            bias = bias.to(weight.dtype)  # precision: compute in the gathered weight's dtype ([Note: fused weights
+            # under FSDP2] in runtime.sharding); its gradient flows back to the stored bias
         if not isinstance(weight, DTensor):
             return self._run(x, weight, bias)
         dim = 0 if self.layout == "linear" else 1

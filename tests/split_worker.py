@@ -11,7 +11,9 @@ given), "pp2dp2" (2 stages x 2 replicas, micro-batches sliced over the replicas)
 weird trick": stage 0 on 2 replicas dealt micro-batches, stage 1 split over 2). SHARDING zero1, zero2 or zero3
 shards the replicas' weights with FSDP2; RECOMPUTE "full" or "selective" recomputes every stage as well ("a/b": one
 mode per stage; "none": not); MODE "eval" runs the partitioned and the plain model in eval mode (a model traced in
-training whose forward reads self.training runs its other graph: "modes" scales by 1.5 in training only). Rank 0
+training whose forward reads self.training runs its other graph: "modes" scales by 1.5 in training only); "mixed"
+trains in mixed precision (FSDP2 computes in bf16 over fp32 master weights): one step, the loss and every gradient
+(against the largest) within 3e-2 of the fp32 plain model's. Rank 0
 plans the stages with partitioner.plan (then every rank reads its plan), the split fields are set by hand (the
 groups partitioner.capture.shardable finds within each stage). `equivalence` compares the loss, every gradient
 this rank holds and (sharded cases) the weights after 3 Adam steps with the plain model; `memory` (sharded cases)
@@ -192,6 +194,8 @@ def build(case: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Any, torch.Te
     model, x, y = MODELS[name]()
     reference = copy.deepcopy(model)
     p = split_plan(model, x, schedule, layout, *rest[:2])
+    if rest[2:] == ["mixed"]:
+        p.precision = {"compute": "bfloat16", "param": "float32", "grad": "float32", "state": "float32"}
     pipe = partition(model, ["cpu"] * dist.get_world_size(), example_inputs=(x,), plan=p)
     if rest[2:] == ["eval"]:
         model.eval()
@@ -232,7 +236,8 @@ def equivalence(case: str) -> bool:
     _, _, layout, sharding = [*case.split(":"), "none"][:4]
     model, reference, pipe, x, y = build(case)
     params = held(pipe, model)
-    steps = 3 if sharding != "none" else 1
+    mixed = case.endswith(":mixed")  # bf16 compute: one step, gradients against the largest (Adam would amplify
+    steps = 3 if sharding != "none" and not mixed else 1  # the bf16 noise of gradients that are only noise)
     calls = count_calls(model)
     worst_fresh = fresh_weights(model, reference, params)
     opt, ref_opt = adam(params.values()), adam(reference.parameters())
@@ -246,8 +251,11 @@ def equivalence(case: str) -> bool:
         ref_loss.backward()
         if loss is not None:
             worst["loss"] = max(worst["loss"], rel(loss, ref_loss.detach()))
+        scale = max(float(ref_params[n].grad.abs().max()) for n in params) if mixed else 0.0
         for n, q in sorted(params.items()):
-            if q.grad is not None or ref_params[n].grad is not None:
+            if mixed:
+                worst["grad"] = max(worst["grad"], float((full(q.grad) - ref_params[n].grad).abs().max()) / scale)
+            elif q.grad is not None or ref_params[n].grad is not None:
                 worst["grad"] = max(worst["grad"], rel(full(q.grad), ref_params[n].grad))
         opt.step()
         ref_opt.step()
@@ -257,7 +265,8 @@ def equivalence(case: str) -> bool:
     split = sum(isinstance(q, DTensor) for q in params.values())  # split (TP) or sharded (FSDP2) weights
     plan_ = pipe.plan
     splits = any(plan_.stages[s.index].tensor > 1 or plan_.stages[s.index].sharding != "none" for s in pipe.stages)
-    ok = all(v < 1e-5 for v in worst.values()) and bool(params) and (split > 0) == splits
+    tolerance = 3e-2 if mixed else 1e-5
+    ok = all(v < tolerance for v in worst.values()) and bool(params) and (split > 0) == splits
     units = [[u.traced if isinstance(u, ModeSwitch) else u for u in s.module.stage.units]  # one per graph pair
              for s in pipe.stages if isinstance(s.module, ShardedRun)]
     if plan_.data_split == "slice":  # every micro-batch on every replica: each Linear runs once a micro-batch, twice

@@ -75,6 +75,13 @@ def test_fsdp_of_a_model_traced_once_per_mode_runs_either_graph() -> None:
     assert all(u is not None and int(u.group(1)) >= 2 for u in units), "\n".join(lines)
 
 
+def test_fsdp_over_split_fused_layers_in_mixed_precision() -> None:
+    # a fused q/k/v layer split over 2 tensor ranks and sharded over 2 replicas computes in bf16 over fp32 master
+    # weights: its bias, which FSDP2 leaves whole (runtime.sharding), is cast as FSDP2 casts the weights
+    cases = ["gpt:1f1b:tp2dp2:zero3:none:mixed", "gpt2x4:1f1b:tp2dp2:zero1:full:mixed"]
+    run(4, "equivalence", *cases, cases=len(cases))
+
+
 def test_fsdp_memory_per_rank_against_training_memory() -> None:
     # every rank within 10%: 1F1B's first stage holds 2 micro-batches, its last 1 (cost_model.training_memory's
     # in_flight). Measured on the production transport: the emulation's threads free message buffers at times of

@@ -177,8 +177,8 @@ def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: n
     runs: list[ShardedRun] = []
     for stage in sorted(stages, key=lambda s: s.index):
         spec = plan.stages[stage.index]
-        if spec.sharding == "none":
-            continue
+        if spec.sharding == "none" or not any(True for _ in stage.module.parameters()):
+            continue  # a stage without weights has nothing to shard: its replicas run their slices as they are
         tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
         other = other_of.get(stage.index)
         sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,

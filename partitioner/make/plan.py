@@ -18,6 +18,7 @@ from partitioner.capture.example import Example, shaped, trace_example
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.errors import PartitionError
 from partitioner.make.bind import structure
+from partitioner.make.modes import same_cuts
 from partitioner.place.planning import plan_traced
 from partitioner.predict.assemble import price_update
 from partitioner.request import PlanRequest
@@ -51,6 +52,8 @@ def plan_example(model: nn.Module, example: Example, request: PlanRequest, cost:
     try:
         made = shaped(model, example.traced, plan_traced, model, example, request, cost, shapes=shapes)
         made.node_keys = structure(example.graph_module)  # what it binds to where it runs (make.bind)
+        if example.traced.other_mode is not None:  # refused now, not by partition on every rank after tracing
+            same_cuts(example.traced.other_mode, made, example.graph_module)
         return made
     except (RuntimeError, ValueError) as exc:
         if _PER_BATCH_STATISTICS not in str(exc):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -127,14 +127,11 @@ def find_mixing(gm: torch.fx.GraphModule, shapes: dict[str, Shape]) -> list[Mixi
     return [Mixing(n.name, what, source_line(n)) for n, what in mixing(gm, shapes) if _reaches_samples(n, shapes)]
 
 
-Shapes = Callable[[torch.fx.GraphModule, Sequence[Any], Sequence[Any]], dict[str, Shape]]
-
-
 def check_cross_batch(graphs: Sequence[torch.fx.GraphModule], whole: Sequence[Any], chunk: Sequence[Any],
-                      micro_batches: int, choice: CrossBatchChoice, shapes_of: Shapes = batch_shapes) -> list[Mixing]:
+                      micro_batches: int, choice: CrossBatchChoice) -> list[Mixing]:
     """The operations of `graphs` (the traced model, and its other train/eval mode) that mix samples across
-    the batch, found on the example (`whole`) and its first micro-batch (`chunk`) by `shapes_of` (`batch_shapes`,
-    or the same on meta tensors); none with one micro-batch.
+    the batch, found on the example (`whole`) and its first micro-batch (`chunk`; on meta tensors for a model
+    on meta, see capture.example.shaped); none with one micro-batch.
 
     Raises:
         PartitionError: with `choice` "refuse", one or more found: each named with its source line, and the fix.
@@ -144,7 +141,7 @@ def check_cross_batch(graphs: Sequence[torch.fx.GraphModule], whole: Sequence[An
     found: list[Mixing] = []
     for gm in graphs:
         try:
-            shapes = shapes_of(gm, whole, chunk)
+            shapes = batch_shapes(gm, whole, chunk)
         except Exception as exc:  # noqa: BLE001 - the planner runs the micro-batch next and names what fails
             log.warning("the cross-batch check could not run the graph on the example and a micro-batch (%s: %s); "
                         "operations mixing samples across the batch are not looked for", type(exc).__name__, exc)

@@ -8,9 +8,9 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from partitioner.capture.cross_batch import Shape, batch_shapes, check_cross_batch
+from partitioner.capture.cross_batch import check_cross_batch
 from partitioner.capture.fidelity import InputSplitSpec, input_dims
-from partitioner.capture.meta import is_meta, on_meta, shapes_only
+from partitioner.capture.meta import is_meta, shapes_only
 from partitioner.capture.trace import Traced, trace
 from partitioner.errors import PartitionError
 from partitioner.request import CrossBatchChoice
@@ -51,16 +51,22 @@ class Example:
 def trace_example(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], micro_batches: int,
     input_split_spec: InputSplitSpec | None = None, cross_batch: CrossBatchChoice = "refuse",
+    traced: Traced | None = None,
 ) -> Example:
     """Trace the model on its example inputs (see `Example`), and look for operations that mix samples across
     the batch (capture.cross_batch) where there are several micro-batches.
+
+    `traced`: the trace of this model on this example made for another micro-batch count, taken as it is: a
+    trace is made on the whole example whatever the count, and only the first micro-batch and the cross-batch
+    check below depend on it, so a search over counts traces once (partitioner.make.plan.plan_counts).
 
     Raises:
         PartitionError: the model cannot be traced, the example cannot be split into `micro_batches`, or
             (`cross_batch="refuse"`) forward mixes samples across the batch.
     """
-    say(f"tracing {type(model).__name__}")
-    traced = trace(model, args, kwargs)
+    if traced is None:
+        say(f"tracing {type(model).__name__}")
+        traced = trace(model, args, kwargs)
     flat = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in traced.flatten_inputs(args, kwargs)]
     dims = input_dims(model, traced, input_split_spec)
     try:
@@ -69,18 +75,5 @@ def trace_example(
     except ValueError as exc:
         raise PartitionError(f"example_inputs: {exc}") from None
     graphs = [g for g in (traced.graph_module, traced.other_mode) if g is not None]
-    check_cross_batch(graphs, flat, first_chunk, micro_batches, cross_batch, _shapes_of(model, traced))
+    check_cross_batch(graphs, flat, first_chunk, micro_batches, cross_batch)
     return Example(traced, flat, first_chunk, dims)
-
-
-def _shapes_of(model: nn.Module, traced: Traced) -> Callable[..., dict[str, Shape]]:
-    """capture.cross_batch.batch_shapes on meta tensors (no values to compute), or on the values where forward
-    needs them (`.item()`, data-dependent shapes, devices written into an exported graph)."""
-    def of(gm: torch.fx.GraphModule, whole: list[Any], chunk: list[Any]) -> dict[str, Shape]:
-        if not is_meta(model):  # a model on meta runs on meta tensors already (see `shaped`)
-            try:
-                return shaped(model, traced, batch_shapes, gm, on_meta(whole), on_meta(chunk), shapes=True)
-            except Exception:  # noqa: BLE001 - forward needs values: run it on them
-                pass
-        return batch_shapes(gm, whole, chunk)
-    return of

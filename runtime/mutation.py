@@ -31,8 +31,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["after", "check_cuts", "input_aliases", "inputs_written_with_grad", "mutated_inputs", "order_mutations",
-           "own_copies"]
+__all__ = ["after", "check_cuts", "check_reads_first", "input_aliases", "inputs_written_with_grad", "mutated_inputs",
+           "order_mutations", "own_copies"]
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
@@ -181,11 +181,13 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def check_cuts(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
-    """Raise ValueError where a cut would lose a write through a view: aliasing does not cross stages.
+    """Raise ValueError where a cut would lose a write through a view (aliasing does not cross stages), or
+    where a plan runs a read after the in-place write that forward runs after it (`check_reads_first`).
 
     For `after(x, write)` (x written through a view), the view must be made in the writing
     stage, and x must be read there or come from a stage that does the write itself.
     """
+    check_reads_first(gm, stage_of)
     for node in gm.graph.nodes:
         if node.target is not after or node.name not in stage_of:
             continue
@@ -212,3 +214,32 @@ def check_cuts(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
                     "(a plan with other cuts), "
                     "or write into the tensor itself rather than a view"
                 )
+
+
+def check_reads_first(gm: torch.fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """Raise ValueError where the plan (`stage_of`, node -> stage in the plan's order: Plan.stage_of) runs a
+    read of a tensor after an in-place write that forward runs after the read.
+
+    Nothing in the graph orders such a read before the write (no edge joins them), so a hand-made plan may
+    list it after; it would read the written tensor. It may sit in a later stage only where the writing stage
+    writes into its own copy (runtime.mutation.own_copies): the tensor comes from another stage, not the
+    caller's input or the model's buffer.
+    """
+    order = {name: k for k, name in enumerate(stage_of)}
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    for write in gm.graph.nodes:
+        target = mutated_arg(write, gm)
+        if target is None or write.name not in order:
+            continue
+        for value in dict.fromkeys([target, _base(target)]):
+            copied = value.op not in ("placeholder", "get_attr") and stage_of.get(value.name) != stage_of[write.name]
+            for read in value.users:
+                if read is write or position[read] > position[write] or read.name not in order:
+                    continue
+                later = stage_of[read.name] > stage_of[write.name]
+                if order[read.name] > order[write.name] and not (later and copied):
+                    raise ValueError(
+                        f"{read.name} (stage {stage_of[read.name]}) reads {value.name} before {write.name} (stage "
+                        f"{stage_of[write.name]}) writes into it in place, as forward runs them, but the plan runs "
+                        f"{read.name} after the write and would read the written tensor; list {read.name} before "
+                        f"{write.name} (in its stage or an earlier one)")

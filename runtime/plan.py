@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 from rules.schedules import schedule_names
 from rules.sharding import SHARDING_MODES, ShardingMode
@@ -205,9 +205,11 @@ class Plan:
         plan.check()
         return plan
 
-    def check(self) -> None:
-        """Raise ValueError naming every field that holds a value the runtime cannot run."""
-        problems = []
+    def check(self, graph: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Raise ValueError naming every field that holds a value the runtime cannot run, and every node in two
+        stages. With `graph` ({compute node: nodes it reads}; runtime.stage.stage_io, where the plan meets its
+        graph) every compute node must be in exactly one stage, after the nodes it reads."""
+        problems = _node_problems(self.stages, graph)
         if self.schedule not in schedule_names():
             problems.append(f"schedule={self.schedule!r}; use one of {', '.join(schedule_names())}")
         if self.placement not in PLACEMENTS:
@@ -290,6 +292,28 @@ class Plan:
 _STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none"}
 _PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": []}
 _PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
+
+
+def _node_problems(stages: list[StagePlan], graph: Mapping[str, Sequence[str]] | None) -> list[str]:
+    """Nodes in two stages (or twice in one); with `graph`, nodes in none, unknown, or before one they read."""
+    at: dict[str, list[int]] = {}
+    for s in stages:
+        for name in s.nodes:
+            at.setdefault(name, []).append(s.index)
+    problems = [f"node {n!r} is in stages {', '.join(map(str, a))}; a node runs in exactly one stage: keep it in one"
+                for n, a in at.items() if len(a) > 1]
+    missing, unknown = [n for n in graph or () if n not in at], [n for n in at if graph is not None and n not in graph]
+    if missing:
+        problems.append(f"nodes {', '.join(map(repr, missing[:5]))} ({len(missing)} in all) are in no stage; every "
+                        "node of the graph runs in one: add each to the stage of the nodes it reads or that read it")
+    if unknown:
+        problems.append(f"the plan names nodes the graph does not have: {', '.join(map(repr, unknown[:5]))}")
+    order = {n: k for k, n in enumerate(n for s in stages for n in s.nodes)}
+    for n, k in order.items():
+        for p in [p for p in (graph or {}).get(n, ()) if order.get(p, -1) > k][:1]:
+            problems.append(f"node {n!r} (stage {at[n][0]}) reads {p!r}, which the plan runs after it (stage "
+                            f"{at[p][0]}); list {p!r} before {n!r}, in an order the graph allows")
+    return problems
 
 
 def _split_problems(k: int, s: StagePlan, data_split: str) -> list[str]:

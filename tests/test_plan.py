@@ -131,3 +131,18 @@ def test_split_stages_round_trip_and_are_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=words):
             bad.check()
+
+
+def test_every_node_runs_in_exactly_one_stage() -> None:
+    twice = Plan([StagePlan(0, "cpu", ["a", "b"]), StagePlan(1, "cpu", ["b", "c"])])
+    with pytest.raises(ValueError, match=r"node 'b' is in stages 0, 1; a node runs in exactly one stage"):
+        twice.check()
+    graph = {"a": [], "b": ["a"], "c": ["b"], "d": ["a", "c"]}  # where the plan meets its graph (runtime.stage)
+    make().check()  # alone, a plan cannot know which nodes its graph has
+    with pytest.raises(ValueError, match=r"nodes 'd' \(1 in all\) are in no stage"):
+        make().check(graph)
+    with pytest.raises(ValueError, match=r"the plan names nodes the graph does not have: 'e'"):
+        Plan([StagePlan(0, "cpu", ["a", "b", "e"]), StagePlan(1, "cpu", ["c", "d"])]).check(graph)
+    with pytest.raises(ValueError, match=r"node 'b' \(stage 0\) reads 'a', which the plan runs after it \(stage 0\)"):
+        Plan([StagePlan(0, "cpu", ["b", "a"]), StagePlan(1, "cpu", ["c", "d"])]).check(graph)
+    Plan([StagePlan(0, "cpu", ["a", "b"]), StagePlan(1, "cpu", ["c", "d"])]).check(graph)

@@ -79,7 +79,7 @@ def test_model_writing_into_its_input(stages: int, threads: bool, schedule: str)
     assert_same_grads(model, reference)
 
 
-@pytest.mark.parametrize("stages,threads", SETTINGS)
+@pytest.mark.parametrize("stages,threads", [(stages, threads) for stages in (2, 3, 4) for threads in (False, True)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_in_place_result_unused_is_ordered_before_later_readers(stages: int, threads: bool, schedule: str) -> None:
     torch.manual_seed(0)
@@ -193,6 +193,70 @@ def test_a_write_in_a_middle_stage_is_seen_by_a_later_stage(threads: bool, sched
     ref_loss.backward()
     assert rel(loss, ref_loss) < 1e-5
     assert_same_grads(model, reference)
+
+
+class ReadBeforeWrite(nn.Module):
+    """`r = h * 1` reads h before `h.mul_(2)` writes into it; nothing in the graph orders the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](x)
+        r = h * 1
+        h.mul_(2)
+        g = torch.tanh(self.layers[1](h))
+        out: torch.Tensor = self.layers[2](g) + r
+        return out
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_a_plan_running_a_read_after_the_write_forward_runs_after_it_is_refused(threads: bool) -> None:
+    from partitioner import PartitionError, Plan, StagePlan, plan
+
+    torch.manual_seed(0)
+    model = ReadBeforeWrite()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    names = [n for s in plan(model, ["cpu"], example_inputs=(x,), cost_model=AnalyticCostModel()).stages
+             for n in s.nodes]
+    assert names[:3] == ["layers_0", "mul", "mul_"]
+    moved = ["layers_0", "mul_", "mul", *names[3:]]  # `mul` listed after the write: it would read 2h
+    for cuts in ([moved], [moved[:2], moved[2:]]):  # the write's stage sends its h, or runs the read after it
+        bad = Plan([StagePlan(s, "cpu", nodes) for s, nodes in enumerate(cuts)], micro_batches=2)
+        with pytest.raises(PartitionError, match=r"mul \(stage \d\) reads layers_0 before mul_ \(stage 0\) writes"):
+            partition(model, ["cpu"] * len(cuts), example_inputs=(x,), plan=bad, threads=threads)
+    # a later stage may read h where the write's stage writes into its own copy: as the plain model
+    cuts = [moved[:1], moved[1:2], moved[2:]]
+    good = Plan([StagePlan(s, "cpu", nodes) for s, nodes in enumerate(cuts)], micro_batches=2)
+    pipe = partition(model, ["cpu"] * 3, example_inputs=(x,), plan=good, threads=threads)
+    out, ref = pipe(x), reference(x)
+    assert rel(out, ref) < 1e-5
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_a_hand_edited_plan_holds_every_node_once(threads: bool) -> None:
+    from partitioner import PartitionError, Plan, StagePlan, plan
+
+    torch.manual_seed(0)
+    model = zoo.InPlace()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    made = plan(model, ["cpu"] * 2, example_inputs=(x,), micro_batches=2, cost_model=AnalyticCostModel())
+    first, second = made.stages[0].nodes, made.stages[1].nodes
+    dropped = Plan([StagePlan(0, "cpu", first), StagePlan(1, "cpu", second[:-1])], micro_batches=2)
+    with pytest.raises(PartitionError, match=rf"nodes '{second[-1]}' \(1 in all\) are in no stage"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), plan=dropped, threads=threads)  # was: KeyError at the call
+    twice = Plan([StagePlan(0, "cpu", first), StagePlan(1, "cpu", [first[-1], *second])], micro_batches=2)
+    with pytest.raises(PartitionError, match=rf"node '{first[-1]}' is in stages 0, 1"):
+        partition(model, ["cpu"] * 2, example_inputs=(x,), plan=twice, threads=threads)
+    assert all(p.grad is None for p in model.parameters())
+    pipe = partition(model, ["cpu"] * 2, example_inputs=(x,), plan=made, threads=threads)  # as made: exact
+    assert rel(pipe(x), reference(x)) < 1e-5
 
 
 class Scaled(nn.Module):

@@ -241,7 +241,7 @@ class Plan:
         problems += _rank_problems(self)
         if not any(p.startswith("micro_batches=") for p in problems):  # programs against stages, ranks, devices
             problems += program_problems(self.programs, [s.ranks for s in self.stages], self.devices,
-                                         self.micro_batches, self.data_split == "deal" and
+                                         self.pieces, self.data_split == "deal" and  # sliced: m x replicas
                                          all(s.tensor == 1 for s in self.stages))
         if self.precision is not None and not set(self.precision) <= _PRECISION_KEYS:
             problems.append(f"precision names {sorted(set(self.precision) - _PRECISION_KEYS)}; it holds "

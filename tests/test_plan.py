@@ -146,3 +146,13 @@ def test_every_node_runs_in_exactly_one_stage() -> None:
     with pytest.raises(ValueError, match=r"node 'b' \(stage 0\) reads 'a', which the plan runs after it \(stage 0\)"):
         Plan([StagePlan(0, "cpu", ["b", "a"]), StagePlan(1, "cpu", ["c", "d"])]).check(graph)
     Plan([StagePlan(0, "cpu", ["a", "b"]), StagePlan(1, "cpu", ["c", "d"])]).check(graph)
+
+
+def test_a_sliced_plan_with_the_programs_the_runtime_lowers_checks() -> None:
+    # every replica runs every micro-batch on its slice: programs count micro_batches x replicas (Plan.pieces)
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], sharding="zero3"),
+                 StagePlan(1, "cpu", ["b"], ranks=[2, 3], sharding="zero3")], micro_batches=2, data_split="slice")
+    plan.programs = plan_programs(plan)
+    assert max(op.microbatch for p in plan.programs for op in p.ops if op.is_compute) == plan.pieces - 1 == 3
+    plan.check()
+    Plan.from_json(plan.to_json())

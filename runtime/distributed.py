@@ -96,7 +96,7 @@ class DistributedPipeline(Calibratable, nn.Module):
             )
         self._program = plan.programs[self.rank].ops
         # a sliced plan runs as the dealt one of m * d micro-batches (see [Note: one agreed order])
-        self._pieces = plan.micro_batches * (max(s.replicas for s in plan.stages) if plan.data_split == "slice" else 1)
+        self._pieces = plan.pieces
         self._sharded = {s.index: s.module for s in stages if isinstance(s.module, ShardedRun)}
         readers = tensor_stages(gm, plan.stage_of())
         self._groups, self._loss_group = grad_groups(plan, model, readers, self.rank, self._wire,

@@ -211,7 +211,7 @@ def plan_programs(
     if split:
         stage_ranks = [[index[r] for r in ranks] for ranks in stage_ranks]
         groups = [([index[r] for r in ranks], st) for ranks, st in groups]
-    micro_batches = plan.micro_batches * (max(len(r) for r in stage_ranks) if plan.data_split == "slice" else 1)
+    micro_batches = plan.pieces  # a sliced plan runs as the dealt one of m x replicas (see [Note: one agreed order])
     lists = rank_schedule(plan.schedule, micro_batches, stage_ranks, producers)
     whole = {s.index for s in plan.stages if s.recompute == "selective"}
     lists = [[a for a in actions if not (a.kind == "W" and a.stage in whole)] for actions in lists]

@@ -37,7 +37,7 @@ def memory_kinds(plan: Plan, stage: StagePlan) -> dict[str, int]:
     else:
         precision = Precision.from_dict(plan.precision)
         params = stage.param_bytes / precision.itemsize("compute")
-        per_replica = plan.micro_batches if plan.data_split == "slice" else max(1, plan.micro_batches // stage.replicas)
+        per_replica = max(1, plan.pieces // stage.replicas)  # the micro-batches each replica runs (Plan.pieces)
         weights, master, _, optimizer = state_bytes(params, precision, mode=stage.sharding, degree=stage.replicas,
                                                     micro_batches=per_replica, root=0.0, unit=0.0, second=0.0)
         if stage.sharding == "none" or accumulates_unsharded(stage.sharding, "last", per_replica):

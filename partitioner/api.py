@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 from torch import nn
 
@@ -25,7 +25,7 @@ from partitioner.capture.describe import describe_model
 from partitioner.capture.fidelity import InputSplitSpec, OutputMergeSpec
 from partitioner.errors import PartitionError
 from partitioner.make.pipeline import build_pipeline, traced_call
-from partitioner.make.plan import plan_example, plan_model, plan_on_rank0, planning_cost, with_update
+from partitioner.make.plan import plan_counts, plan_example, plan_on_rank0, planning_cost, with_update
 from partitioner.place.planning import stage_ranks_for
 from partitioner.request import (
     CrossBatchChoice,
@@ -47,7 +47,7 @@ from runtime.pipeline import Pipeline
 from runtime.plan import Plan, Update
 from runtime.weights import Weights
 
-__all__ = ["describe_model", "partition", "plan"]
+__all__ = ["describe_model", "partition", "plan", "plans"]
 
 
 def plan(
@@ -89,17 +89,73 @@ def plan(
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
     """
+    ((_, made),) = _plans(
+        model, devices, [micro_batches], cluster=cluster, example_inputs=example_inputs,
+        example_kwargs=example_kwargs, schedule=schedule, placement=placement, replicas=replicas,
+        virtual_stages=virtual_stages, cost_model=cost_model, processes=processes, input_split_spec=input_split_spec,
+        split_points=split_points, split_spec=split_spec, recompute=recompute, update=update, calibration=calibration,
+        precision=precision, sharding=sharding, tensor=tensor, cross_batch=cross_batch)
+    if isinstance(made, PartitionError):
+        raise made
+    return made
+
+
+def plans(model: nn.Module, devices: Sequence[DeviceLike] | None = None, *, micro_batches: Sequence[int],
+          **options: Any) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
+    """`plan` for each micro-batch count of `micro_batches`, the model traced once: (count, its plan, or the
+    PartitionError that count met), in order, each as it is made. `options`: plan's other keywords.
+
+    Raises:
+        PartitionError: bad arguments (at the call), or a model that cannot be traced (at the first plan).
+    """
+    if not micro_batches:
+        raise PartitionError("micro_batches=[]: give the micro-batch counts to plan, e.g. [16, 32]")
+    return _plans(model, devices, list(micro_batches), **options)
+
+
+def _plans(
+    model: nn.Module,
+    devices: Sequence[DeviceLike] | None,
+    counts: list[int],
+    *,
+    cluster: ClusterLike | None = None,
+    example_inputs: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    schedule: ScheduleChoice = "gpipe",
+    placement: PlacementChoice = "pipeline",
+    replicas: Sequence[int] | Literal["auto"] | None = None,
+    virtual_stages: int = 2,
+    cost_model: CostModel | None = None,
+    processes: bool | None = None,
+    input_split_spec: InputSplitSpec | None = None,
+    split_points: SplitPoints = "markers",
+    split_spec: Mapping[str, SplitPoint] | None = None,
+    recompute: RecomputeChoice | Sequence[RecomputeChoice] = "none",
+    update: Update = "sync",
+    calibration: CalibrationArg = None,
+    precision: Any = None,
+    sharding: ShardingChoice = "auto",
+    tensor: TensorChoice = "auto",
+    cross_batch: CrossBatchChoice = "refuse",
+) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
+    """plan()'s request checked now; its plans for `counts` made as they are asked for (make.plan.plan_counts)."""
     devices, processes, cost_model, per_host = plan_target(devices, cluster, processes, cost_model)
     request = PlanRequest.of(
         resolve(devices, described=cluster is not None), processes=distributed() if processes is None else processes,
-        micro_batches=micro_batches, schedule=schedule, placement=placement, replicas=replicas,
+        micro_batches=counts[0], schedule=schedule, placement=placement, replicas=replicas,
         virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
         gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision), sharding=sharding,
         tensor=tensor, cross_batch=cross_batch)
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     check_model_options(model, request)
-    return DrawablePlan.from_plan(plan_model(model, args, kwargs, request))
+    return _drawable(plan_counts(model, args, kwargs, request, counts))
+
+
+def _drawable(made: Iterator[tuple[int, Plan | PartitionError]]) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
+    """Each plan drawable."""
+    for m, each in made:
+        yield m, each if isinstance(each, PartitionError) else DrawablePlan.from_plan(each)
 
 
 def partition(

@@ -13,6 +13,7 @@ from partitioner.capture.graph import compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.cli.inputs import UsageError, load_example
 from partitioner.cli.main import main
+from partitioner.meta import empty_weights
 from partitioner.predict.assemble import finish
 from partitioner.show.visualizer import DrawablePlan
 from tests import zoo
@@ -291,6 +292,41 @@ def test_cluster_plan_chooses_the_micro_batches(capsys: pytest.CaptureFixture[st
     assert set(tried) == {"16", "32"}  # the largest divisors of 32 up to 1, 2 and 4 per GPU
     chosen = re.search(r"global batch 32 in (\d+) micro-batches", out)
     assert chosen and float(tried[chosen.group(1)]) == min(float(v) for v in tried.values())
+
+
+def meta_gpt(batch: int = 32) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    """examples/models.py's GPT built on meta: a MODULE:FACTORY planned from shapes alone."""
+    with empty_weights():
+        model, x = _make_gpt(batch)
+    return model, (x,)
+
+
+def test_cluster_plan_traces_once_for_every_micro_batch_count(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 36 item 7: the counts the command tries share one trace, and each count's plan is plan()'s for it."""
+    import re
+
+    import partitioner
+    from partitioner.capture import example
+
+    traces: list[str] = []
+    real = example.trace
+
+    def counted(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        traces.append(type(model).__name__)
+        return real(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(example, "trace", counted)
+    code, out, err = run(["plan", "tests.test_cli:meta_gpt", *CLUSTER, "--global-batch", "32"], capsys)
+    assert code == 0, err
+    tried = dict(re.findall(r"(\d+) ([\d.]+) ms", out.split("micro-batch count tried:")[1].splitlines()[0]))
+    assert set(tried) == {"16", "32"} and traces == ["GPT"]
+    model, x = meta_gpt()
+    model.to(torch.bfloat16)  # as --dtype bf16 casts it
+    for m, ms in tried.items():  # what the one trace planned is what planning the count on its own makes
+        alone = partitioner.plan(model, cluster=CLUSTER[1], example_inputs=x, micro_batches=int(m), replicas="auto",
+                                 schedule="auto", precision="mixed")
+        assert f"{alone.predicted_step_ms:.3f}" == ms
 
 
 def test_cluster_plan_told_not_to_shard_or_split(capsys: pytest.CaptureFixture[str]) -> None:

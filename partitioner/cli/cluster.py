@@ -27,7 +27,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster, ClusterError, as_cluster
 from cost_model.gpu_table import precision_of
 from cost_model.precision import Precision
-from partitioner.api import plan as make_plan
+from partitioner.api import plans as make_plans
 from partitioner.arguments import cluster_devices
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.errors import PartitionError
@@ -217,23 +217,30 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
         def searched(what: str, done: int, total: int) -> None:  # the cluster search's (p, d, m) configurations
             bar.update(search, description=f"  {what}", completed=done, total=total, visible=True)
 
-        for m in tries:
-            bar.update(task, description=f"planning {example.batch} samples in {m} micro-batches on {cluster.shape}")
-            try:
+        try:  # one trace for every count (make.plan.plan_counts); a model it fails on fails every count
+            each = make_plans(example.model, cluster=cluster, example_inputs=example.args,
+                              example_kwargs=example.kwargs, micro_batches=tries, schedule=args.schedule,
+                              replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
+                              update=args.update, precision=precision, sharding=args.sharding,
+                              tensor=tensor)  # fmt: skip
+            for m in tries:
+                bar.update(task, description=f"planning {example.batch} samples in {m} micro-batches on "
+                           f"{cluster.shape}")
                 with reporting(searched):
-                    plan = make_plan(example.model, cluster=cluster, example_inputs=example.args,
-                                     example_kwargs=example.kwargs, micro_batches=m, schedule=args.schedule,
-                                     replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
-                                     update=args.update, precision=precision, sharding=args.sharding,
-                                     tensor=tensor)  # fmt: skip
-                if len(tries) > 1:
-                    _check_plan(plan, cluster, capacity, given=False)
-                made[m] = plan
-            except (PartitionError, UsageError) as exc:
-                if len(tries) == 1:
-                    raise _one_line(exc) from None
-                refused.append(f"{m} micro-batches: {_one_line(exc)}")
-            bar.advance(task)
+                    _, plan = next(each)
+                try:
+                    if isinstance(plan, PartitionError):
+                        raise plan
+                    if len(tries) > 1:
+                        _check_plan(plan, cluster, capacity, given=False)
+                    made[m] = plan
+                except (PartitionError, UsageError) as exc:
+                    if len(tries) == 1:
+                        raise
+                    refused.append(f"{m} micro-batches: {_one_line(exc)}")
+                bar.advance(task)
+        except (PartitionError, UsageError) as exc:
+            raise _one_line(exc) from None
     if not made:
         raise UsageError("no micro-batch count gives a plan that runs here (" + "; ".join(refused) + ")")
     best = min(made, key=lambda m: made[m].predicted_step_ms)

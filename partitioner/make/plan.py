@@ -1,13 +1,15 @@
 """A request into a Plan: trace the example, place it, price its update rule; under torchrun one rank plans for all.
 
     plan_model(model, args, kwargs, request)        plan(): nothing moves, nothing is built
+    plan_counts(model, args, kwargs, request, ms)   plans(): one plan per micro-batch count, the model traced once
     plan_example(model, example, request, cost)     partition(): the example is traced once, for the plan and the build
     plan_on_rank0(model, example, request, cost)    torchrun: rank 0 plans, every rank runs the same plan
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -16,6 +18,7 @@ from cost_model.analytic import AnalyticCostModel, CostModel
 from cost_model.calibration_store import with_calibration
 from partitioner.capture.example import Example, shaped, trace_example
 from partitioner.capture.meta import is_meta, on_meta
+from partitioner.capture.trace import Traced
 from partitioner.errors import PartitionError
 from partitioner.make.bind import structure
 from partitioner.make.modes import same_cuts
@@ -26,7 +29,7 @@ from runtime.async_updates import check_async_plan
 from runtime.microbatch import batch_size
 from runtime.plan import Plan
 
-__all__ = ["plan_example", "plan_model", "plan_on_rank0", "planning_cost", "with_update"]
+__all__ = ["plan_counts", "plan_example", "plan_model", "plan_on_rank0", "planning_cost", "with_update"]
 
 
 def planning_cost(model: nn.Module, request: PlanRequest) -> CostModel | None:
@@ -74,23 +77,61 @@ def plan_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     A described cluster's GPUs are not here, so its plan is made from shapes alone (running a large
     batch for real would take minutes); a forward that needs values falls back to running it.
     """
+    for _, made in plan_counts(model, args, kwargs, request, [request.micro_batches]):
+        if isinstance(made, PartitionError):
+            raise made
+        return made
+    raise AssertionError("plan_counts yields one plan per count")  # pragma: no cover
+
+
+def plan_counts(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest,
+                counts: Sequence[int]) -> Iterator[tuple[int, Plan | PartitionError]]:
+    """plan_model for each micro-batch count of `counts`, in order, as each is made: (count, its plan, or the
+    PartitionError that count met, such as memory or a cross-batch operation). The model is traced once: a
+    trace is made on the whole example whatever the count (capture.example.trace_example).
+
+    Raises:
+        PartitionError: the model cannot be traced (no count can be planned).
+    """
     cost = planning_cost(model, request)
+    shapes = request.cluster
+    traced: Traced | None = None
+    for m in counts:
+        each = replace(request, micro_batches=m)
+        while True:
+            try:
+                if traced is None:  # the trace alone (one micro-batch: nothing of a count can fail it)
+                    traced = _example(model, args, kwargs, request, 1, None, shapes).traced
+                made: Plan | PartitionError = _planned(model, _example(model, args, kwargs, request, m, traced, shapes),
+                                                       each, cost, shapes)
+            except PartitionError as exc:
+                if shapes and _needs_values(exc, model):  # forward needs values (capture.meta.shapes_only):
+                    shapes, traced = False, None  # trace and plan it for real, from this count on
+                    continue
+                if traced is None:
+                    raise  # the model cannot be traced: no count can be planned
+                made = exc
+            break
+        yield m, made
 
-    def planned(shapes: bool) -> Plan:
-        a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
-        example = shaped(model, None, trace_example, model, a, k, request.micro_batches, request.input_split_spec,
-                         request.cross_batch, shapes=shapes)
-        return plan_example(model, example, request, cost, shapes=shapes)
 
-    try:
-        made = planned(shapes=request.cluster)
-    except PartitionError as exc:
-        if not isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) or not request.cluster or is_meta(model):
-            raise
-        made = planned(shapes=False)  # forward needs values (partitioner.capture.meta.shapes_only): run it for real
-    made = with_update(made, request, priced=True)
+def _example(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], request: PlanRequest,
+             micro_batches: int, traced: Traced | None, shapes: bool) -> Example:
+    """The example cut into `micro_batches`: traced now, or on `traced` (on meta tensors with `shapes`)."""
+    a, k = (on_meta(args), on_meta(kwargs)) if shapes else (args, kwargs)
+    return shaped(model, traced, trace_example, model, a, k, micro_batches, request.input_split_spec,
+                  request.cross_batch, traced, shapes=shapes)
+
+
+def _planned(model: nn.Module, example: Example, request: PlanRequest, cost: CostModel | None, shapes: bool) -> Plan:
+    made = with_update(plan_example(model, example, request, cost, shapes=shapes), request, priced=True)
     made.gpus_per_host = request.gpus_per_host
     return made
+
+
+def _needs_values(exc: PartitionError, model: nn.Module) -> bool:
+    """Whether planning from shapes failed because forward needs tensor values (and running it for real may not)."""
+    return isinstance(exc.__cause__, (RuntimeError, NotImplementedError)) and not is_meta(model)
 
 
 def plan_on_rank0(model: nn.Module, example: Example, request: PlanRequest, cost: CostModel | None) -> Plan:

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from cost_model.analytic import AnalyticCostModel
 from partitioner import partition
 from partitioner.capture.trace import trace
-from partitioner.errors import TraceError
+from partitioner.errors import PartitionError, TraceError
 from tests import zoo
 
 
@@ -115,6 +116,32 @@ def test_export_keeps_the_sequence_length_free() -> None:
     shorter = idx[:3, :6]
     assert torch.allclose(traced.graph_module(*traced.flatten_inputs((shorter,), {})).logits, model(shorter).logits,
                           atol=1e-6)
+
+
+def test_export_frees_an_images_batch_dim_alone_and_every_dim_of_a_sequence() -> None:
+    """[Note: exported dimensions]: images keep their channels and pixels (a model that windows them, such as Swin,
+    took minutes to export with them free), token ids and embeddings keep every dim free."""
+
+    class Both(nn.Module):  # *inputs: traced by torch.export
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.emb, self.proj = nn.Conv2d(3, 4, 3), nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+            images, ids, embeds = inputs
+            return self.conv(images).mean((2, 3)) + self.emb(ids).mean(1) + self.proj(embeds).mean(1)
+
+    model = Both()
+    example = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4, 7)), torch.randn(4, 7, 4))
+    traced = trace(model, example)
+    assert traced.method == "export"
+    shapes = [n.meta["val"].shape for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+    free = [[d for d, size in enumerate(shape) if not is_concrete_int(size)] for shape in shapes]
+    assert free == [[0], [0, 1], [0, 1]]  # the embeddings' features: free, then fixed by the Linear reading them
+    other = (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 4))
+    assert torch.allclose(traced.graph_module(*traced.flatten_inputs(other, {})), model(*other), atol=1e-6)
+    with pytest.raises(PartitionError, match=r"has size 12 in dim 2 .*fixed dim 2 at the example's 16"):
+        traced.flatten_inputs((torch.randn(2, 3, 12, 12), *other[1:]), {})
 
 
 def test_a_returned_cache_is_named_with_its_fix() -> None:

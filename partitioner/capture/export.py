@@ -1,13 +1,18 @@
-"""torch.export of a model: every dimension free where the model allows it, its tensors its own, inputs checked.
+"""torch.export of a model: batch and sequence dims free where the model allows it, its tensors its own, inputs checked.
 
-[Note: exported dimensions] Every dimension (of size 2 or more) of every tensor input is exported as
-`Dim.AUTO`: the batch, a sequence length, an image side. torch.export keeps it symbolic where the
-model's code works for any size and fixes it to the example's where the code needs that size (a
-reshape to a constant, a table of positions read whole). So a pipeline of a Hugging Face model takes
-a shorter sequence as the fx path does, with the same graph and the same cuts, and a call whose size
-differs in a dimension the export fixed is refused by `flatten_inputs`, naming the input and the
-dimension, instead of failing inside a stage. Where exporting every dimension fails, the batch
-dimension alone is exported free (the other dimensions then stay fixed, and are checked alike).
+[Note: exported dimensions] The dimensions a pipeline is called with other sizes of are exported as
+`Dim.AUTO` (of size 2 or more): the batch dim of every tensor input, and every dim of a sequence:
+integer tensors (token ids, masks, positions) and floating ones of up to 3 dims (embeddings, audio
+features). torch.export keeps such a dim symbolic where the model's code works for any size and fixes
+it to the example's where the code needs that size (a reshape to a constant, a table of positions read
+whole). So a pipeline of a Hugging Face model takes a shorter sequence as the fx path does, with the
+same graph and the same cuts. A floating tensor of 4 dims or more (images, video) keeps its channels
+and pixels at the example's size: a model that pads and windows them (Swin) makes torch's symbolic
+shapes simplify a floor division and modulus of every padded side at each reshape (sympy): a tiny Swin
+took 148 s to export against 1.8 s with the batch alone free, and a pipeline trains on one image size. A
+call whose size differs in a dimension the export fixed is refused by `flatten_inputs`, naming the
+input and the dimension, instead of failing inside a stage. Where exporting those dimensions fails,
+the batch dimension alone is exported free (the other dimensions then stay fixed, and are checked alike).
 
 [Note: the model's tensors stay free of weak references] torch.export turns each parameter and
 buffer into a fake tensor through a memo that holds a weak reference to it, and torch keeps the
@@ -42,6 +47,7 @@ from partitioner.capture.export_functions import Functions, as_leaves, functions
 from partitioner.capture.meta import is_meta
 from partitioner.capture.whole import keep_experts_whole
 from partitioner.errors import PartitionError, TraceError
+from rules.progress import say
 
 __all__ = ["Exported", "export_graph"]
 
@@ -55,11 +61,14 @@ class Exported:
 
 
 def _free_dims(value: Any, every: bool) -> dict[int, Any] | None:
+    """The dims of an input exported free: the batch, and (`every`) all of a sequence (see [Note: exported
+    dimensions])."""
     from torch.export import Dim
 
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None
-    dims = range(value.dim()) if every else range(1)
+    sequence = not value.is_floating_point() or value.dim() <= 3  # not an image or a video
+    dims = range(value.dim()) if every and sequence else range(1)
     return {d: Dim.AUTO for d in dims if value.shape[d] > 1} or None
 
 
@@ -265,11 +274,14 @@ def export_graph(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
             custom autograd Functions it cannot keep whole (capture.export_functions).
     """
     fake = FakeDevice(run_device()) if is_meta(model) else None
+    what = f"tracing {type(model).__name__} ({'training' if model.training else 'eval'} mode) with torch.export"
+    say(f"{what}, batch and sequence dims free")
     try:
         gm, found, originals = _export(model, args, kwargs, True, fake)
     except TraceError:
         raise
     except Exception:  # noqa: BLE001 - some dimension cannot be free: only the batch's, as before
+        say(f"{what}, the batch dim alone free")
         fake = FakeDevice(fake.device) if fake is not None else None  # a fresh fake mode
         gm, found, originals = _export(model, args, kwargs, False, fake)
     _point_back(gm, originals)

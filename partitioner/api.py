@@ -40,6 +40,7 @@ from partitioner.request import (
     TensorChoice,
 )
 from partitioner.show.visualizer import DrawablePlan
+from rules.progress import library_call
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed
 from runtime.materialize import Init
@@ -153,11 +154,13 @@ def _plans(
 
 
 def _drawable(made: Iterator[tuple[int, Plan | PartitionError]]) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
-    """Each plan drawable."""
-    for m, each in made:
-        yield m, each if isinstance(each, PartitionError) else DrawablePlan.from_plan(each)
+    """Each plan drawable, made inside a library call (rules.progress: its long phases said by default)."""
+    with library_call():
+        for m, each in made:
+            yield m, each if isinstance(each, PartitionError) else DrawablePlan.from_plan(each)
 
 
+@library_call()
 def partition(
     model: nn.Module,
     devices: Sequence[DeviceLike],

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from cost_model.analytic import AnalyticCostModel
+from partitioner import partition, plan
 from partitioner.capture.graph import compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.cli.main import main
-from rules.progress import LOGGER, Progress, is_terminal, phase, say
+from rules import progress as progress_rules
+from rules.progress import LOGGER, Progress, is_terminal, library_call, phase, say
 from tests import zoo
 
 
@@ -91,3 +94,73 @@ def test_the_command_line_in_a_pipe_says_each_phase_on_a_line_of_its_own(
     assert main(["plan", "tests.zoo:mlp", "--devices", "cpu,cpu", "--profile", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
     assert logging.getLogger(LOGGER).handlers == []  # the command line's handler is gone after it
+
+
+# --- [Note: progress by default]: what a Python caller who configured no logging sees on stderr ---
+
+
+@pytest.fixture
+def unconfigured(monkeypatch: pytest.MonkeyPatch) -> logging.Logger:
+    """Logging as a plain script has it: no handler anywhere (pytest's own, on the root, are out of its reach)."""
+    log = logging.getLogger(LOGGER)
+    monkeypatch.setattr(log, "handlers", [])
+    monkeypatch.setattr(log, "propagate", False)
+    monkeypatch.setattr(log, "level", logging.NOTSET)
+    monkeypatch.delenv("RANK", raising=False)
+    return log
+
+
+def test_a_phase_still_running_after_slow_s_is_one_line_on_stderr(
+    unconfigured: logging.Logger, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress_rules, "SLOW_S", 0.0)  # every phase is long: its timer fires at once
+    say("tracing Outside")  # not inside a library call: nothing
+    assert progress_rules._DEFAULT.timer is None
+    with library_call():
+        say("tracing Slow")
+        timer = progress_rules._DEFAULT.timer
+        assert timer is not None
+        timer.join()  # the phase ran past SLOW_S
+    assert capsys.readouterr().err == "partitioner: tracing Slow ...\n"
+
+
+def test_a_quick_call_says_nothing_and_its_last_phase_ends_with_it(
+    unconfigured: logging.Logger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, args, _ = zoo.mlp()
+    partition(model, ["cpu", "cpu"], example_inputs=args, cost_model=AnalyticCostModel())
+    assert progress_rules._DEFAULT.timer is None and progress_rules._DEFAULT.calls == 0  # no line after the call
+    assert capsys.readouterr().err == ""
+
+
+def test_level_info_says_every_phase_as_it_starts_and_warning_silences_it(
+    unconfigured: logging.Logger, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, args, _ = zoo.mlp()
+    unconfigured.setLevel(logging.INFO)
+    plan(model, ["cpu", "cpu"], example_inputs=args, cost_model=AnalyticCostModel())
+    nodes = len(compute_nodes(trace(model, args).graph_module))
+    assert capsys.readouterr().err.splitlines() == [
+        "partitioner: tracing MLP", f"partitioner: planning {nodes} nodes on 2 devices (gpipe, 1 micro-batches)"]
+    unconfigured.setLevel(logging.WARNING)
+    monkeypatch.setattr(progress_rules, "SLOW_S", 0.0)
+    with library_call():
+        say("tracing Silenced")
+        assert progress_rules._DEFAULT.timer is None
+    plan(model, ["cpu", "cpu"], example_inputs=args, cost_model=AnalyticCostModel())
+    assert capsys.readouterr().err == ""
+
+
+def test_logging_configured_by_the_program_gets_the_lines_and_stderr_none(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest configures logging, as a program that calls basicConfig does: its handlers decide, never stderr."""
+    monkeypatch.setattr(progress_rules, "SLOW_S", 0.0)
+    model, args, _ = zoo.mlp()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        plan(model, ["cpu", "cpu"], example_inputs=args, cost_model=AnalyticCostModel())
+        with library_call():
+            say("tracing Configured")
+            assert progress_rules._DEFAULT.timer is None
+    assert "tracing MLP" in [r.getMessage() for r in caplog.records]
+    assert capsys.readouterr().err == ""

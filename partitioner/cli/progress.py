@@ -33,11 +33,17 @@ def step(err: Console, quiet: bool, text: str) -> Iterator[None]:
 @contextmanager
 def phase_lines(err: Console, quiet: bool) -> Iterator[None]:
     """Where stderr is not a terminal, the library's phase lines (tracing, profiling n of N nodes, planning: the
-    `rules.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead."""
-    if quiet or err.is_terminal:
-        yield
-        return
+    `rules.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead, and
+    with --quiet nothing does: in both the library's own default lines are off ([Note: progress by default])."""
     log = logging.getLogger(LOGGER)
+    if quiet or err.is_terminal:
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
+        return
     handler = logging.StreamHandler(err.file)
     handler.setFormatter(logging.Formatter("%(message)s"))
     level = log.level

@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from rules.sharding import GradientSync, ShardingMode, mode_rule, reduces
+from runtime.fsdp_warnings import explain_view_warning
 from runtime.mode_units import ModeCell, ModeSwitch, pair_units, point_at
 from runtime.recompute import RecomputedStage
 from runtime.recompute_segments import split_segments
@@ -252,10 +253,11 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
         raise ValueError("the stage holds no parameters: there is nothing to shard; leave it unsharded")
     root, blocks = _cut(module)
     units = _units(blocks)
-    cell = None
+    cell, graphs = None, [blocks]
     if other is not None:  # see [Note: sharding both modes of a stage]
         cell = ModeCell()
         other_root, other_blocks = _cut(other)
+        graphs.append(other_blocks)
         pairs = pair_units(units, _units(other_blocks))
         units = [ModeSwitch(a, b, cell) for a, b in pairs]
         for unit, (a, b) in zip(units, pairs):
@@ -266,6 +268,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig = Sh
     rule = mode_rule(config.mode, config.gradient_sync)
     ignored = {p for p in root.parameters() if any(p is t for t in unsharded) or _kept_whole(p)}
     unsplit = dict(root.named_parameters(remove_duplicate=False))
+    explain_view_warning(graphs, [*units, root])  # see [Note: FSDP2's view warning]
     for unit in [*units, root]:
         fully_shard(unit, mesh=mesh, reshard_after_forward=rule.reshard_after_forward, mp_policy=config.policy,
                     ignored_params=ignored, shard_placement_fn=_shard_dim)

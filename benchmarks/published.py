@@ -16,14 +16,14 @@ Rows (each model built from torch.nn on meta, benchmarks/published_models.py; no
     chunk on the first stage holds the embedding alone after one layer less there (126 layers in 128 slots of
     16 ranks: one layer a chunk, v = 8), no activation recomputation at 8K, 400 Gb/s RoCE per GPU.
     Sequence parallelism beside TP is assumed (Megatron-style; the runtime here does not run it, so only the
-    forced configuration prices it: partitioner/place/tensor_split.py).
+    forced configuration prices it: partitioner/place/search/tensor_split.py).
 
-For each row: the published configuration and throughput; ours forced to it (partitioner/place/cluster_fixed.py:
+For each row: the published configuration and throughput; ours forced to it (partitioner/place/cluster/fixed.py:
 only the cuts searched), its TFLOP/s, memory per GPU and the largest part of its step (benchmarks/
 published_costs.py); where it does not fit, what it would predict were memory no limit. Then two choices:
 "runs here", the Plan the cluster search makes over what the runtime runs (plan_on_cluster: tensor degree,
 stages, replicas and their sharding, micro-batches, schedule, recomputation none or full), its step as the plan
-simulates it; and "every priced axis" (cluster_priced.search_priced: the same axes with interleaved 1F1B and
+simulates it; and "every priced axis" (cluster.priced.search_priced: the same axes with interleaved 1F1B and
 sequence parallelism, which the runtime does not run but the published runs do), its search objective. The
 second's space holds the forced configuration and both are search objectives, so "chosen plan at least as fast"
 compares those two. Prices are the analytic model's from the GPU table (cost_model/gpus.json: GEMM efficiency
@@ -57,10 +57,10 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
-from partitioner.place.cluster_fixed import Fixed, price_fixed  # noqa: E402
-from partitioner.place.cluster_plan import plan_on_cluster  # noqa: E402
-from partitioner.place.cluster_priced import search_priced  # noqa: E402
-from partitioner.place.hybrid import InfeasibleError  # noqa: E402
+from partitioner.place.cluster.fixed import Fixed, price_fixed  # noqa: E402
+from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
+from partitioner.place.cluster.priced import search_priced  # noqa: E402
+from partitioner.place.devices.search import InfeasibleError  # noqa: E402
 
 MEGATRON_FP16 = Precision("float16", "float32", "float32", "float32", name="fp16 / fp32 master")
 WITHIN = 0.15

@@ -1,6 +1,6 @@
 """Where a priced configuration's step goes: its slowest stage's work by kind, the bubble, for benchmarks/published.py.
 
-For the slowest stage of a cluster solution (cluster_fixed.price_fixed), per step (n = micro-batches a
+For the slowest stage of a cluster solution (cluster.fixed.price_fixed), per step (n = micro-batches a
 pipeline runs):
 
     GEMMs                n x forward + backward of the nodes that count FLOPs inside Linear layers
@@ -29,12 +29,12 @@ from cost_model.collectives import ring_of
 from cost_model.interface import CostModel, forward_time
 from cost_model.ops import classify
 from partitioner.capture.shardable_groups import Shardable
-from partitioner.place.blocks import block_cuts
-from partitioner.place.cluster_fixed import Fixed
-from partitioner.place.cluster_search import slowest_pair
-from partitioner.place.cluster_space import ClusterSolution
-from partitioner.place.graph_costs import batch_size, per_micro_batch
-from partitioner.place.tensor_split import collective_seconds, priced_groups, split_graph
+from partitioner.place.cluster.fixed import Fixed
+from partitioner.place.cluster.search import slowest_pair
+from partitioner.place.cluster.space import ClusterSolution
+from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.graph_costs import batch_size, per_micro_batch
+from partitioner.place.search.tensor_split import collective_seconds, priced_groups, split_graph
 
 __all__ = ["step_parts"]
 

@@ -32,7 +32,7 @@ from cost_model.ops import classify  # noqa: E402
 from cost_model.recompute_cost import graph_nodes  # noqa: E402
 from examples.resnet50 import resnet50  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
-from partitioner.place.hybrid import solve_hybrid  # noqa: E402
+from partitioner.place.devices.search import solve_hybrid  # noqa: E402
 from tests.test_saved_memory import autograd_saved_bytes, cases, resnet50_on_v100s, traced_graph  # noqa: E402
 
 GIB = float(1 << 30)

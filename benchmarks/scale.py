@@ -2,7 +2,7 @@
 
 For each cluster (hosts x 8 H100, bf16, global batch 1536 sequences of 2048 tokens: the
 GPT-3 paper's batch, divisible by every power of two up to 512), prints the plan time and the
-plan the cluster search (partitioner/place/cluster_search.py) chooses with every axis searched:
+plan the cluster search (partitioner/place/cluster/search.py) chooses with every axis searched:
 tensor degree (the model's split groups, partitioner.capture.shardable), stages, replicas and their
 sharding (mixed precision: fp32 master weights, gradients and Adam moments), micro-batches, schedule,
 recomputation (searched with none first, then full), rank placement, memory per GPU, predicted step
@@ -13,7 +13,7 @@ Plan time = node times at each micro-batch size + each tensor degree's split pro
 building the Plan (assemble and simulate); the model is traced and its split groups found once
 (printed apart, not included). The 10,000-node synthetic graph
 of benchmarks/planner.py onto 64 and 128 GPUs (8 per host) is planned by today's device-list
-search (hybrid.py; 128 GPUs only with --slow: over a minute) and by the count search, each with
+search (devices/search.py; 128 GPUs only with --slow: over a minute) and by the count search, each with
 its objective. Timings on a busy 2-core machine: medians of --repeat runs, interleaved.
 
 Usage: python benchmarks/scale.py [--sizes 8,64,128,1024,4096,16384] [--repeat 1] [--slow]
@@ -43,10 +43,10 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import Shardable, find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
-from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster  # noqa: E402
-from partitioner.place.cluster_search import fill, search_cluster  # noqa: E402
-from partitioner.place.graph_costs import hybrid_problem  # noqa: E402
-from partitioner.place.hybrid import InfeasibleError, solve_hybrid  # noqa: E402
+from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster  # noqa: E402
+from partitioner.place.cluster.search import fill, search_cluster  # noqa: E402
+from partitioner.place.devices.search import InfeasibleError, solve_hybrid  # noqa: E402
+from partitioner.place.search.graph_costs import hybrid_problem  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
 GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)

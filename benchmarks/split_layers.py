@@ -48,9 +48,9 @@ from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.meta import empty_weights  # noqa: E402
-from partitioner.place.cluster_axes import SplitChoice  # noqa: E402
-from partitioner.place.cluster_plan import plan_on_cluster  # noqa: E402
-from partitioner.place.graph_costs import per_micro_batch  # noqa: E402
+from partitioner.place.cluster.axes import SplitChoice  # noqa: E402
+from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
+from partitioner.place.search.graph_costs import per_micro_batch  # noqa: E402
 from partitioner.predict.memory_kinds import KINDS, memory_kinds  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
@@ -83,7 +83,7 @@ def plan(shape: str, graph: Any, order: list[str], shardable: Any, **options: An
 
 
 def sharding(found: Any) -> str:
-    """The solution's sharding mode, or each stage's where they differ (cluster_space.cheapest_modes)."""
+    """The solution's sharding mode, or each stage's where they differ (cluster.space.cheapest_modes)."""
     return found.sharding if len(set(found.modes)) == 1 else "/".join(found.modes)
 
 

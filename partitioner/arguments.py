@@ -41,7 +41,7 @@ def cluster_devices(cluster: ClusterLike) -> tuple[Cluster, list[torch.device], 
     Up to 128 GPUs, rank r is cuda:r (priced by rank: cost_model.ClusterDeviceSet). Above, torch
     device names run out (an index is below 128), so rank r is its GPU on its host,
     cuda:{r % gpus_per_host}, and the prices hold one host's names (node times; the cluster
-    planner prices links and all-reduces by rank: partitioner/place/cluster_plan.py).
+    planner prices links and all-reduces by rank: partitioner/place/cluster/plan.py).
 
     Raises:
         PartitionError: a bad shape or file (cost_model.cluster_shape names the fix).

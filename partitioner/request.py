@@ -84,7 +84,7 @@ class PlanRequest:
     `devices`: one per rank (resolved torch devices; a described cluster's need not be here).
     `processes`: one process per rank (torchrun) rather than one process holding every device.
     `sharding` and `tensor`: what the hybrid search (replicas="auto") may shard replicas by and split layers
-    over; "auto": it chooses (partitioner.place.cluster_axes.SplitChoice), "none" and 1: it never does.
+    over; "auto": it chooses (partitioner.place.cluster.axes.SplitChoice), "none" and 1: it never does.
     `cross_batch`: whether an operation mixing samples across the batch is refused with micro_batches > 1.
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
     described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the

@@ -5,7 +5,7 @@
 A CASE is SCHEDULE:BYTES. Rank 0 plans the small CNN of this file with partitioner.plan(replicas="auto") on 4
 ranks whose devices hold BYTES, too little for its fully connected layers whole (a cost model of fixed speed,
 so every run plans alike); the
-search itself splits them (hybrid_split.py), nothing is set by hand. Every rank runs that plan; one training step's
+search itself splits them (devices/split.py), nothing is set by hand. Every rank runs that plan; one training step's
 loss and every gradient the rank holds are compared with the plain model's. Prints 'RESULT ... ok=...' per
 schedule and rank.
 """

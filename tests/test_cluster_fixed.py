@@ -15,9 +15,9 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.cluster_fixed import Fixed, price_fixed
-from partitioner.place.cluster_priced import search_priced
-from partitioner.place.virtual_stages import interleaved_fill
+from partitioner.place.cluster.fixed import Fixed, price_fixed
+from partitioner.place.cluster.priced import search_priced
+from partitioner.place.search.virtual_stages import interleaved_fill
 
 CLUSTER = Cluster.parse("2x4xH100")
 

@@ -18,11 +18,11 @@ from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.cluster_plan import cluster_problem, plan_on_cluster, replica_step
-from partitioner.place.cluster_search import affine, block_cuts, layout, search_cluster, windows
-from partitioner.place.graph_costs import hybrid_problem
-from partitioner.place.hybrid import InfeasibleError, evaluate, solve_hybrid
-from partitioner.place.hybrid_plan import plan_hybrid
+from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster, replica_step
+from partitioner.place.cluster.search import affine, block_cuts, layout, search_cluster, windows
+from partitioner.place.devices.plan import plan_hybrid
+from partitioner.place.devices.search import InfeasibleError, evaluate, solve_hybrid
+from partitioner.place.search.graph_costs import hybrid_problem
 from partitioner.predict.simulator import simulate
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs

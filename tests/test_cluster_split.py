@@ -19,12 +19,12 @@ from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
-from partitioner.place.blocks import block_cuts
-from partitioner.place.cluster_axes import SplitChoice
-from partitioner.place.cluster_plan import plan_on_cluster
-from partitioner.place.cluster_space import Split, cheapest_modes
-from partitioner.place.hybrid import InfeasibleError
-from partitioner.place.tensor_split import priced_groups
+from partitioner.place.cluster.axes import SplitChoice
+from partitioner.place.cluster.plan import plan_on_cluster
+from partitioner.place.cluster.space import Split, cheapest_modes
+from partitioner.place.devices.search import InfeasibleError
+from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.show.visualizer import DrawablePlan, page_data
 

@@ -12,7 +12,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid_plan import plan_hybrid
+from partitioner.place.devices.plan import plan_hybrid
 from partitioner.place.pippy_policy import _example_inputs, split_policy
 from tests import zoo
 

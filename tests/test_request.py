@@ -12,7 +12,7 @@ from cost_model.precision import MIXED
 from examples.models import make_gpt
 from partitioner.api import plan as make_plan
 from partitioner.errors import PartitionError
-from partitioner.place.cluster_axes import SplitChoice
+from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.planning import split_choice
 from partitioner.request import PlanRequest
 

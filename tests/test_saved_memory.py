@@ -18,7 +18,7 @@ from examples.models import GPT, GPTConfig, InceptionNet
 from examples.resnet50 import resnet50
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.graph_costs import hybrid_problem
+from partitioner.place.search.graph_costs import hybrid_problem
 from tests import zoo
 from tests.test_hybrid import CLUSTER
 
@@ -113,7 +113,7 @@ def resnet50_on_v100s(micro_batches: list[int]) -> tuple[Any, list[str], Any]:
 def test_resnet50_at_128_images_fits_a_16_gb_v100_as_published_runs_do() -> None:
     # fp32 ResNet-50, 1,024 images data-parallel on 8 V100 16 GB (128 per GPU, one pass, SGD momentum): the
     # hybrid planner's memory for that plan fits now; counting every output as saved (the old bound), it did not.
-    from partitioner.place.hybrid import evaluate
+    from partitioner.place.devices.search import evaluate
 
     graph, order, problem = resnet50_on_v100s([8])
     data_parallel = ([0, len(order)], [8], 8, "gpipe")

@@ -20,10 +20,10 @@ from partitioner.capture.meta import shapes_only
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
 from partitioner.meta import empty_weights
-from partitioner.place.cluster_axes import SplitChoice
-from partitioner.place.cluster_plan import plan_on_cluster
-from partitioner.place.graph_costs import per_micro_batch
-from partitioner.place.hybrid import InfeasibleError
+from partitioner.place.cluster.axes import SplitChoice
+from partitioner.place.cluster.plan import plan_on_cluster
+from partitioner.place.devices.search import InfeasibleError
+from partitioner.place.search.graph_costs import per_micro_batch
 from partitioner.predict.memory_kinds import memory_kinds
 
 Traced = tuple[nx.DiGraph, list[str], Shardable]

@@ -1,4 +1,4 @@
-"""A graph as t tensor ranks run it (partitioner.place.tensor_split) and a model's blocks, on the example GPT."""
+"""A graph as t tensor ranks run it (partitioner.place.search.tensor_split) and a model's blocks, on the example GPT."""
 
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
-from partitioner.place.blocks import block_cuts, block_ids
-from partitioner.place.cluster_plan import cluster_problem
-from partitioner.place.tensor_split import collective_seconds, crossing, priced_groups, split_graph, split_problem
+from partitioner.place.cluster.plan import cluster_problem
+from partitioner.place.search.blocks import block_cuts, block_ids
+from partitioner.place.search.tensor_split import (
+    collective_seconds,
+    crossing,
+    priced_groups,
+    split_graph,
+    split_problem,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Interleaved 1F1B as the cluster search prices it (partitioner.place.virtual_stages), against Megatron-LM's counts."""
+"""Interleaved 1F1B as the searches price it (partitioner.place.search.virtual_stages), against Megatron-LM's counts."""
 
 from __future__ import annotations
 
 import pytest
 
 from partitioner.errors import PartitionError
-from partitioner.place.virtual_stages import check_virtual, interleaved_chunks, interleaved_fill, scaled_windows
+from partitioner.place.search.virtual_stages import check_virtual, interleaved_chunks, interleaved_fill, scaled_windows
 
 
 def test_the_bubble_shrinks_by_the_chunks_per_rank() -> None:

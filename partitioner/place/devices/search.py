@@ -1,7 +1,7 @@
-"""Hybrid planning, the numbers: stages, replicas per stage, micro-batches and schedule for D devices.
+"""The device-list search, the numbers: stages, replicas per stage, micro-batches and schedule for D devices.
 
-(partitioner/place/graph_costs.py turns a graph and a cost model into these numbers, HybridProblem in hybrid_problem.py;
-partitioner/place/hybrid_plan.py turns the result into a Plan; stage_costs.py prices one stage.)
+(place/search/graph_costs.py turns a graph and a cost model into these numbers, HybridProblem in search/problem.py;
+place/devices/plan.py turns the result into a Plan; search/stage_costs.py prices one stage.)
 
 Devices are an ordered list; a stage with r replicas takes the next r of them (ranks are
 device positions). For m micro-batches a stage [a, b) on devices w .. w+r-1 has, per step:
@@ -25,7 +25,7 @@ batch, and each node's time is fitted as overhead plus a part that splits with t
 R, S, A (bytes received, sent, saved) are whole-batch bytes / m; A is what autograd saves
 (cost_model.recompute_cost.saved_bytes_per_node), not every node's output.
 
-Transfers into a stage are priced per sender and receiver (partitioner/place/hybrid_windows.py): on
+Transfers into a stage are priced per sender and receiver (partitioner/place/devices/windows.py): on
 the slowest pair of its devices and the stage before's, as the simulator prices a message, so a
 stage on one host receiving from replicas on two hosts pays the link between them; out of it, on
 the slowest link to the next stage's first device. The stage before's replica count, grouped into
@@ -38,9 +38,9 @@ memory (the smallest capacity among its replicas); m and p then minimize the ste
 same predicted time 1F1B never holds more than GPipe, so GPipe is kept only where it holds
 as little. Cut candidates are compressed to a work budget, then refined around the chosen cuts.
 
-Given a TensorSpace (hybrid_tensor.py, made from the model's split groups by hybrid_split.py), a stage
+Given a TensorSpace (devices/tensor.py, made from the model's split groups by devices/split.py), a stage
 may also split its layers over t ranks per replica: r replicas of degree t take the next r t devices,
-priced on the model as each of its t ranks runs it; the DP (hybrid_dp.py) chooses t per stage, 1 at a tie.
+priced on the model as each of its t ranks runs it; the DP (devices/dp.py) chooses t per stage, 1 at a tie.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid_dp import run_pass, units, walk
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_tensor import TensorPricer, TensorSpace
-from partitioner.place.hybrid_windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
-from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from partitioner.place.devices.dp import run_pass, units, walk
+from partitioner.place.devices.tensor import TensorPricer, TensorSpace
+from partitioner.place.devices.windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
 
 __all__ = [
@@ -133,7 +133,7 @@ def solve_hybrid(
 ) -> HybridSolution:
     """The configuration with the smallest predicted step (see the module docstring).
 
-    `tensor`: the degrees a stage may split its layers over (hybrid_tensor.py; None: every stage whole). A stage
+    `tensor`: the degrees a stage may split its layers over (devices/tensor.py; None: every stage whole). A stage
     of r replicas and degree t takes r t devices; with replicate=False every stage keeps one device.
 
     Raises:
@@ -234,7 +234,7 @@ def evaluate(
     grid, p, w = Grid(problem, cuts), len(replicas), 0
     degrees = list(tensors) if tensors is not None else [1] * p
     if any(t > 1 for t in degrees) and space is None:
-        raise PartitionError(f"tensor degrees {degrees} need the TensorSpace that prices them (hybrid_split.py)")
+        raise PartitionError(f"tensor degrees {degrees} need the TensorSpace that prices them (devices/split.py)")
     pricer = TensorPricer(space, cuts) if space is not None and any(t > 1 for t in degrees) else None
     work, memory = [], []
     for s, (r, t) in enumerate(zip(replicas, degrees)):

@@ -4,9 +4,9 @@
                                 where t divides its GPUs), p stages, d replicas of each
     rank of stage s, replica j, tensor index i = t * layout(p, d, order)[s][j] + i
 
-A `Split` is one tensor degree with the problem as each of its ranks runs it (tensor_split.py) and
+A `Split` is one tensor degree with the problem as each of its ranks runs it (search/tensor_split.py) and
 the cut positions that would fall inside a split group; `Axes` is every split tried, the sharding
-modes of the replicas and how states are counted (split_costs.StateRule; None: as plans were
+modes of the replicas and how states are counted (search.split_costs.StateRule; None: as plans were
 counted before training precision was an input, the only way without a rule).
 """
 
@@ -18,8 +18,8 @@ from typing import Literal, NamedTuple, Sequence, get_args
 import numpy as np
 
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.split_costs import StateRule
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.split_costs import StateRule
 
 __all__ = [
     "PER_REPLICA", "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "cheapest_modes",
@@ -77,7 +77,7 @@ class Axes:
     splits: tuple[Split, ...]
     modes: tuple[str, ...] = ("none",)
     rule: StateRule | None = None
-    blocks: np.ndarray | None = None  # per node, its block (blocks.block_ids): the FSDP unit
+    blocks: np.ndarray | None = None  # per node, its block (search.blocks.block_ids): the FSDP unit
     share: np.ndarray | None = None  # per node, the forward's part of its time
 
     def split(self, tensor: int) -> Split:
@@ -107,7 +107,7 @@ class ClusterSolution:
     cuts: np.ndarray | None = None  # the first pass's cut candidates (for `refine`)
     tensor: int = 1  # ranks per replica, its layers split across them
     sharding: str = "none"  # the configuration's sharding mode (rules.sharding), the one the search compared
-    virtual: int = 1  # chunks per rank, interleaved (partitioner/place/virtual_stages.py)
+    virtual: int = 1  # chunks per rank, interleaved (partitioner/place/search/virtual_stages.py)
     stage_sharding: list[str] = field(default_factory=list)  # each stage's mode (cheapest_modes); empty: `sharding`
 
     @property

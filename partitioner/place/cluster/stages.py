@@ -1,10 +1,10 @@
 """A cluster plan's stages as t tensor ranks and d (sharded) replicas run them: their times, reductions and memory.
 
-After `assemble` counted one pipeline on the split graph (tensor_split.split_graph: each rank's share of
-the split layers), each stage gets what the search priced (split_costs.py), so the plan predicts what
+After `assemble` counted one pipeline on the split graph (search.tensor_split.split_graph: each rank's share of
+the split layers), each stage gets what the search priced (search/split_costs.py), so the plan predicts what
 was chosen:
 
-    forward_ms, backward_ms   + its groups' collectives (tensor_split.collective_seconds: eager DTensor,
+    forward_ms, backward_ms   + its groups' collectives (search.tensor_split.collective_seconds: eager DTensor,
                                 not overlapped) + FSDP2's gathers per micro-batch (data_parallel.gathers)
     allreduce_ms              the replicas' reduction once a step, what overlap leaves of it
                                 (data_parallel.per_step: DDP's buckets, FSDP2's reduce-scatter, zero1's gather)
@@ -29,9 +29,9 @@ from cost_model.data_parallel import DataParallelCost
 from cost_model.memory import optimizer_states
 from cost_model.training_memory import state_bytes
 from partitioner.capture.shardable_groups import ShardGroup
-from partitioner.place.graph_costs import batch_size
-from partitioner.place.split_costs import StateRule
-from partitioner.place.tensor_split import collective_seconds
+from partitioner.place.search.graph_costs import batch_size
+from partitioner.place.search.split_costs import StateRule
+from partitioner.place.search.tensor_split import collective_seconds
 from runtime.plan import Plan
 
 __all__ = ["price_stages", "stage_units"]
@@ -62,7 +62,7 @@ def price_stages(
         groups: the split groups (all stages'); tensor_ring: one tensor group's all-reduce.
         sharding: the replicas' mode (rules.sharding), one for every stage or each stage's.
         rings: each stage's data-parallel all-reduce (its replicas' first ranks).
-        param_bytes, blocks: per node, its weights on one tensor rank and its block (blocks.block_ids).
+        param_bytes, blocks: per node, its weights on one tensor rank and its block (search.blocks.block_ids).
         optimizer: what assemble counted the states with ((2 + its states) x param_bytes).
     """
     batch = batch_size(graph)

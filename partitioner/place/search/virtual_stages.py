@@ -14,7 +14,7 @@ A chunk saves 1/v of its stage's activations and receives and sends a boundary v
 flight is chunks / v x the stage's saved bytes + chunks x its boundary bytes (full recomputation keeps only
 the boundaries: chunks x them). Megatron-LM needs n to be a multiple of p for this schedule.
 The runtime runs interleaving with one replica per stage only (rules.schedules "interleaved"), so the cluster
-search prices v > 1 where a caller fixes it (cluster_fixed.py: a published run's configuration), and a plan
+search prices v > 1 where a caller fixes it (cluster/fixed.py: a published run's configuration), and a plan
 is not made of it.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid_windows import Window
+from partitioner.place.devices.windows import Window
 
 __all__ = ["check_virtual", "interleaved_chunks", "interleaved_fill", "scaled_windows"]
 

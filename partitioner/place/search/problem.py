@@ -1,7 +1,7 @@
 """The numbers the hybrid searches take (HybridProblem): node times, values, links and capacities, no torch.
 
-partitioner/place/graph_costs.py makes one from a traced graph and a cost model; hybrid.py
-(device lists) and cluster_search.py (counts) search it.
+partitioner/place/search/graph_costs.py makes one from a traced graph and a cost model; devices/search.py
+(device lists) and cluster/search.py (counts) search it.
 """
 
 from __future__ import annotations

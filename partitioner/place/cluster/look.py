@@ -1,6 +1,6 @@
 """The cluster search's best candidates simulated as the runtime orders them: the second look that picks among them.
 
-The search's objective (cluster_search.py: fill(m, p, d) x the slowest stage's work) ranks
+The search's objective (cluster/search.py: fill(m, p, d) x the slowest stage's work) ranks
 configurations; the TOP distinct ones are then simulated on replica 0's pipeline (`replica_step`,
 the schedule simulator on stage times) with each stage's exposed data-parallel collectives, and the
 fastest kept. See [Note: replicas in the runtime's order].
@@ -15,10 +15,10 @@ import numpy as np
 from cost_model.cluster_shape import Cluster
 from cost_model.data_parallel import DataParallelCost
 from partitioner.place.chain import boundary_bytes
-from partitioner.place.cluster_search import evaluate_cluster, layout, refine, solve_candidate, windows
-from partitioner.place.cluster_space import Axes, Candidate, ClusterSolution, Split
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.split_stages import stage_units
+from partitioner.place.cluster.search import evaluate_cluster, layout, refine, solve_candidate, windows
+from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, Split
+from partitioner.place.cluster.stages import stage_units
+from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.schedule_sim import simulate_schedule
 from runtime.plan import Plan, StagePlan
 from runtime.schedule_ranks import rank_schedule

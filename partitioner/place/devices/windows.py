@@ -1,4 +1,4 @@
-"""Stage windows of the hybrid DP (partitioner/place/hybrid.py): what a stage's costs depend on, by where it runs.
+"""Stage windows of the device-list DP (devices/search.py): what a stage's costs depend on, by where it runs.
 
 A stage on devices w .. w+r-1 after a stage of `before` replicas (devices w - before .. w-1) is priced
 by its window: replicas, device kinds, receive link, send link, all-reduce ring, smallest capacity.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.search.problem import HybridProblem
 
 __all__: list[str] = []
 

@@ -5,7 +5,7 @@
 
 The search runs over that one configuration: tensor degree t, p stages, d = GPUs / (t p) replicas with
 `sharding`, m = batch / micro_batch_size micro-batches, the schedule (interleaved with v > 1 chunks per rank:
-virtual_stages.py), recomputation and rank order; only the cuts are searched (the DP over cut candidates,
+search/virtual_stages.py), recomputation and rank order; only the cuts are searched (the DP over cut candidates,
 each stage a run of whole blocks), so what separates a chosen plan from a published one is the search,
 and what separates a published configuration's prediction from its published step is the prices.
 Nothing here makes a Plan: the runtime does not run interleaving with replicas (use plan_on_cluster with
@@ -24,12 +24,12 @@ from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.cluster_axes import SplitChoice, recomputed
-from partitioner.place.cluster_plan import prepare_search, recomputing
-from partitioner.place.cluster_search import search_cluster
-from partitioner.place.cluster_space import ClusterSolution, RankOrder
-from partitioner.place.graph_costs import batch_size
-from partitioner.place.virtual_stages import check_virtual
+from partitioner.place.cluster.axes import SplitChoice, recomputed
+from partitioner.place.cluster.plan import prepare_search, recomputing
+from partitioner.place.cluster.search import search_cluster
+from partitioner.place.cluster.space import ClusterSolution, RankOrder
+from partitioner.place.search.graph_costs import batch_size
+from partitioner.place.search.virtual_stages import check_virtual
 from rules.schedules import searched_names
 
 __all__ = ["Fixed", "price_fixed"]
@@ -47,9 +47,9 @@ class Fixed:
         schedule: "1f1b" or "gpipe"; with virtual_stages > 1, interleaved 1F1B.
         virtual_stages: chunks per rank (v), interleaved as Megatron-LM runs them.
         recompute: "none", or "full" (every stage recomputes its forward in backward).
-        order: which ranks share hosts (cluster_space.RankOrder): Megatron-LM puts a stage's replicas
+        order: which ranks share hosts (cluster.space.RankOrder): Megatron-LM puts a stage's replicas
             together ("replicas-together"), Llama 3's [TP, CP, PP, DP] puts a pipeline together.
-        sequence_parallel: layers outside the split groups run on 1/t of the sequence (tensor_split.py).
+        sequence_parallel: layers outside the split groups run on 1/t of the sequence (search/tensor_split.py).
     """
 
     tensor: int = 1
@@ -72,7 +72,7 @@ def price_fixed(
 
     Raises:
         PartitionError: a configuration that does not divide the cluster or the batch, or that the model cannot
-            take (tensor degree, sharding); InfeasibleError (hybrid.py) when it does not fit in memory, naming
+            take (tensor degree, sharding); InfeasibleError (devices/search.py) when it does not fit in memory, naming
             the memory per GPU it needs.
     """
     t, p = fixed.tensor, fixed.stages

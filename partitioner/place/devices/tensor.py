@@ -1,10 +1,10 @@
 """Tensor degrees in the device-list search: what a stage split over t ranks per replica costs, on a grid of cuts.
 
 A stage of r replicas and tensor degree t on devices w .. w + r t - 1 runs replica j on the t devices
-w + j t .. w + j t + t - 1 (runtime/plan.py [Note: ranks of a split stage]). It is priced as hybrid.py
-prices a stage (stage_costs.stage_parts), with three changes:
+w + j t .. w + j t + t - 1 (runtime/plan.py [Note: ranks of a split stage]). It is priced as devices/search.py
+prices a stage (search.stage_costs.stage_parts), with three changes:
 
-    problem     the model as each of the t ranks runs it (tensor_split.split_problem: the split groups'
+    problem     the model as each of the t ranks runs it (search.tensor_split.split_problem: the split groups'
                 compute at their 1/t GEMM shapes, their collectives on the tensor group's ring added at
                 their last node, their weights and saved activations / t), one per distinct ring
     all-reduce  of each rank's weights over its r peers of one tensor index (devices w + i, w + t + i, ...:
@@ -12,7 +12,7 @@ prices a stage (stage_costs.stage_parts), with three changes:
     where       a split stage holds a split group, and neither of its cuts falls inside one
 
 Its receive and send links are those of a stage on all r t devices (the slowest pair), and it holds
-r t devices, so the next stage sees a stage of r t devices before it (hybrid_windows.py's classes).
+r t devices, so the next stage sees a stage of r t devices before it (devices/windows.py's classes).
 A message to a split stage is priced once (each of its t ranks gets a copy on a link of its own).
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_windows import LinkCost, Window
-from partitioner.place.stage_costs import Grid, stage_parts
+from partitioner.place.devices.windows import LinkCost, Window
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.stage_costs import Grid, stage_parts
 
 __all__ = ["TensorDegree", "TensorPricer", "TensorSpace"]
 
@@ -51,7 +51,7 @@ class TensorDegree:
 
 @dataclass(frozen=True)
 class TensorSpace:
-    """The tensor degrees > 1 a device-list search may give a stage (hybrid_split.tensor_space makes it)."""
+    """The tensor degrees > 1 a device-list search may give a stage (devices.split.tensor_space makes it)."""
 
     degrees: tuple[TensorDegree, ...]
 

@@ -11,18 +11,18 @@ micro-batches m with d | m, schedule, sharding of the replicas), a rank order, a
             DP over cut candidates: f_s[j] = min_i max(f_{s-1}[i], W_s[i, j])        p K^2, K candidates
     refine: node-level candidates around the chosen cuts, same DP for the chosen counts
 
-W_s (a stage's work per step) and its memory are hybrid.py's; the step is fill(m, p, d) * max W, with
+W_s (a stage's work per step) and its memory are devices/search.py's; the step is fill(m, p, d) * max W, with
 fill = (m/d + p - 1) / (m/d): d equal replicas of every stage are d pipelines of m/d micro-batches
-(runtime/schedule_ranks.py), each filling in p - 1 micro-batch times (hybrid.py's (m + p - 1) / m at d = 1).
-W and memory come from stage_costs.py (`stage_parts`, `replica_in_flight`), as hybrid.py's do, so where
+(runtime/schedule_ranks.py), each filling in p - 1 micro-batch times (devices/search.py's (m + p - 1) / m at d = 1).
+W and memory come from search/stage_costs.py (`stage_parts`, `replica_in_flight`), as devices/search.py's do, so where
 both searches price a layout alike (one host, equal replicas) the DP over every cut is exact for each count.
 Micro-batch i runs on `ranks[i % d]` of each stage, so replica j of stage s talks to replica j of
 s + 1; a stage's link is the slowest of those pairs. Cut candidates come from the caller (the
 model's repeated blocks), else every position of a small graph, else equal counts and equal times.
-Tensor degrees and sharding modes (cluster_space.Axes): a tensor degree t prices its own problem (each
-of t ranks runs 1/t of the split layers, their collectives added: tensor_split.py) on the first rank
-of each replica (cluster_space.layout: TP innermost); a sharding mode prices the replicas' collectives
-and states (split_costs.py), then each stage of the chosen plan takes the fastest mode that fits it
+Tensor degrees and sharding modes (cluster.space.Axes): a tensor degree t prices its own problem (each
+of t ranks runs 1/t of the split layers, their collectives added: search/tensor_split.py) on the first rank
+of each replica (cluster.space.layout: TP innermost); a sharding mode prices the replicas' collectives
+and states (search/split_costs.py), then each stage of the chosen plan takes the fastest mode that fits it
 (cheapest_modes: stages holding fewer micro-batches may gather less). Without Axes: stages, replicas, m alone.
 """
 
@@ -35,9 +35,7 @@ import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
-from partitioner.place.blocks import block_cuts
-from partitioner.place.cluster_progress import report as _report, reporting
-from partitioner.place.cluster_space import (
+from partitioner.place.cluster.space import (
     RANK_ORDERS,
     Axes,
     Candidate,
@@ -48,12 +46,14 @@ from partitioner.place.cluster_space import (
     default_micro_batches,
     layout,
 )
-from partitioner.place.hybrid import SCHEDULES, InfeasibleError
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_windows import Window
-from partitioner.place.split_costs import SplitGrid, lower_static_bytes, split_parts
-from partitioner.place.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
-from partitioner.place.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
+from partitioner.place.devices.search import SCHEDULES, InfeasibleError
+from partitioner.place.devices.windows import Window
+from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.progress import report as _report, reporting
+from partitioner.place.search.split_costs import SplitGrid, lower_static_bytes, split_parts
+from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from partitioner.place.search.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
 from rules.schedules import searched_names
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 COARSE, ROOM = 256, 400  # cut candidates of the first pass when the caller gives none; extra ones per refinement
-TOP = 3  # candidates (best of distinct stages x replicas x tensor x sharding) kept for a second look (cluster_plan.py)
+TOP = 3  # candidates (best of distinct stages x replicas x tensor x sharding) kept for a second look (cluster/plan.py)
 
 
 def affine(time: Callable[..., float], *args: object) -> tuple[float, float]:
@@ -86,7 +86,7 @@ def _link(cluster: Cluster, src: Sequence[int], dst: Sequence[int]) -> tuple[flo
 
 
 def windows(cluster: Cluster, ranks: Sequence[Sequence[int]], capacity: float) -> list[Window]:
-    """Each stage's Window (hybrid_windows.py) on `ranks`: links to its neighbours, all-reduce, by where they sit."""
+    """Each stage's Window (devices/windows.py) on `ranks`: links to its neighbours, all-reduce, by where they sit."""
     p, out = len(ranks), list[Window]()
     for s, own in enumerate(ranks):
         recv = _link(cluster, ranks[s - 1], own) if s > 0 else None
@@ -128,7 +128,7 @@ class _Pricer:
     def values(self, wins: Sequence[Window], m: int, schedule: str, memory: bool = False,
                sharding: str = "none", virtual: int = 1) -> list[np.ndarray]:
         """Per stage, W (or, with `memory`, bytes per replica) of [cuts[i], cuts[j]); inf where it does not fit.
-        `virtual` > 1: v chunks per rank, interleaved (virtual_stages.py; `wins` already scaled)."""
+        `virtual` > 1: v chunks per rank, interleaved (search/virtual_stages.py; `wins` already scaled)."""
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
         for s, window in enumerate(wins):
@@ -152,7 +152,7 @@ class _Pricer:
 def fill(m: int, p: int, d: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """Step / max W for p stages of d equal replicas each over m micro-batches (module docstring): the
     schedule's `fill` (rules.schedules) for one pipeline of m / d micro-batches; with v = `virtual` chunks
-    per rank, interleaved 1F1B's (virtual_stages.py)."""
+    per rank, interleaved 1F1B's (search/virtual_stages.py)."""
     if virtual > 1:
         return interleaved_fill(max(1, m // d), p, virtual)
     return schedule_fill(schedule)(max(1, m // d), p)
@@ -198,12 +198,12 @@ def search_cluster(
     """The counts, rank order and cuts with the smallest objective (module docstring) on all of `cluster`.
 
     Args:
-        problem: node arrays (cluster_plan.cluster_problem); its per-device fields are unused.
+        problem: node arrays (cluster.plan.cluster_problem); its per-device fields are unused.
         micro_batches: candidate counts; a count is tried with the replica counts that divide it.
         stages: force this many stages; replicate=False: one replica per stage.
         cuts: first-pass cut candidates (positions 0..n, e.g. `block_cuts`); default: all or `COARSE` even ones.
         axes: tensor degrees (each with its problem) and sharding modes to try; default: t = 1, no sharding.
-        virtual: chunks per rank under interleaved 1F1B (virtual_stages.py; 1: the schedules given), or the
+        virtual: chunks per rank under interleaved 1F1B (search/virtual_stages.py; 1: the schedules given), or the
             counts to search: v > 1 where p >= 2, m / d is a multiple of p and p v chunks have a cut
             candidate each (the solution's `virtual`; its `candidates` are then those of v = 1).
         better_than: an objective (s) already found elsewhere: configurations whose bound is no better are
@@ -294,7 +294,7 @@ def search_cluster(
 def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
                     schedules: Sequence[str] = SCHEDULES, virtual: int = 1) -> ClusterSolution:
     """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more
-    (interleaved 1F1B with `virtual` > 1 chunks per rank); each stage's sharding mode: cluster_space.cheapest_modes."""
+    (interleaved 1F1B with `virtual` > 1 chunks per rank); each stage's sharding mode: cluster.space.cheapest_modes."""
     space = _space(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     ranks = layout(len(bounds) - 1, d, order, t)
@@ -340,7 +340,7 @@ def evaluate_cluster(
     space: Axes | HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
     tensor: int = 1, sharding: str | Sequence[str] = "none", virtual: int = 1,
 ) -> tuple[float, list[float], list[float]]:
-    """Objective (s), W per stage and bytes per replica of given cuts on given windows (as hybrid.evaluate;
+    """Objective (s), W per stage and bytes per replica of given cuts on given windows (as devices.search.evaluate;
     `sharding`: one mode, or each stage's; `virtual` > 1: interleaved, the windows already scaled)."""
     space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)

@@ -2,8 +2,8 @@
 
 Node times are asked per kind of device at each micro-batch size the candidate counts make,
 with the node's shapes cut along the batch (`at_batch`); values, weights and saved activations
-by position in the compute order; links, all-reduce rings and capacities per device. hybrid.py
-and cluster_search.py search the result; assemble counts the chosen plan on `per_micro_batch`.
+by position in the compute order; links, all-reduce rings and capacities per device. devices/search.py
+and cluster/search.py search the result; assemble counts the chosen plan on `per_micro_batch`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from cost_model.interface import CostModel
 from cost_model.memory import optimizer_states
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.errors import PartitionError
-from partitioner.place.hybrid import micro_batch_counts
-from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.devices.search import micro_batch_counts
+from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.counting import device_key
 
 __all__ = [
@@ -48,7 +48,7 @@ def hybrid_problem(
     """Gather a HybridProblem from a graph annotated for one step's whole batch.
 
     Node times are asked per kind of device (same rates) at each micro-batch size that the
-    candidate counts (`micro_batches`, default hybrid.micro_batch_counts) make, with the
+    candidate counts (`micro_batches`, default devices.search.micro_batch_counts) make, with the
     node's shapes cut along the batch (`at_batch`), so a matrix product of a smaller batch is
     priced with a smaller M, not a smaller K. Whole batch and half of it also give the fit
     overhead + batch part (cut candidates; counts not priced). Capacity is `memory_bytes` per

@@ -1,7 +1,7 @@
 """A stage's work and memory over a grid of cut candidates: how both searches price a stage.
 
-hybrid.py (device lists) and cluster_search.py (counts) price a stage [cuts[i], cuts[j]) on a
-window of devices (hybrid_windows.py) by the formulas of hybrid.py's docstring: its work W per
+devices/search.py (device lists) and cluster/search.py (counts) price a stage [cuts[i], cuts[j]) on a
+window of devices (devices/windows.py) by the formulas of devices/search.py's docstring: its work W per
 step, its static memory and its memory per micro-batch in flight, for all (i, j) at once.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.chain import boundary_bytes
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_windows import Window
+from partitioner.place.devices.windows import Window
+from partitioner.place.search.problem import HybridProblem
 from rules.schedules import in_flight, schedule_spec, searched_names
 
 __all__ = ["Grid", "cut_candidates", "range_max", "replica_in_flight", "schedule_fill", "span", "stage_parts"]

@@ -1,14 +1,14 @@
 """Tensor degrees of a device-list search from the model's split groups, and its chosen stages counted as they run.
 
-`tensor_space` gives the device-list search (hybrid.py) each degree t > 1 that some split group takes
+`tensor_space` gives the device-list search (devices/search.py) each degree t > 1 that some split group takes
 (partitioner.capture.shardable; a group whose span holds another group, a tied embedding and LM head,
-stays whole), with the model as each of t ranks runs it (tensor_split.split_problem) priced on the ring of
+stays whole), with the model as each of t ranks runs it (search.tensor_split.split_problem) priced on the ring of
 the t devices a replica spans, and each stage's data-parallel ring over its replicas' ranks of one
-tensor index (hybrid_tensor.py). Devices of one kind only: a split problem is priced on one device.
+tensor index (devices/tensor.py). Devices of one kind only: a split problem is priced on one device.
 
-`place_solution` turns a solution into a Plan as hybrid_plan.py always did (`assemble` on the stages'
+`place_solution` turns a solution into a Plan as devices/plan.py always did (`assemble` on the stages'
 nodes, ranks and devices), on the graph as each stage's ranks run it (each split stage's groups
-split t ways: tensor_split.split_graph), then adds each split group's collectives to its stage's
+split t ways: search.tensor_split.split_graph), then adds each split group's collectives to its stage's
 forward and backward and simulates again. A plan that splits a layer keeps `programs` empty (lowered
 where it runs, runtime.program.plan_programs); its stages' `ranks` are each replica's first rank.
 """
@@ -24,12 +24,12 @@ import torch
 from cost_model.collectives import Ring
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.place.graph_costs import batch_size, per_micro_batch
-from partitioner.place.hybrid import HybridSolution
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_tensor import TensorDegree, TensorSpace
-from partitioner.place.hybrid_windows import LinkCost
-from partitioner.place.tensor_split import collective_seconds, crossing, split_graph, split_problem
+from partitioner.place.devices.search import HybridSolution
+from partitioner.place.devices.tensor import TensorDegree, TensorSpace
+from partitioner.place.devices.windows import LinkCost
+from partitioner.place.search.graph_costs import batch_size, per_micro_batch
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.tensor_split import collective_seconds, crossing, split_graph, split_problem
 from partitioner.predict.assemble import assemble, finish
 from runtime.plan import Plan
 

@@ -1,4 +1,4 @@
-"""A cluster-scale plan: a traced graph and a Cluster into a count search (cluster_search.py), then a Plan.
+"""A cluster-scale plan: a traced graph and a Cluster into a count search (cluster/search.py), then a Plan.
 
 The Plan is counted as for every planner (`assemble`), on one pipeline standing for all: with d
 replicas and d | m, replica j of every stage takes micro-batches j, j + d, ..., so each replica
@@ -33,21 +33,21 @@ from cost_model.memory import optimizer_states
 from cost_model.precision import FP32, MIXED, PURE_BF16, Precision
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
-from partitioner.place.cluster_axes import ANY_SPLIT, SplitChoice, cluster_axes, recomputed
-from partitioner.place.cluster_look import replica_step, second_look
-from partitioner.place.cluster_search import (
+from partitioner.place.cluster.axes import ANY_SPLIT, SplitChoice, cluster_axes, recomputed
+from partitioner.place.cluster.look import replica_step, second_look
+from partitioner.place.cluster.search import (
     ClusterSolution,
     block_cuts,
     default_micro_batches,
     search_cluster,
     slowest_pair,
 )
-from partitioner.place.cluster_space import Axes, tensor_degrees
-from partitioner.place.graph_costs import batch_size, graph_values, node_times, per_micro_batch
-from partitioner.place.hybrid import SCHEDULES, InfeasibleError
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.split_stages import price_stages
-from partitioner.place.tensor_split import split_graph
+from partitioner.place.cluster.space import Axes, tensor_degrees
+from partitioner.place.cluster.stages import price_stages
+from partitioner.place.devices.search import SCHEDULES, InfeasibleError
+from partitioner.place.search.graph_costs import batch_size, graph_values, node_times, per_micro_batch
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
 from partitioner.predict.counting import stage_edges
 from partitioner.predict.lowering import lower_plan, replica_groups
@@ -81,7 +81,7 @@ def cluster_problem(
     graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel, micro_batches: Sequence[int],
     *, optimizer: str = "adam", headroom: float = 0.9,
 ) -> HybridProblem:
-    """The node arrays of a HybridProblem (hybrid_problem.py) for one GPU type (no per-device arrays: the
+    """The node arrays of a HybridProblem (search/problem.py) for one GPU type (no per-device arrays: the
     search prices links by rank), node times asked at each micro-batch size `micro_batches` make."""
     size = batch_size(graph)
     probes: set[int] = set()
@@ -129,7 +129,7 @@ def plan_on_cluster(
     Args:
         graph: annotated for one step's whole batch.
         cost: node times on the cluster's GPU (its device `cuda:0`); links and all-reduces come from `cluster`.
-        micro_batches: the count, or candidates (default: cluster_search.default_micro_batches).
+        micro_batches: the count, or candidates (default: cluster.search.default_micro_batches).
         recompute: "full" searches with every stage recomputing its forward in backward (it keeps only its
             inputs; the forward runs twice), as the final plan then runs (`StagePlan.recompute`);
             "auto" searches both ways and keeps the one whose search objective is smaller (full recomputation
@@ -137,7 +137,7 @@ def plan_on_cluster(
         precision: the dtypes training keeps each state in (and its optimizer: it replaces `optimizer`);
             None: every state at the model's dtype, replicas unsharded, the all-reduce after the backward.
         shardable: the model's split groups (partitioner.capture.shardable.find_shardable); None: no layer split.
-        choice: tensor degrees and sharding modes allowed (default: every one worth trying, cluster_axes.py).
+        choice: tensor degrees and sharding modes allowed (default: every one worth trying, cluster/axes.py).
 
     Raises:
         InfeasibleError: nothing fits; the message names the memory per GPU needed.
@@ -145,7 +145,7 @@ def plan_on_cluster(
     if recompute not in ("none", "full", "auto"):
         raise PartitionError(f"recompute={recompute!r}; use 'none', 'full' or 'auto'")
     if choice.sequence_parallel:
-        raise PartitionError("sequence parallelism is priced for a configuration given whole (cluster_fixed.py); "
+        raise PartitionError("sequence parallelism is priced for a configuration given whole (cluster/fixed.py); "
                              "the runtime does not run it, so a plan cannot use it: drop sequence_parallel")
     if precision is not None:
         optimizer = precision.optimizer
@@ -263,7 +263,7 @@ def recomputing(problem: HybridProblem, share: np.ndarray, segment: np.ndarray |
     and, with `segment` (each node's recomputation segment, rules.segments), each checkpoint's input: a value a
     later segment reads. One micro-batch's backward also holds its segment's recomputed activations
     (cost_model.recompute_cost's walk): added to each node's output bytes / 3, so the backward working set the
-    search counts (stage_costs.stage_parts: 3 x the stage's largest output) holds the stage's largest segment."""
+    search counts (search.stage_costs.stage_parts: 3 x the stage's largest output) holds the stage's largest segment."""
     grow = 1.0 + share
     saved, out = np.zeros(problem.n), problem.out_bytes
     if segment is not None:
@@ -297,7 +297,7 @@ def solution_plan(
     """The Plan of a cluster solution (module docstring): one pipeline assembled, then priced by its ranks.
 
     With a tensor degree t > 1 or sharded replicas (or a precision in `space`), each stage's numbers are
-    split_stages.price_stages': stage `ranks` are each replica's first rank, `tensor` and `tensor_groups`
+    cluster.stages.price_stages': stage `ranks` are each replica's first rank, `tensor` and `tensor_groups`
     (`groups` within the stage) say what its t ranks split, `sharding` how its replicas shard
     (each stage's mode: solution.modes), and a plan with a sharded stage slices every micro-batch over the
     replicas (data_split "slice": m / d micro-batches).
@@ -353,10 +353,10 @@ def solution_plan(
 
 def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution: ClusterSolution, space: Axes,
                   groups: Sequence[ShardGroup], cluster: Cluster, optimizer: str) -> None:
-    """A solution's stages as its tensor ranks and sharded replicas run them (split_stages.price_stages)."""
+    """A solution's stages as its tensor ranks and sharded replicas run them (cluster.stages.price_stages)."""
     t, rule = solution.tensor, space.rule
     if rule is None:
-        raise PartitionError("a split or sharded cluster plan needs the search's StateRule (cluster_axes.py)")
+        raise PartitionError("a split or sharded cluster plan needs the search's StateRule (cluster/axes.py)")
     blocks = space.blocks if space.blocks is not None else np.full(len(order), -1)
     price_stages(plan, graph, solution.bounds, micro_batches=solution.micro_batches, groups=groups,
                  tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.modes,

@@ -24,7 +24,7 @@ the groups run on 1/t of the sequence, and a summed output is reduce-scattered t
 output bytes and saved bytes are / t, and so are the values crossing stage boundaries; the all-reduce
 becomes a reduce-scatter and an all-gather of the same bytes (cost_model.collectives prices each as half an
 all-reduce), so the collectives' time does not change. The runtime does not run it (eager DTensor without
-SequenceParallel): the search prices it only for a configuration given whole (cluster_fixed.py).
+SequenceParallel): the search prices it only for a configuration given whole (cluster/fixed.py).
 
 A group crossed by a cut candidate (a tied embedding and LM head at both ends of the model) cannot
 split once stages are cut there, so `priced_groups` leaves it whole, and `crossing` names the
@@ -43,8 +43,8 @@ import torch
 from cost_model.collectives import Ring, all_gather, all_reduce, reduce_scatter
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.place.graph_costs import at_batch, batch_size, fixed_and_batch, graph_values
-from partitioner.place.hybrid_problem import HybridProblem
+from partitioner.place.search.graph_costs import at_batch, batch_size, fixed_and_batch, graph_values
+from partitioner.place.search.problem import HybridProblem
 
 __all__ = ["collective_seconds", "crossing", "priced_groups", "split_attrs", "split_graph", "split_problem"]
 
@@ -154,7 +154,7 @@ def collective_seconds(graph: nx.DiGraph, group: ShardGroup, ring: Ring, size: f
 def split_problem(problem: HybridProblem, graph: nx.DiGraph, order: Sequence[str], device: torch.device,
                   cost: CostModel, t: int, groups: Sequence[ShardGroup], ring: Ring,
                   sequence: bool = False) -> HybridProblem:
-    """`problem` (cluster_plan.cluster_problem of `graph`) as each of t tensor ranks runs it: the groups' nodes
+    """`problem` (cluster.plan.cluster_problem of `graph`) as each of t tensor ranks runs it: the groups' nodes
     priced again on their split attributes (at every probed micro-batch size), their collectives added at their
     last node, weights and saved activations from the split graph; with `sequence` (sequence parallelism), every
     node priced again and the values between nodes from the split graph too."""

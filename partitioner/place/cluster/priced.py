@@ -2,12 +2,12 @@
 
     search_priced(graph, order, cluster, cost, ...) -> (ClusterSolution, recompute mode)
 
-plan_on_cluster (cluster_plan.py) searches what the runtime runs and makes a Plan of it. A published
+plan_on_cluster (cluster/plan.py) searches what the runtime runs and makes a Plan of it. A published
 run may use what the search can price but the runtime does not run: interleaved 1F1B with replicas
-(virtual_stages.py) and sequence parallelism beside the tensor degree (tensor_split.py). This search
+(search/virtual_stages.py) and sequence parallelism beside the tensor degree (search/tensor_split.py). This search
 adds both axes to the others (tensor degree, stages, replicas and their sharding, micro-batches,
 schedule, rank order, cuts) and recomputation none or full, and returns the solution with the smallest
-objective, so its space holds every configuration cluster_fixed.price_fixed can be given: its
+objective, so its space holds every configuration cluster.fixed.price_fixed can be given: its
 objective is at most a fixed configuration's, priced the same way. Nothing here makes a Plan.
 """
 
@@ -22,11 +22,11 @@ from cost_model.cluster_shape import Cluster
 from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
-from partitioner.place.cluster_axes import SplitChoice, recomputed
-from partitioner.place.cluster_plan import prepare_search, recomputing
-from partitioner.place.cluster_search import search_cluster
-from partitioner.place.cluster_space import ClusterSolution
-from partitioner.place.hybrid import SCHEDULES, InfeasibleError
+from partitioner.place.cluster.axes import SplitChoice, recomputed
+from partitioner.place.cluster.plan import prepare_search, recomputing
+from partitioner.place.cluster.search import search_cluster
+from partitioner.place.cluster.space import ClusterSolution
+from partitioner.place.devices.search import SCHEDULES, InfeasibleError
 
 __all__ = ["VIRTUAL", "search_priced"]
 

@@ -1,4 +1,4 @@
-"""The tensor degrees and sharding modes a cluster plan searches, each degree with its problem (cluster_space.Axes).
+"""The tensor degrees and sharding modes a cluster plan searches, each degree with its problem (cluster.space.Axes).
 
     tensor degrees   1, and each degree of the model's split groups (partitioner.capture.shardable) that
                      divides the GPUs and a host's (tensor ranks share its NVLink / NVSwitch), and twice
@@ -8,7 +8,7 @@
                      precision was an input (every state at the model's dtype, the all-reduce after the
                      backward), where sharding has nothing to gain that prices would show fairly
 
-A degree t prices the groups it splits (tensor_split.priced_groups: t among their degrees, no cut
+A degree t prices the groups it splits (search.tensor_split.priced_groups: t among their degrees, no cut
 candidate inside) on a tensor group of t consecutive ranks from rank 0 (one host where t divides its GPUs).
 """
 
@@ -27,11 +27,11 @@ from cost_model.interface import CostModel
 from cost_model.precision import DTYPE_BYTES, Precision, dtype_name
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
-from partitioner.place.blocks import block_ids
-from partitioner.place.cluster_space import Axes, Split, tensor_degrees
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.split_costs import StateRule
-from partitioner.place.tensor_split import crossing, priced_groups, split_problem
+from partitioner.place.cluster.space import Axes, Split, tensor_degrees
+from partitioner.place.search.blocks import block_ids
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.split_costs import StateRule
+from partitioner.place.search.tensor_split import crossing, priced_groups, split_problem
 from rules.sharding import SHARDING_MODES
 
 __all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomputed"]
@@ -40,7 +40,7 @@ __all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomp
 @dataclasses.dataclass(frozen=True)
 class SplitChoice:
     """What the caller allows: tensor degrees and sharding modes (None: every one worth trying), and whether split
-    layers run with sequence parallelism (tensor_split.py: priced only, for a configuration given whole)."""
+    layers run with sequence parallelism (search/tensor_split.py: priced only, for a configuration given whole)."""
 
     tensor: Sequence[int] | None = None
     sharding: Sequence[str] | None = None

@@ -1,7 +1,7 @@
 """Hybrid planning for a traced graph: stages, replicas, micro-batches and schedule on a list of devices, as a Plan.
 
-The search over device lists lives in partitioner/place/hybrid.py, the search by counts on a
-Cluster in partitioner/place/cluster_plan.py; partitioner/place/graph_costs.py asks the cost
+The search over device lists lives in partitioner/place/devices/search.py, the search by counts on a
+Cluster in partitioner/place/cluster/plan.py; partitioner/place/search/graph_costs.py asks the cost
 model (node times, links, all-reduce, memory) for their numbers. This module runs them and hands
 the chosen placement (stages, ranks, micro-batches, schedule) to partitioner/predict/assemble.py,
 which counts the Plan's numbers as for every planner: the search's objective ranks
@@ -19,13 +19,13 @@ from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.cluster_axes import ANY_SPLIT, SplitChoice
-from partitioner.place.cluster_plan import cluster_of, plan_on_cluster
-from partitioner.place.graph_costs import hybrid_problem
-from partitioner.place.hybrid import SCHEDULES, HybridSolution, solve_hybrid
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_split import place_solution, tensor_space
-from partitioner.place.hybrid_tensor import TensorSpace
+from partitioner.place.cluster.axes import ANY_SPLIT, SplitChoice
+from partitioner.place.cluster.plan import cluster_of, plan_on_cluster
+from partitioner.place.devices.search import SCHEDULES, HybridSolution, solve_hybrid
+from partitioner.place.devices.split import place_solution, tensor_space
+from partitioner.place.devices.tensor import TensorSpace
+from partitioner.place.search.graph_costs import hybrid_problem
+from partitioner.place.search.problem import HybridProblem
 from runtime.plan import Plan
 
 __all__ = ["EXHAUSTIVE_GPUS", "plan_hybrid"]
@@ -64,12 +64,12 @@ def plan_hybrid(
         recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
             without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
         precision: on a Cluster, the training precision states are counted at (and replicas may be
-            sharded under: cluster_plan.py).
+            sharded under: cluster/plan.py).
         shardable: the layer groups tensor parallelism may split (partitioner.capture.shardable), for
             the cluster search and, on devices of one kind, the search over device lists
-            (hybrid_split.py: a tensor degree per stage, kept only where it splits a layer and is
+            (devices/split.py: a tensor degree per stage, kept only where it splits a layer and is
             predicted faster, or where nothing fits whole); None: every layer whole.
-        choice: the tensor degrees and sharding modes allowed (cluster_axes.SplitChoice; default: the search
+        choice: the tensor degrees and sharding modes allowed (cluster.axes.SplitChoice; default: the search
             chooses). The device-list search never shards and chooses each stage's degree, so a choice that
             fixes a degree > 1 or a sharding mode is planned by the cluster search alone; tensor [1] splits nothing.
 
@@ -77,7 +77,7 @@ def plan_hybrid(
         InfeasibleError: no split fits; the message names the memory each device would need.
 
     On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
-    (partitioner/place/cluster_plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
+    (partitioner/place/cluster/plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
     up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
     plan simulated faster is kept (not with a `precision`: that search counts every state at the model's dtype).
     """

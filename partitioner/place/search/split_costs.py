@@ -1,13 +1,13 @@
 """A stage's work and memory over a grid of cuts when its data-parallel group shards or overlaps (the cluster search).
 
-stage_costs.py prices a stage as plans were priced before training precision was an input: every
+search/stage_costs.py prices a stage as plans were priced before training precision was an input: every
 state at the model's dtype ((2 + optimizer states) x weights) and the all-reduce after the backward.
 Here, for a sharding mode and a Precision (StateRule), over the same Grid:
 
     W       = ceil(m / r) (T + per_micro_batch) + per_step
               T: one micro-batch's compute and messages, as stage_costs; per_micro_batch and per_step:
               the group's collectives by mode, overlapped (cost_model/data_parallel.py), on P = weights
-              / itemsize elements, U the largest block's (cost_model's FSDP unit, blocks.py)
+              / itemsize elements, U the largest block's (cost_model's FSDP unit, search/blocks.py)
     static  = weights + master + gradients + optimizer (cost_model.training_memory.state_bytes: each
               state at its own dtype, / d where the mode shards it) + buffers as stage_costs
     flight  = as stage_costs (saved activations, received and sent values per micro-batch held)
@@ -26,9 +26,9 @@ import numpy as np
 from cost_model.data_parallel import DataParallelCost
 from cost_model.precision import Precision
 from cost_model.training_memory import state_bytes
-from partitioner.place.hybrid_problem import HybridProblem
-from partitioner.place.hybrid_windows import Window
-from partitioner.place.stage_costs import Grid, range_max, span, stage_parts
+from partitioner.place.devices.windows import Window
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
 
 __all__ = ["SplitGrid", "StateRule", "lower_static_bytes", "split_parts"]
 

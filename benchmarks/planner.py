@@ -42,9 +42,9 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.regions import fork_join_regions, iter_regions  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.chain import SplitProblem, plan_pipeline, solve  # noqa: E402
-from partitioner.place.devices.plan import plan_hybrid  # noqa: E402
+from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
 from partitioner.place.devices.search import evaluate, solve_hybrid  # noqa: E402
-from partitioner.place.search.graph_costs import hybrid_problem  # noqa: E402
+from partitioner.place.replicated import plan_hybrid  # noqa: E402
 from partitioner.place.search.problem import HybridProblem  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests.graphs import fork_join_graph  # noqa: E402

@@ -60,7 +60,7 @@ from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.cluster.fixed import Fixed, price_fixed  # noqa: E402
 from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
 from partitioner.place.cluster.priced import search_priced  # noqa: E402
-from partitioner.place.devices.search import InfeasibleError  # noqa: E402
+from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
 
 MEGATRON_FP16 = Precision("float16", "float32", "float32", "float32", name="fp16 / fp32 master")
 WITHIN = 0.15

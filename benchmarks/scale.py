@@ -45,8 +45,9 @@ from partitioner.capture.shardable import Shardable, find_shardable  # noqa: E40
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster  # noqa: E402
 from partitioner.place.cluster.search import fill, search_cluster  # noqa: E402
-from partitioner.place.devices.search import InfeasibleError, solve_hybrid  # noqa: E402
-from partitioner.place.search.graph_costs import hybrid_problem  # noqa: E402
+from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
+from partitioner.place.devices.search import solve_hybrid  # noqa: E402
+from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
 GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)

@@ -189,7 +189,7 @@ def resume(directory: str, out: str) -> int:
 def infeasible() -> int:
     from cost_model.analytic import AnalyticCostModel
     from cost_model.devices import DeviceSpec
-    from partitioner.place.devices.search import InfeasibleError
+    from partitioner.place.search.infeasible import InfeasibleError
 
     tiny = DeviceSpec(name="tiny", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=10_000)
     model, x, _ = data("tiny_gpt")

@@ -313,7 +313,7 @@ def test_in_process_trace_records_every_forward_and_later_backwards() -> None:
 def test_model_too_big_for_the_devices_names_what_each_needs() -> None:
     from cost_model.analytic import AnalyticCostModel
     from cost_model.devices import DeviceSpec
-    from partitioner.place.devices.search import InfeasibleError
+    from partitioner.place.search.infeasible import InfeasibleError
 
     small = DeviceSpec(name="small", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=20_000)
     model, (x,), _ = zoo.tiny_gpt()  # about 160 KB of weights: no split of two 20 KB devices holds it

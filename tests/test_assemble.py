@@ -15,7 +15,7 @@ from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
-from partitioner.place.devices.plan import plan_hybrid
+from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.graph_costs import per_micro_batch
 from partitioner.predict.assemble import assemble, finish
 from partitioner.predict.counting import stage_edges

@@ -19,10 +19,14 @@ from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster, replica_step
-from partitioner.place.cluster.search import affine, block_cuts, layout, search_cluster, windows
-from partitioner.place.devices.plan import plan_hybrid
-from partitioner.place.devices.search import InfeasibleError, evaluate, solve_hybrid
-from partitioner.place.search.graph_costs import hybrid_problem
+from partitioner.place.cluster.search import search_cluster, windows
+from partitioner.place.cluster.space import layout
+from partitioner.place.devices.problem import hybrid_problem
+from partitioner.place.devices.search import evaluate, solve_hybrid
+from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.graph_costs import affine
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.predict.simulator import simulate
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs

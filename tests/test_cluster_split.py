@@ -22,8 +22,8 @@ from partitioner.capture.trace import trace
 from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.cluster.space import Split, cheapest_modes
-from partitioner.place.devices.search import InfeasibleError
 from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.show.visualizer import DrawablePlan, page_data

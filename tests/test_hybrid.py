@@ -18,11 +18,13 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import find_shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.devices.plan import plan_hybrid
-from partitioner.place.devices.search import InfeasibleError, evaluate, micro_batch_counts, solve_hybrid
+from partitioner.place.devices.problem import hybrid_problem
+from partitioner.place.devices.search import evaluate, solve_hybrid
 from partitioner.place.devices.split import tensor_space
 from partitioner.place.devices.tensor import TensorDegree, TensorSpace
-from partitioner.place.search.graph_costs import hybrid_problem
+from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.counts import micro_batch_counts
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.simulator import simulate
 from runtime.microbatch import split_sizes

@@ -19,9 +19,11 @@ from partitioner.capture.shardable import find_shardable
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.devices.plan import plan_hybrid
-from partitioner.place.devices.search import evaluate, micro_batch_counts, solve_hybrid
-from partitioner.place.search.graph_costs import at_batch, hybrid_problem, per_micro_batch
+from partitioner.place.devices.problem import hybrid_problem
+from partitioner.place.devices.search import evaluate, solve_hybrid
+from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.counts import micro_batch_counts
+from partitioner.place.search.graph_costs import at_batch, per_micro_batch
 from partitioner.place.search.problem import HybridProblem
 from tests.hybrid_worker import SmallCnn, cost as fixed_speed, planned
 from tests.test_distributed import results, torchrun

@@ -12,8 +12,8 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
-from partitioner.place.devices.plan import plan_hybrid
 from partitioner.place.pippy_policy import _example_inputs, split_policy
+from partitioner.place.replicated import plan_hybrid
 from tests import zoo
 
 SPLIT = torch.ops.pippy._pipe_split.default

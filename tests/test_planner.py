@@ -15,7 +15,8 @@ from cost_model.devices import DeviceSpec
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.chain import SplitProblem, boundary_bytes, make_problem, plan_pipeline, solve
+from partitioner.place.chain import SplitProblem, make_problem, plan_pipeline, solve
+from partitioner.place.search.boundaries import boundary_bytes
 from partitioner.predict.simulator import simulate
 from tests import zoo
 from tests.values import random_values

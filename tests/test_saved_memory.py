@@ -18,7 +18,7 @@ from examples.models import GPT, GPTConfig, InceptionNet
 from examples.resnet50 import resnet50
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.search.graph_costs import hybrid_problem
+from partitioner.place.devices.problem import hybrid_problem
 from tests import zoo
 from tests.test_hybrid import CLUSTER
 

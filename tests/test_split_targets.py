@@ -22,8 +22,8 @@ from partitioner.capture.trace import trace
 from partitioner.meta import empty_weights
 from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.cluster.plan import plan_on_cluster
-from partitioner.place.devices.search import InfeasibleError
 from partitioner.place.search.graph_costs import per_micro_batch
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.predict.memory_kinds import memory_kinds
 
 Traced = tuple[nx.DiGraph, list[str], Shardable]

@@ -31,8 +31,8 @@ from partitioner.api import plans as make_plans
 from partitioner.arguments import cluster_devices
 from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.search import reporting
 from partitioner.place.planning import device_capacity
+from partitioner.place.search.progress import reporting
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.predict.replica_fold import rank_span
 from partitioner.request import SHARDING_CHOICES

@@ -24,7 +24,7 @@ from cost_model.devices import DeviceLike
 from cost_model.interface import CostModel
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
-from partitioner.place.devices.plan import plan_hybrid
+from partitioner.place.replicated import plan_hybrid
 from runtime.plan import Plan
 
 __all__ = ["CostSplitPolicy", "split_policy"]

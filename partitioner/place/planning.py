@@ -1,7 +1,7 @@
 """Planning a traced model: choose the placement, give it its exact stage DAG, programs and predictions.
 
 `partitioner.api` traces and checks what the user passed, then calls `plan_traced`; the
-planners (planner.py, branches.py, devices/plan.py) choose where nodes go, and
+planners (chain.py, branches.py, replicated.py) choose where nodes go, and
 `partitioner.predict.assemble` turns that into the Plan's numbers, programs and predictions.
 """
 
@@ -26,7 +26,7 @@ from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
 from partitioner.place.cluster.axes import SplitChoice
-from partitioner.place.devices.plan import plan_hybrid
+from partitioner.place.replicated import plan_hybrid
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice

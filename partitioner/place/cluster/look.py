@@ -14,10 +14,10 @@ import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from cost_model.data_parallel import DataParallelCost
-from partitioner.place.chain import boundary_bytes
-from partitioner.place.cluster.search import evaluate_cluster, layout, refine, solve_candidate, windows
-from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, Split
+from partitioner.place.cluster.search import evaluate_cluster, refine, solve_candidate, windows
+from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, Split, layout
 from partitioner.place.cluster.stages import stage_units
+from partitioner.place.search.boundaries import boundary_bytes
 from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.schedule_sim import simulate_schedule
 from runtime.plan import Plan, StagePlan

@@ -35,17 +35,14 @@ from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
 from partitioner.place.cluster.axes import ANY_SPLIT, SplitChoice, cluster_axes, recomputed
 from partitioner.place.cluster.look import replica_step, second_look
-from partitioner.place.cluster.search import (
-    ClusterSolution,
-    block_cuts,
-    default_micro_batches,
-    search_cluster,
-    slowest_pair,
-)
-from partitioner.place.cluster.space import Axes, tensor_degrees
+from partitioner.place.cluster.search import search_cluster, slowest_pair
+from partitioner.place.cluster.space import Axes, ClusterSolution, tensor_degrees
 from partitioner.place.cluster.stages import price_stages
-from partitioner.place.devices.search import SCHEDULES, InfeasibleError
+from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.compare import SCHEDULES
+from partitioner.place.search.counts import cluster_counts, given_counts
 from partitioner.place.search.graph_costs import batch_size, graph_values, node_times, per_micro_batch
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
@@ -129,7 +126,7 @@ def plan_on_cluster(
     Args:
         graph: annotated for one step's whole batch.
         cost: node times on the cluster's GPU (its device `cuda:0`); links and all-reduces come from `cluster`.
-        micro_batches: the count, or candidates (default: cluster.search.default_micro_batches).
+        micro_batches: the count, or candidates (default: search.counts.cluster_counts).
         recompute: "full" searches with every stage recomputing its forward in backward (it keeps only its
             inputs; the forward runs twice), as the final plan then runs (`StagePlan.recompute`);
             "auto" searches both ways and keeps the one whose search objective is smaller (full recomputation
@@ -207,11 +204,9 @@ def prepare_search(
     limit = min(len(order), len(cuts) - 1 if cuts is not None else len(order))
     degrees = _degrees(cluster, shardable, choice)
     if micro_batches is None:
-        ms = sorted({m for t in degrees for m in default_micro_batches(cluster.size // t, batch_size(graph), limit)})
+        ms = sorted({m for t in degrees for m in cluster_counts(cluster.size // t, batch_size(graph), limit)})
     else:
-        ms = sorted({micro_batches} if isinstance(micro_batches, int) else set(micro_batches))
-    if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
-        raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
+        ms = sorted(given_counts(micro_batches))
     ds = {cluster.size // t // p for t in degrees for p in range(1, limit + 1) if cluster.size % (t * p) == 0}
     ms = [m for m in ms if any(m % d == 0 for d in ds)] or ms  # counts no replica count divides are never tried
     plain = cluster_problem(graph, order, device, cost, ms, optimizer=optimizer, headroom=headroom)

@@ -26,7 +26,8 @@ from partitioner.place.cluster.axes import SplitChoice, recomputed
 from partitioner.place.cluster.plan import prepare_search, recomputing
 from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import ClusterSolution
-from partitioner.place.devices.search import SCHEDULES, InfeasibleError
+from partitioner.place.search.compare import SCHEDULES
+from partitioner.place.search.infeasible import InfeasibleError
 
 __all__ = ["VIRTUAL", "search_priced"]
 

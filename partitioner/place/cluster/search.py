@@ -29,48 +29,42 @@ and states (search/split_costs.py), then each stage of the chosen plan takes the
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from partitioner.errors import PartitionError
 from partitioner.place.cluster.space import (
-    RANK_ORDERS,
     Axes,
     Candidate,
     ClusterSolution,
     RankOrder,
     Split,
     cheapest_modes,
-    default_micro_batches,
     layout,
 )
-from partitioner.place.devices.search import SCHEDULES, InfeasibleError
-from partitioner.place.devices.windows import Window
-from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
+from partitioner.place.search.graph_costs import affine
+from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.progress import report as _report, reporting
+from partitioner.place.search.progress import report as _report
 from partitioner.place.search.split_costs import SplitGrid, lower_static_bytes, split_parts
-from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
+from partitioner.place.search.stage_costs import (
+    Grid,
+    Window,
+    cut_candidates,
+    replica_in_flight,
+    schedule_fill,
+    stage_parts,
+)
 from partitioner.place.search.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
 from rules.schedules import searched_names
 
-__all__ = [
-    "RANK_ORDERS", "TOP", "Candidate", "ClusterSolution", "RankOrder", "affine", "block_cuts", "default_micro_batches",
-    "evaluate_cluster", "fill", "layout", "refine", "reporting", "search_cluster", "slowest_pair", "solve_candidate",
-    "windows",
-]
+__all__ = ["TOP", "evaluate_cluster", "fill", "refine", "search_cluster", "slowest_pair", "solve_candidate", "windows"]
 
 COARSE, ROOM = 256, 400  # cut candidates of the first pass when the caller gives none; extra ones per refinement
 TOP = 3  # candidates (best of distinct stages x replicas x tensor x sharding) kept for a second look (cluster/plan.py)
-
-
-def affine(time: Callable[..., float], *args: object) -> tuple[float, float]:
-    """(latency, seconds per byte) of `time(nbytes, *args)`, a cost affine in the bytes moved."""
-    one, big = time(1.0, *args), time(1.0 + (1 << 20), *args)
-    slope = (big - one) / (1 << 20)
-    return max(0.0, one - slope), max(0.0, slope)
 
 
 def slowest_pair(cluster: Cluster, src: Sequence[int], dst: Sequence[int]) -> tuple[int, int]:
@@ -215,7 +209,7 @@ def search_cluster(
     D, n = cluster.size, problem.n
     if not schedules or any(s not in searched_names() for s in schedules):
         raise PartitionError(f"schedules={list(schedules)!r}; use a non-empty subset of {list(searched_names())}")
-    mode = "1f1b" if "1f1b" in schedules else schedules[0]
+    mode = priced_schedule(schedules)
     capacity = float(problem.capacity.min())
     given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
     coarse = given if given is not None else cut_candidates(problem, COARSE)
@@ -293,17 +287,15 @@ def search_cluster(
 
 def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
                     schedules: Sequence[str] = SCHEDULES, virtual: int = 1) -> ClusterSolution:
-    """The ClusterSolution of one candidate: 1F1B where allowed, GPipe where it predicts as much and holds no more
-    (interleaved 1F1B with `virtual` > 1 chunks per rank); each stage's sharding mode: cluster.space.cheapest_modes."""
+    """The ClusterSolution of one candidate: its schedule as search.compare keeps one (interleaved 1F1B with `virtual`
+    > 1 chunks per rank); each stage's sharding mode: cluster.space.cheapest_modes."""
     space = _space(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     ranks = layout(len(bounds) - 1, d, order, t)
     problem = space.split(t).problem
     wins = scaled_windows(windows(cluster, ranks, float(problem.capacity.min())), virtual)
-    schedule = "interleaved" if virtual > 1 else "1f1b" if "1f1b" in schedules else schedules[0]
-    if schedule == "1f1b" and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
-        held = [evaluate_cluster(space, wins, bounds, m, name, t, sharding)[2] for name in ("gpipe", schedule)]
-        schedule = "gpipe" if held[0] == held[1] else schedule
+    schedule = "interleaved" if virtual > 1 else kept_schedule(
+        schedules, lambda name: evaluate_cluster(space, wins, bounds, m, name, t, sharding)[0::2])
     priced = {x: evaluate_cluster(space, wins, bounds, m, schedule, t, x, virtual) for x in space.modes_for(d)}
     modes = cheapest_modes({x: found[1:] for x, found in priced.items()}, sharding, float(problem.capacity.min()))
     final, work, memory = (priced[sharding] if all(x == sharding for x in modes)  # the configuration's: not redone

@@ -17,13 +17,12 @@ from typing import Literal, NamedTuple, Sequence, get_args
 
 import numpy as np
 
-from partitioner.errors import PartitionError
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.split_costs import StateRule
 
 __all__ = [
-    "PER_REPLICA", "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "cheapest_modes",
-    "default_micro_batches", "layout", "tensor_degrees",
+    "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "cheapest_modes", "layout",
+    "tensor_degrees",
 ]
 
 # Which ranks share hosts: a stage's replicas ("replicas-together": stage s on ranks s*d .. s*d+d-1, its
@@ -31,7 +30,6 @@ __all__ = [
 # replica j of stage s on rank j*p + s, neighbours inside a host, each all-reduce across hosts).
 RankOrder = Literal["replicas-together", "pipelines-together"]
 RANK_ORDERS: tuple[str, ...] = get_args(RankOrder)
-PER_REPLICA = 4  # default micro-batch counts go up to this many per replica
 
 
 class Candidate(NamedTuple):
@@ -145,20 +143,6 @@ def cheapest_modes(priced: dict[str, tuple[list[float], list[float]]], chosen: s
                 best = mode
         out.append(best)
     return out
-
-
-def default_micro_batches(gpus: int, batch: int | None, stages_limit: int) -> list[int]:
-    """Micro-batch counts the search tries: c * d for c <= PER_REPLICA, and the batch's divisors that some
-    replica count d divides, for every d = gpus / p with p <= stages_limit; none above the batch."""
-    ds = [gpus // p for p in range(1, min(gpus, stages_limit) + 1) if gpus % p == 0]
-    ms = {c * d for d in ds for c in range(1, PER_REPLICA + 1)}
-    if batch:
-        ms |= {x for x in range(1, batch + 1) if batch % x == 0 and any(x % d == 0 for d in ds)}
-    kept = sorted(m for m in ms if batch is None or m <= batch)
-    if not kept:
-        raise PartitionError(f"a batch of {batch} samples cannot give each of {min(ds)} or more replicas of a stage a "
-                             f"micro-batch on {gpus} GPUs; use a global batch of at least {min(ds)}, or fewer GPUs")
-    return kept
 
 
 def tensor_degrees(gpus: int, gpus_per_host: int, legal: Sequence[int]) -> list[int]:

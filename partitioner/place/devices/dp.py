@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partitioner.place.devices.tensor import TensorPricer
-from partitioner.place.devices.windows import Classes, Window, Windows
+from partitioner.place.devices.windows import Classes, Windows
 from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import Grid, replica_in_flight, stage_parts
+from partitioner.place.search.stage_costs import Grid, Window, replica_in_flight, stage_parts
 
 __all__: list[str] = []
 

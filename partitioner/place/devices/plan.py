@@ -1,39 +1,34 @@
-"""Hybrid planning for a traced graph: stages, replicas, micro-batches and schedule on a list of devices, as a Plan.
+"""The device-list search as a Plan: stages, replicas and tensor degrees on a list of devices (devices/search.py).
 
-The search over device lists lives in partitioner/place/devices/search.py, the search by counts on a
-Cluster in partitioner/place/cluster/plan.py; partitioner/place/search/graph_costs.py asks the cost
-model (node times, links, all-reduce, memory) for their numbers. This module runs them and hands
-the chosen placement (stages, ranks, micro-batches, schedule) to partitioner/predict/assemble.py,
-which counts the Plan's numbers as for every planner: the search's objective ranks
-configurations, the simulator predicts the chosen one.
+place/devices/problem.py asks the cost model for the search's numbers; devices/search.py searches them,
+with a tensor degree per stage where devices/split.py finds layers to split; the chosen placement
+(stages, ranks, micro-batches, schedule) goes to partitioner/predict/assemble.py, which counts the Plan's
+numbers as for every planner: the search's objective ranks configurations, the simulator predicts the
+chosen one. Which search plans a request (this one, the cluster's or both) is place/replicated.py's choice.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 import networkx as nx
 import torch
 
 from cost_model.interface import CostModel
-from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.axes import ANY_SPLIT, SplitChoice
-from partitioner.place.cluster.plan import cluster_of, plan_on_cluster
-from partitioner.place.devices.search import SCHEDULES, HybridSolution, solve_hybrid
+from partitioner.place.devices.problem import hybrid_problem
+from partitioner.place.devices.search import HybridSolution, solve_hybrid
 from partitioner.place.devices.split import place_solution, tensor_space
 from partitioner.place.devices.tensor import TensorSpace
-from partitioner.place.search.graph_costs import hybrid_problem
+from partitioner.place.search.compare import SCHEDULES
 from partitioner.place.search.problem import HybridProblem
 from runtime.plan import Plan
 
-__all__ = ["EXHAUSTIVE_GPUS", "plan_hybrid"]
-
-EXHAUSTIVE_GPUS = 16  # clusters up to this size also run the search over device lists (uneven replicas)
+__all__ = ["plan_devices"]
 
 
-def plan_hybrid(
+def plan_devices(
     graph: nx.DiGraph,
     order: Sequence[str],
     devices: Sequence[torch.device | str],
@@ -46,83 +41,24 @@ def plan_hybrid(
     memory_bytes: Sequence[float] | None = None,
     optimizer: str = "adam",
     headroom: float = 0.9,
-    recompute: Literal["none", "full", "auto"] = "none",
-    precision: Precision | None = None,
     shardable: Shardable | None = None,
-    choice: SplitChoice = ANY_SPLIT,
 ) -> Plan:
-    """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
+    """Plan `order` (compute nodes, topological) onto all of `devices` by the device-list search.
 
-    Args:
-        graph: annotated for one step's whole batch (`build_graph` on the full inputs).
-        devices: every device (rank) of the job, in rank order; stage replicas take
-            consecutive ones, and a stage's time is that of its slowest device.
-        micro_batches: the count to use, or candidates to choose from (default 1, 2, 4, ...).
-        schedules: the schedules the runtime may run ("gpipe" only in one process).
-        stages: force this many stages; replicate=False puts one stage on each device.
-        memory_bytes: usable bytes per device (default: headroom x the spec's memory).
-        recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
-            without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
-        precision: on a Cluster, the training precision states are counted at (and replicas may be
-            sharded under: cluster/plan.py).
-        shardable: the layer groups tensor parallelism may split (partitioner.capture.shardable), for
-            the cluster search and, on devices of one kind, the search over device lists
-            (devices/split.py: a tensor degree per stage, kept only where it splits a layer and is
-            predicted faster, or where nothing fits whole); None: every layer whole.
-        choice: the tensor degrees and sharding modes allowed (cluster.axes.SplitChoice; default: the search
-            chooses). The device-list search never shards and chooses each stage's degree, so a choice that
-            fixes a degree > 1 or a sharding mode is planned by the cluster search alone; tensor [1] splits nothing.
+    `shardable`: the layer groups a stage may split over a tensor degree of its own (None: every layer whole);
+    the other arguments are replicated.plan_hybrid's.
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
-
-    On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
-    (partitioner/place/cluster/plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
-    up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
-    plan simulated faster is kept (not with a `precision`: that search counts every state at the model's dtype).
     """
-    cluster = cluster_of(cost) if memory_bytes is None else None
-    unsplit = choice.tensor is not None and set(choice.tensor) == {1}
-    fixed = ([f"tensor degrees {list(choice.tensor)}"] if choice.tensor is not None and not unsplit else []) + (
-        [f"sharding {list(choice.sharding)}"] if choice.sharding is not None and set(choice.sharding) != {"none"}
-        else [])
-    counts_only = bool(fixed)  # what the device-list search cannot honour: the cluster search plans alone
-    counted: tuple[Plan, float] | None = None
-    if cluster is not None and len(devices) == cluster.size:
-        alone = cluster.size > EXHAUSTIVE_GPUS or precision is not None or counts_only
-        try:
-            made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
-                                          schedules=schedules, stages=stages, replicate=replicate,
-                                          optimizer=optimizer, headroom=headroom, recompute=recompute,
-                                          precision=precision, shardable=shardable, choice=choice)
-            counted = made, found.step_s
-        except PartitionError:
-            if alone:
-                raise
-        if counted is not None and alone:
-            return counted[0]  # the device-list search counts states at the model's dtype only
-    if counts_only:
-        raise PartitionError(f"{' and '.join(fixed)} are planned by the search over a cluster's GPUs only "
-                             "(plan(cluster=...)); on a list of devices use tensor='auto' or 1 and sharding='auto' "
-                             "or 'none'")
     problem = hybrid_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
     )
-    split = shardable if replicate and not unsplit else None
+    split = shardable if replicate else None
     space, groups, rings = tensor_space(graph, order, devices, cost, problem, split)
-    try:
-        sol = _solve(problem, micro_batches, schedules, stages, replicate, space)
-    except PartitionError:
-        if counted is None:
-            raise
-        return counted[0]
+    sol = _solve(problem, micro_batches, schedules, stages, replicate, space)
     names = problem.names or [str(d) for d in devices]
-    plan = place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, space, groups, rings)
-    if cluster is not None:
-        _local_names(plan, cluster.gpus_per_host)
-    if counted is not None and counted[0].predicted_step_ms < plan.predicted_step_ms:
-        return counted[0]  # both simulated: their objectives count a replicated pipeline's fill differently
-    return plan
+    return place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, space, groups, rings)
 
 
 def _solve(
@@ -146,12 +82,3 @@ def _solve(
     except PartitionError:
         return whole
     return split if any(t > 1 for t in split.tensors) and split.step_s < whole.step_s else whole
-
-
-def _local_names(plan: Plan, gpus_per_host: int) -> None:
-    """A cluster plan names each rank's GPU on its own host (cuda:r % gpus_per_host); ranks say where it is."""
-    for stage in plan.stages:
-        stage.device = f"cuda:{stage.ranks[0] % gpus_per_host}" if stage.ranks else stage.device
-    for program in plan.programs:
-        program.device = f"cuda:{program.rank % gpus_per_host}"
-    plan.gpus_per_host = gpus_per_host

@@ -55,26 +55,16 @@ from partitioner.errors import PartitionError
 from partitioner.place.devices.dp import run_pass, units, walk
 from partitioner.place.devices.tensor import TensorPricer, TensorSpace
 from partitioner.place.devices.windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
+from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
+from partitioner.place.search.counts import PER_DEVICE, micro_batch_counts
+from partitioner.place.search.infeasible import InfeasibleError, size_text
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
 
-__all__ = [
-    "SCHEDULES", "HybridSolution", "InfeasibleError", "evaluate", "micro_batch_counts", "solve_hybrid",
-]
+__all__ = ["HybridSolution", "evaluate", "solve_hybrid"]
 
-SCHEDULES = searched_names()  # the default: the built-ins with a `fill` (rules.schedules); checks read the registry
-PER_DEVICE = 4  # default micro-batch counts go up to this many per device (and multiples of replica counts)
 WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
-
-
-class InfeasibleError(PartitionError):
-    """No split of the devices keeps every stage within its devices' memory."""
-
-    def __init__(self, message: str, needed_bytes: list[int], note: str = "") -> None:
-        super().__init__(f"{message} {note}" if note else message)
-        self.needed_bytes = needed_bytes  # per device, under the split that needs the least
-        self.note = note  # what else would fit (another training precision), or ""
 
 
 @dataclass
@@ -94,28 +84,6 @@ class HybridSolution:
     def tensors(self) -> list[int]:
         """Each stage's tensor degree (1: its layers whole)."""
         return self.tensor or [1] * len(self.replicas)
-
-
-def micro_batch_counts(devices: int, batch: int | None, micro_batches: int | Sequence[int] | None = None) -> list[int]:
-    """Micro-batch counts to try: given, else every count that fills some replica count evenly.
-
-    The default is the counts up to `PER_DEVICE` per device that are a multiple c * r
-    (c <= PER_DEVICE) of a replica count r <= devices, or a divisor of the batch, or a power
-    of two: a stage with r replicas runs ceil(m / r) micro-batches per replica, so 15 + 1
-    replicas want m = 15 or 30, not the 16 or 32 a power of two gives. Counts above the
-    batch are dropped (the smallest is kept when none is left).
-    """
-    top = max(8, PER_DEVICE * devices)
-    if micro_batches is None:
-        ms = {c * r for r in range(1, devices + 1) for c in range(1, PER_DEVICE + 1)}
-        ms |= {2**e for e in range(top.bit_length())} | {d for d in range(1, top + 1) if batch and batch % d == 0}
-        ms = {m for m in ms if m <= top}
-    else:
-        ms = {micro_batches} if isinstance(micro_batches, int) else set(micro_batches)
-    if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
-        raise PartitionError(f"micro_batches={micro_batches!r}: give a positive integer or a list of them")
-    kept = [m for m in ms if batch is None or m <= batch]
-    return sorted(set(kept or [min(ms)]))
 
 
 def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
@@ -150,7 +118,7 @@ def solve_hybrid(
         )
     qmax = most
     ms = _candidates(problem, micro_batches)
-    mode = "1f1b" if "1f1b" in schedules else schedules[0]
+    mode = priced_schedule(schedules)
     fill = schedule_fill(mode)
     best: tuple[float, int, int, list[int], list[int], list[int]] | None = None
     windows = all_windows(problem, D if replicate else 1)
@@ -215,12 +183,9 @@ def solve_hybrid(
         raise _infeasible(problem, ms, qmax, rmax, stages, coarse, windows, classes, mode, pricer(coarse))
     _, m, _, bounds, reps, tensors = best
     split = tensors if any(t > 1 for t in tensors) else None
-    schedule = mode
-    same = mode == "1f1b" and (evaluate(problem, bounds, reps, m, "gpipe", split, tensor)[2]
-                               == evaluate(problem, bounds, reps, m, mode, split, tensor)[2])
-    if same and "gpipe" in schedules:  # same predicted time: GPipe only where it holds no more
-        schedule = "gpipe"
-    step, work, memory = evaluate(problem, bounds, reps, m, schedule, split, tensor)
+    priced = {name: evaluate(problem, bounds, reps, m, name, split, tensor) for name in schedules}
+    schedule = kept_schedule(schedules, lambda name: (priced[name][0], priced[name][2]), mode)
+    step, work, memory = priced[schedule]
     return HybridSolution(bounds, reps, m, schedule, step, work, memory, split or [])
 
 
@@ -275,7 +240,8 @@ def _infeasible(
     memory = evaluate(problem, bounds, reps, m, mode, tensors if space is not None else None, space)[2]
     needed = [int(math.ceil(x)) for x, r, t in zip(memory, reps, tensors) for _ in range(r * t)]
     names = problem.names or [f"device {d}" for d in range(D)]
-    lines = [f"  {name}: needs {_size(x)} (has {_size(c)})" for name, x, c in zip(names, needed, problem.capacity)]
+    lines = [f"  {name}: needs {size_text(x)} (has {size_text(c)})"
+             for name, x, c in zip(names, needed, problem.capacity)]
     return InfeasibleError(
         "the model fits on no split of these devices: every choice of stages, replicas and micro-batches "
         "puts some stage over its device's memory. The smallest memory each device would need "
@@ -284,16 +250,6 @@ def _infeasible(
         "(sgd).",
         needed,
     )
-
-
-def _size(x: float) -> str:
-    if not np.isfinite(x):
-        return "no limit"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if x < 1024 or unit == "GiB":
-            return f"{x:.0f} B" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return ""
 
 
 def _degrees(tensors: Sequence[int]) -> str:

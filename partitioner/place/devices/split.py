@@ -15,7 +15,7 @@ where it runs, runtime.program.plan_programs); its stages' `ranks` are each repl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import networkx as nx
 import numpy as np
@@ -26,9 +26,9 @@ from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.place.devices.search import HybridSolution
 from partitioner.place.devices.tensor import TensorDegree, TensorSpace
-from partitioner.place.devices.windows import LinkCost
-from partitioner.place.search.graph_costs import batch_size, per_micro_batch
+from partitioner.place.search.graph_costs import affine, batch_size, per_micro_batch
 from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.stage_costs import LinkCost
 from partitioner.place.search.tensor_split import collective_seconds, crossing, split_graph, split_problem
 from partitioner.predict.assemble import assemble, finish
 from runtime.plan import Plan
@@ -38,13 +38,6 @@ __all__ = ["SplitGroups", "configuration", "place_solution", "tensor_space"]
 SplitGroups = dict[int, list[ShardGroup]]  # by tensor degree: the groups it splits
 
 
-def _affine(time: Callable[..., float], *args: Any) -> Ring:
-    """(latency, seconds per byte) of `time(nbytes, *args)`, a cost affine in the bytes moved."""
-    one, big = time(1.0, *args), time(1.0 + (1 << 20), *args)
-    slope = (big - one) / (1 << 20)
-    return max(0.0, one - slope), max(0.0, slope)
-
-
 def _ring(cost: CostModel, devices: Sequence[torch.device]) -> Ring:
     """An all-reduce over `devices`: the cost model's, else a ring over its slowest hop (as graph_costs prices one)."""
     n = len(devices)
@@ -52,8 +45,8 @@ def _ring(cost: CostModel, devices: Sequence[torch.device]) -> Ring:
         return 0.0, 0.0
     reduce = getattr(cost, "allreduce_time", None)
     if callable(reduce):
-        return _affine(reduce, list(devices))
-    hops = [_affine(cost.transfer_time, devices[x], devices[(x + 1) % n]) for x in range(n)]
+        return affine(reduce, list(devices))
+    hops = [affine(cost.transfer_time, devices[x], devices[(x + 1) % n]) for x in range(n)]
     latency, slope = np.max(hops, axis=0)
     return 2 * (n - 1) * float(latency), 2 * (n - 1) / n * float(slope)
 

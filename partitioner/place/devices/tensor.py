@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.place.devices.windows import LinkCost, Window
 from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import Grid, stage_parts
+from partitioner.place.search.stage_costs import Grid, LinkCost, Window, stage_parts
 
 __all__ = ["TensorDegree", "TensorPricer", "TensorSpace"]
 

@@ -17,13 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.stage_costs import LinkCost, Window
 
 __all__: list[str] = []
 
-# (replicas, device kinds, receive link, send link, all-reduce ring, smallest capacity); links and
-# ring are (latency, seconds per byte), None where there is no neighbour or no replica to reduce with.
-LinkCost = tuple[float, ...] | None
-Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
 Windows = dict[tuple[int, int, int], Window]  # by (first device, replicas, replicas of the stage before; 0: none)
 # By devices left k: a replica count of the stage before per class, each count's class (counts in one class
 # give the stage at device D - k the same receive price whatever its own replicas), and per own replica

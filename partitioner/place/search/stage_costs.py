@@ -1,7 +1,7 @@
 """A stage's work and memory over a grid of cut candidates: how both searches price a stage.
 
 devices/search.py (device lists) and cluster/search.py (counts) price a stage [cuts[i], cuts[j]) on a
-window of devices (devices/windows.py) by the formulas of devices/search.py's docstring: its work W per
+window of devices (`Window`) by the formulas of devices/search.py's docstring: its work W per
 step, its static memory and its memory per micro-batch in flight, for all (i, j) at once.
 """
 
@@ -13,12 +13,20 @@ from typing import Callable, Sequence
 import numpy as np
 
 from partitioner.errors import PartitionError
-from partitioner.place.chain import boundary_bytes
-from partitioner.place.devices.windows import Window
+from partitioner.place.search.boundaries import boundary_bytes
 from partitioner.place.search.problem import HybridProblem
 from rules.schedules import in_flight, schedule_spec, searched_names
 
-__all__ = ["Grid", "cut_candidates", "range_max", "replica_in_flight", "schedule_fill", "span", "stage_parts"]
+__all__ = [
+    "Grid", "LinkCost", "Window", "cut_candidates", "range_max", "replica_in_flight", "schedule_fill", "span",
+    "stage_parts",
+]
+
+# A stage's window, what its costs depend on: (replicas, device kinds, receive link, send link, all-reduce
+# ring, smallest capacity); links and ring are (latency, seconds per byte), None where there is no
+# neighbour or no replica to reduce with (devices/windows.py and cluster/search.py make them).
+LinkCost = tuple[float, ...] | None
+Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
 
 
 class Grid:

@@ -33,8 +33,9 @@ from partitioner.place.cluster.fixed import Fixed
 from partitioner.place.cluster.search import slowest_pair
 from partitioner.place.cluster.space import ClusterSolution
 from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.degrees import split_groups
 from partitioner.place.search.graph_costs import batch_size, per_micro_batch
-from partitioner.place.search.tensor_split import collective_seconds, priced_groups, split_graph
+from partitioner.place.search.tensor_split import collective_seconds, split_graph
 
 __all__ = ["step_parts"]
 
@@ -53,7 +54,7 @@ def step_parts(graph: nx.DiGraph, order: Sequence[str], shardable: Shardable | N
     t, m, d, v = fixed.tensor, found.micro_batches, found.replicas, found.virtual
     n = m // d
     cuts = block_cuts([str(graph.nodes[x].get("module", "") or "") for x in order])
-    groups = priced_groups(shardable, t, order, cuts) if shardable is not None and t > 1 else []
+    groups = split_groups(shardable, t, order, cuts) if shardable is not None and t > 1 else []
     split = split_graph(graph, groups, t, fixed.sequence_parallel) if t > 1 else graph
     per_mb = per_micro_batch(split, m)
     s = int(np.argmax(found.work_s))

@@ -21,10 +21,10 @@ from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
 from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.cluster.plan import plan_on_cluster
-from partitioner.place.cluster.space import Split, cheapest_modes
+from partitioner.place.cluster.space import cheapest_modes
 from partitioner.place.search.blocks import block_cuts
+from partitioner.place.search.degrees import TensorDegree, split_groups
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.tensor_split import priced_groups
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.show.visualizer import DrawablePlan, page_data
 
@@ -62,7 +62,7 @@ def test_a_split_plan_names_its_groups_and_its_tensor_ranks(two: tuple[nx.DiGrap
     plan, found = planned(graph, order, shardable, choice=SplitChoice(tensor=[2]))
     assert found.tensor == 2 and plan.programs == []  # lowered where it runs
     cuts = block_cuts([str(graph.nodes[x].get("module", "")) for x in order])
-    groups = priced_groups(shardable, 2, order, cuts)
+    groups = split_groups(shardable, 2, order, cuts)
     for stage in plan.stages:
         assert stage.tensor == 2 and all(r % 2 == 0 for r in stage.ranks)  # TP innermost: runs of 2 ranks
         assert all(len({r // 8 for r in group}) == 1 for group in stage.rank_groups)  # each inside one host
@@ -175,11 +175,11 @@ def test_plan_keeps_the_split_stages_numbers_when_recomputation_is_chosen_per_st
 
 
 def test_every_stage_of_a_split_plan_splits_a_group() -> None:
-    split = Split(2, traced_problem_stub(), spans=np.array([[3, 5], [8, 9]]))
+    split = TensorDegree(2, (traced_problem_stub(),), spans=np.array([[3, 5], [8, 9]]))
     holds = split.holds_a_group(np.array([0, 3, 6, 8, 10]))
     assert holds is not None and holds.astype(int).tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1],
                                                                 [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
-    assert Split(1, traced_problem_stub()).holds_a_group(np.array([0, 3])) is None
+    assert TensorDegree(1, (traced_problem_stub(),)).holds_a_group(np.array([0, 3])) is None
 
 
 def traced_problem_stub() -> Any:

@@ -21,9 +21,9 @@ from partitioner.errors import PartitionError
 from partitioner.place.devices.problem import hybrid_problem
 from partitioner.place.devices.search import evaluate, solve_hybrid
 from partitioner.place.devices.split import tensor_space
-from partitioner.place.devices.tensor import TensorDegree, TensorSpace
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.counts import micro_batch_counts
+from partitioner.place.search.degrees import Degrees, TensorDegree
 from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.simulator import simulate
@@ -355,12 +355,13 @@ def test_the_solver_prices_senders_as_exhaustive_search_does() -> None:
     check_solution(pr, sol, ms)
 
 
-# Tensor degrees (hybrid_tensor.py, hybrid_dp.py): a stage of r replicas may split its layers over t ranks each.
+# Tensor degrees (search/degrees.py, devices/tensor.py, devices/dp.py): a stage of r replicas may split its layers
+# over t ranks each.
 
 
-def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[HybridProblem, TensorSpace]:
+def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[HybridProblem, Degrees]:
     """tests/hybrid_worker.SmallCnn on `devices` processes of fixed speed holding `memory_bytes`, with the tensor
-    degrees its fully connected layers take (hybrid_split.tensor_space)."""
+    degrees its fully connected layers take (devices.split.tensor_space)."""
     torch.manual_seed(0)
     x = torch.randn(8, 3, 8, 8)
     traced = trace(SmallCnn(hidden), (x,), {})
@@ -374,7 +375,7 @@ def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[
     return problem, space
 
 
-def split_configs(pr: HybridProblem, space: TensorSpace, ms: list[int]):
+def split_configs(pr: HybridProblem, space: Degrees, ms: list[int]):
     """Every (step, bounds, replicas, tensors, m) that fits, 1F1B: each stage r replicas of t devices, r <= m."""
     n, D = pr.n, pr.devices
     for m in ms:
@@ -428,7 +429,7 @@ def test_nothing_fits_names_the_tensor_degrees_that_came_closest() -> None:
 def test_a_stage_may_split_only_where_it_holds_whole_groups() -> None:
     # One group at positions 2..4 (a cut at 3 or 4 would fall inside it), cut candidates 0, 1, 2, 3, 5, 6:
     # a stage [a, b) may split where a <= 2, b >= 5 and neither a nor b is 3 or 4.
-    degree = TensorDegree(2, (), {}, {}, np.array([3, 4]), np.array([[2, 4]]))
+    degree = TensorDegree(2, (), forbidden=np.array([3, 4]), spans=np.array([[2, 4]]))
     cuts = np.array([0, 1, 2, 3, 5, 6])
     valid = degree.valid(cuts)
     expected = {(a, b) for a in (0, 1, 2) for b in (5, 6)}

@@ -15,13 +15,8 @@ from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
 from partitioner.place.cluster.plan import cluster_problem
 from partitioner.place.search.blocks import block_cuts, block_ids
-from partitioner.place.search.tensor_split import (
-    collective_seconds,
-    crossing,
-    priced_groups,
-    split_graph,
-    split_problem,
-)
+from partitioner.place.search.degrees import crossing, split_groups
+from partitioner.place.search.tensor_split import collective_seconds, split_graph, split_problem
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +40,10 @@ def test_blocks_by_module_path() -> None:
 def test_groups_a_cut_would_cross_stay_whole(gpt: tuple[nx.DiGraph, list[str], Shardable]) -> None:
     graph, order, shardable = gpt
     cuts = block_cuts([str(graph.nodes[x].get("module", "")) for x in order])
-    names = [g.name for g in priced_groups(shardable, 2, order, cuts)]
+    names = [g.name for g in split_groups(shardable, 2, order, cuts)]
     # the tied embedding and LM head (one vocabulary group) sit at both ends: every block cut crosses it
     assert "tok" not in names and "pos" in names and "blocks.0" in names and "blocks.3.mlp" in names
-    assert priced_groups(shardable, 8, order, cuts) == [g for g in shardable.groups
+    assert split_groups(shardable, 8, order, cuts) == [g for g in shardable.groups
                                                         if g.name in ("pos", "blocks.0.mlp", "blocks.1.mlp",
                                                                       "blocks.2.mlp", "blocks.3.mlp")]  # 4 heads
     attention = next(g for g in shardable.groups if g.name == "blocks.0")
@@ -86,7 +81,7 @@ def test_the_problem_as_each_tensor_rank_runs_it(gpt: tuple[nx.DiGraph, list[str
     cluster = Cluster.parse("1x8xH100")
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     plain = cluster_problem(graph, order, torch.device("cuda:0"), cost, [1, 2, 4])
-    groups = priced_groups(shardable, 2, order, block_cuts([str(graph.nodes[x].get("module", "")) for x in order]))
+    groups = split_groups(shardable, 2, order, block_cuts([str(graph.nodes[x].get("module", "")) for x in order]))
     half = split_problem(plain, graph, order, torch.device("cuda:0"), cost, 2, groups, (0.0, 0.0))
     mlp = order.index("blocks_0_mlp_0")
     for size in (16, 8, 4):  # a GEMM of half the width takes more than half the time (its efficiency falls)

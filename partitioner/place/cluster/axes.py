@@ -8,7 +8,7 @@
                      precision was an input (every state at the model's dtype, the all-reduce after the
                      backward), where sharding has nothing to gain that prices would show fairly
 
-A degree t prices the groups it splits (search.tensor_split.priced_groups: t among their degrees, no cut
+A degree t prices the groups it splits (search.degrees.split_groups: t among their degrees, no cut
 candidate inside) on a tensor group of t consecutive ranks from rank 0 (one host where t divides its GPUs).
 """
 
@@ -27,11 +27,12 @@ from cost_model.interface import CostModel
 from cost_model.precision import DTYPE_BYTES, Precision, dtype_name
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.space import Axes, Split, tensor_degrees
+from partitioner.place.cluster.space import Axes, tensor_degrees
 from partitioner.place.search.blocks import block_ids
+from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.split_costs import StateRule
-from partitioner.place.search.tensor_split import crossing, priced_groups, split_problem
+from partitioner.place.search.tensor_split import split_problem
 from rules.sharding import SHARDING_MODES
 
 __all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomputed"]
@@ -91,22 +92,19 @@ def cluster_axes(
     device = torch.device("cuda:0")
     splits, groups = [], {}
     for t in degrees:
-        chosen = priced_groups(shardable, t, order, cuts) if shardable is not None else []
+        chosen = split_groups(shardable, t, order, cuts) if shardable is not None else []
         if t > 1 and not chosen:
             continue
         problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)),
                                 choice.sequence_parallel)
-        position = {name: i for i, name in enumerate(order)}
-        spans = np.array([[min(position[n] for n in g.nodes), max(position[n] for n in g.nodes)] for g in chosen],
-                         dtype=np.int64).reshape(-1, 2)
-        splits.append(Split(t, problem, crossing(chosen, order), spans))
+        splits.append(TensorDegree.of(t, [problem], chosen, order))
         groups[t] = chosen
     rule = StateRule(precision, param_itemsize(graph), optimizer)
     blocks = np.array(block_ids([str(graph.nodes[x].get("module", "") or "") for x in order]), dtype=np.int64)
-    return Axes(tuple(splits), modes, rule, blocks, share), groups
+    return Axes(Degrees(tuple(splits)), modes, rule, blocks, share), groups
 
 
 def recomputed(axes: Axes, redo: Callable[[HybridProblem], HybridProblem]) -> Axes:
     """`axes` with every split's problem passed through `redo` (e.g. full recomputation)."""
-    return dataclasses.replace(axes, splits=tuple(dataclasses.replace(s, problem=redo(s.problem))
-                                                  for s in axes.splits))
+    return dataclasses.replace(axes, degrees=Degrees(tuple(
+        dataclasses.replace(d, problems=tuple(redo(p) for p in d.problems)) for d in axes.degrees)))

@@ -15,9 +15,10 @@ import numpy as np
 from cost_model.cluster_shape import Cluster
 from cost_model.data_parallel import DataParallelCost
 from partitioner.place.cluster.search import evaluate_cluster, refine, solve_candidate, windows
-from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, Split, layout
+from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, layout
 from partitioner.place.cluster.stages import stage_units
 from partitioner.place.search.boundaries import boundary_bytes
+from partitioner.place.search.compare import priced_schedule
 from partitioner.place.search.problem import HybridProblem
 from partitioner.predict.schedule_sim import simulate_schedule
 from runtime.plan import Plan, StagePlan
@@ -38,7 +39,7 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
     where it is also the fastest here. Sharded replicas (data_split "slice") run every micro-batch on
     their slice in lockstep: d pipelines of m / d micro-batches too.
     """
-    space = space if isinstance(space, Axes) else Axes((Split(1, space),))
+    space = space if isinstance(space, Axes) else Axes.whole(space)
     best: tuple[float, Candidate, str] | None = None
     timed: dict[str, float] = {}
     for candidate in solution.candidates:
@@ -53,7 +54,7 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
     if best is None or solution.cuts is None:
         return solution
     _, chosen, schedule = best
-    mode = "1f1b" if "1f1b" in schedules else "gpipe"
+    mode = priced_schedule(schedules)
     found = solve_candidate(space, cluster, refine(space, cluster, chosen, solution.cuts, mode), (schedule,))
     found.tried, found.searched, found.pruned = timed, solution.searched, solution.pruned
     found.candidates, found.cuts = solution.candidates, solution.cuts
@@ -63,9 +64,9 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
 def runtime_step_s(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate, schedule: str,
                    share: np.ndarray) -> float:
     """Seconds of one step of a candidate as the runtime orders it (see second_look); inf over memory."""
-    space = space if isinstance(space, Axes) else Axes((Split(1, space),))
+    space = space if isinstance(space, Axes) else Axes.whole(space)
     m, d, order, bounds, t, sharding = candidate[1:]
-    problem = space.split(t).problem
+    problem = space.degree(t).problem
     p, capacity = len(bounds) - 1, float(problem.capacity.min())
     wins = windows(cluster, layout(p, d, order, t), capacity)
     _, _, memory = evaluate_cluster(space, wins, bounds, m, schedule, t, sharding)

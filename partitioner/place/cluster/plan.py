@@ -356,7 +356,7 @@ def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution:
     price_stages(plan, graph, solution.bounds, micro_batches=solution.micro_batches, groups=groups,
                  tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.modes,
                  rings=[ring_of(cluster, stage.ranks) for stage in plan.stages],
-                 param_bytes=space.split(t).problem.param_bytes, blocks=blocks, optimizer=optimizer)
+                 param_bytes=space.degree(t).problem.param_bytes, blocks=blocks, optimizer=optimizer)
     for stage, mode in zip(plan.stages, solution.modes):
         inside = set(stage.nodes)
         stage.tensor, stage.sharding = t, mode  # type: ignore[assignment]

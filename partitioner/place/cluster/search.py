@@ -40,24 +40,17 @@ from partitioner.place.cluster.space import (
     Candidate,
     ClusterSolution,
     RankOrder,
-    Split,
     cheapest_modes,
     layout,
 )
 from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
+from partitioner.place.search.degrees import TensorDegree
 from partitioner.place.search.graph_costs import affine
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import HybridProblem, Window
 from partitioner.place.search.progress import report as _report
 from partitioner.place.search.split_costs import SplitGrid, lower_static_bytes, split_parts
-from partitioner.place.search.stage_costs import (
-    Grid,
-    Window,
-    cut_candidates,
-    replica_in_flight,
-    schedule_fill,
-    stage_parts,
-)
+from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from partitioner.place.search.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
 from rules.schedules import searched_names
 
@@ -94,7 +87,7 @@ class _Pricer:
     """Stage value matrices on one cut grid, cached by window, micro-batches and sharding (equal keys, equal costs)."""
 
     def __init__(self, problem: HybridProblem, cuts: np.ndarray, space: Axes | None = None,
-                 split: Split | None = None) -> None:
+                 split: TensorDegree | None = None) -> None:
         self.problem, self.cuts, self.space = problem, cuts, space
         self.holds = split.holds_a_group(cuts) if split is not None else None
         if space is None or space.rule is None:
@@ -213,8 +206,8 @@ def search_cluster(
     capacity = float(problem.capacity.min())
     given = np.unique(np.concatenate([cuts, [0, n]])).astype(np.int64) if cuts is not None else None
     coarse = given if given is not None else cut_candidates(problem, COARSE)
-    space = axes if axes is not None else Axes((Split(1, problem),))
-    pricers = {s.tensor: _Pricer(s.problem, s.allowed(coarse), space, s) for s in space.splits}
+    space = axes if axes is not None else Axes.whole(problem)
+    pricers = {s.tensor: _Pricer(s.problem, s.allowed(coarse), space, s) for s in space.degrees}
     states = 2 + problem.optimizer_states
     pairs = [(p, D // p) for p in range(1, min(D, n, len(coarse) - 1) + 1) if D % p == 0
              and (stages is None or p == stages) and (replicate or D // p == 1)]
@@ -226,7 +219,7 @@ def search_cluster(
         raise PartitionError(f"virtual={virtual!r}: give chunks per rank, a whole number 1 or more, or a list of them")
     pruned = 0
     configs = []
-    for split in space.splits:
+    for split in space.degrees:
         t, total_params = split.tensor, float(split.problem.param_bytes.sum())
         for p, d in [(p, D // t // p) for p in range(1, min(D // t, n) + 1) if D % (t * p) == 0] if t > 1 else pairs:
             if (stages is not None and p != stages) or (not replicate and d != 1) or p > len(pricers[t].cuts) - 1:
@@ -292,7 +285,7 @@ def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Ca
     space = _space(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     ranks = layout(len(bounds) - 1, d, order, t)
-    problem = space.split(t).problem
+    problem = space.degree(t).problem
     wins = scaled_windows(windows(cluster, ranks, float(problem.capacity.min())), virtual)
     schedule = "interleaved" if virtual > 1 else kept_schedule(
         schedules, lambda name: evaluate_cluster(space, wins, bounds, m, name, t, sharding)[0::2])
@@ -309,7 +302,7 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
     """Zoom in around the chosen cuts (every `finer`-th position within `stride` of each), for the chosen counts."""
     space = _space(space)
     step, m, d, order, bounds, t, sharding = best
-    split = space.split(t)
+    split = space.degree(t)
     capacity = float(split.problem.capacity.min())
     wins = scaled_windows(windows(cluster, layout(len(bounds) - 1, d, order, t), capacity), virtual)
     stride = int(np.diff(coarse).max()) if len(coarse) > 1 else 1
@@ -336,7 +329,7 @@ def evaluate_cluster(
     `sharding`: one mode, or each stage's; `virtual` > 1: interleaved, the windows already scaled)."""
     space = _space(space)
     cuts = np.asarray(bounds, dtype=np.int64)
-    split = space.split(tensor)
+    split = space.degree(tensor)
     pricer, p = _Pricer(split.problem, cuts, space, split), len(wins)
     work, memory = [], []
     for s, window in enumerate(wins):
@@ -351,7 +344,7 @@ def evaluate_cluster(
 
 
 def _space(space: Axes | HybridProblem) -> Axes:
-    return space if isinstance(space, Axes) else Axes((Split(1, space),))
+    return space if isinstance(space, Axes) else Axes.whole(space)
 
 
 def _infeasible(
@@ -361,7 +354,7 @@ def _infeasible(
     """The error naming the memory per GPU the least demanding configuration would need."""
     least: tuple[float, int, int, int, int, str] | None = None
     D = cluster.size
-    for split in space.splits:
+    for split in space.degrees:
         t = split.tensor
         for p in (p for p in range(1, min(D // t, len(pricers[t].cuts) - 1) + 1) if D % (t * p) == 0):
             d = D // t // p
@@ -373,7 +366,7 @@ def _infeasible(
                     need, _ = _dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding, virtual=virtual))
                     if np.isfinite(need) and (least is None or need < least[0]):
                         least = (need, p, d, m, t, sharding)
-    problem = space.splits[0].problem
+    problem = space.degrees.degrees[0].problem
     if least is None:
         return InfeasibleError(
             f"no configuration puts all {cluster.size} GPUs of {cluster.shape} to work: stages x replicas must be "

@@ -4,10 +4,10 @@
                                 where t divides its GPUs), p stages, d replicas of each
     rank of stage s, replica j, tensor index i = t * layout(p, d, order)[s][j] + i
 
-A `Split` is one tensor degree with the problem as each of its ranks runs it (search/tensor_split.py) and
-the cut positions that would fall inside a split group; `Axes` is every split tried, the sharding
-modes of the replicas and how states are counted (search.split_costs.StateRule; None: as plans were
-counted before training precision was an input, the only way without a rule).
+`Axes` is what the search prices beyond counts: the tensor degrees (search.degrees: each with the problem
+as its ranks run it, on the ring of t consecutive ranks), the sharding modes of the replicas and how
+states are counted (search.split_costs.StateRule; None: as plans were counted before training precision
+was an input, the only way without a rule).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Literal, NamedTuple, Sequence, get_args
 
 import numpy as np
 
+from partitioner.place.search.degrees import Degrees, TensorDegree
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.split_costs import StateRule
 
 __all__ = [
-    "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "Split", "cheapest_modes", "layout",
+    "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "cheapest_modes", "layout",
     "tensor_degrees",
 ]
 
@@ -45,41 +46,22 @@ class Candidate(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Split:
-    """One tensor degree: the problem as each of its t ranks runs it and the cuts it may not make."""
-
-    tensor: int
-    problem: HybridProblem
-    forbidden: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))  # each group's first, last
-
-    def allowed(self, cuts: np.ndarray) -> np.ndarray:
-        """`cuts` without the positions inside a split group."""
-        return cuts[~np.isin(cuts, self.forbidden)] if len(self.forbidden) else cuts
-
-    def holds_a_group(self, cuts: np.ndarray) -> np.ndarray | None:
-        """[i, j]: whether a stage [cuts[i], cuts[j]) holds a split group (a split stage splits one at least:
-        runtime.plan's check); None for t = 1."""
-        if self.tensor == 1:
-            return None
-        first, last = self.spans[:, 0], self.spans[:, 1]
-        starts = cuts[:, None, None] <= first[None, None, :]
-        ends = last[None, None, :] < cuts[None, :, None]
-        return np.asarray((starts & ends).any(axis=2))
-
-
-@dataclass(frozen=True)
 class Axes:
     """What the search tries beyond stages, replicas and micro-batches (module docstring)."""
 
-    splits: tuple[Split, ...]
+    degrees: Degrees
     modes: tuple[str, ...] = ("none",)
     rule: StateRule | None = None
     blocks: np.ndarray | None = None  # per node, its block (search.blocks.block_ids): the FSDP unit
     share: np.ndarray | None = None  # per node, the forward's part of its time
 
-    def split(self, tensor: int) -> Split:
-        return next(s for s in self.splits if s.tensor == tensor)
+    @classmethod
+    def whole(cls, problem: HybridProblem) -> Axes:
+        """Stages, replicas and micro-batches alone: every layer whole, replicas unsharded."""
+        return cls(Degrees((TensorDegree(1, (problem,)),)))
+
+    def degree(self, tensor: int) -> TensorDegree:
+        return self.degrees.degree(tensor)
 
     def modes_for(self, d: int) -> tuple[str, ...]:
         """Sharding modes worth pricing with d replicas ("none" alone for one)."""

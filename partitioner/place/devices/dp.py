@@ -1,7 +1,7 @@
 """The dynamic program of the device-list search (search.py): stages, replicas and tensor degrees over D devices.
 
 A suffix DP over (devices left k, class of the stage before, stages left q, first cut i): a stage
-takes r replicas of t devices each (t = 1 unless a TensorSpace gives split degrees:
+takes r replicas of t devices each (t = 1 unless its Degrees give split ones:
 devices/tensor.py), the next r t devices, and a next cut j; its value is devices/search.py's W (or, for the
 error that names what would fit, its memory over its capacity). `_walk` reads the chosen cuts,
 replicas and degrees back.
@@ -16,8 +16,8 @@ import numpy as np
 
 from partitioner.place.devices.tensor import TensorPricer
 from partitioner.place.devices.windows import Classes, Windows
-from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import Grid, Window, replica_in_flight, stage_parts
+from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.stage_costs import Grid, replica_in_flight, stage_parts
 
 __all__: list[str] = []
 

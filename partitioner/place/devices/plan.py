@@ -20,8 +20,8 @@ from partitioner.errors import PartitionError
 from partitioner.place.devices.problem import hybrid_problem
 from partitioner.place.devices.search import HybridSolution, solve_hybrid
 from partitioner.place.devices.split import place_solution, tensor_space
-from partitioner.place.devices.tensor import TensorSpace
 from partitioner.place.search.compare import SCHEDULES
+from partitioner.place.search.degrees import Degrees
 from partitioner.place.search.problem import HybridProblem
 from runtime.plan import Plan
 
@@ -63,7 +63,7 @@ def plan_devices(
 
 def _solve(
     problem: HybridProblem, micro_batches: int | Sequence[int] | None, schedules: Sequence[str], stages: int | None,
-    replicate: bool, space: TensorSpace | None,
+    replicate: bool, space: Degrees | None,
 ) -> HybridSolution:
     """The device-list search's solution: with every stage whole, as it always was; where `space` lets stages split
     their layers, a search over tensor degrees too, kept where it splits one and is predicted faster (or where

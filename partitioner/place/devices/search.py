@@ -38,7 +38,7 @@ memory (the smallest capacity among its replicas); m and p then minimize the ste
 same predicted time 1F1B never holds more than GPipe, so GPipe is kept only where it holds
 as little. Cut candidates are compressed to a work budget, then refined around the chosen cuts.
 
-Given a TensorSpace (devices/tensor.py, made from the model's split groups by devices/split.py), a stage
+Given Degrees (search/degrees.py, made from the model's split groups by devices/split.py), a stage
 may also split its layers over t ranks per replica: r replicas of degree t take the next r t devices,
 priced on the model as each of its t ranks runs it; the DP (devices/dp.py) chooses t per stage, 1 at a tie.
 """
@@ -53,10 +53,11 @@ import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.devices.dp import run_pass, units, walk
-from partitioner.place.devices.tensor import TensorPricer, TensorSpace
+from partitioner.place.devices.tensor import TensorPricer
 from partitioner.place.devices.windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
 from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
 from partitioner.place.search.counts import PER_DEVICE, micro_batch_counts
+from partitioner.place.search.degrees import Degrees
 from partitioner.place.search.infeasible import InfeasibleError, size_text
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
@@ -97,7 +98,7 @@ def solve_hybrid(
     stages: int | None = None,
     replicate: bool = True,
     budget: float = WORK_BUDGET,
-    tensor: TensorSpace | None = None,
+    tensor: Degrees | None = None,
 ) -> HybridSolution:
     """The configuration with the smallest predicted step (see the module docstring).
 
@@ -125,7 +126,7 @@ def solve_hybrid(
     rmax = {m: min(D, m) if replicate else 1 for m in ms}
     every = receive_classes(windows, D, D if replicate else 1)
     by_rmax: dict[int, Classes] = {}
-    tensor = tensor if replicate and tensor is not None and tensor.degrees else None
+    tensor = tensor if replicate and tensor is not None and tensor.splits else None
     degrees = tensor.tensors if tensor is not None else (1,)
     pricers: dict[int, tuple[Grid, TensorPricer]] = {}  # by id of a grid, kept alive so that ids stay unique
 
@@ -191,7 +192,7 @@ def solve_hybrid(
 
 def evaluate(
     problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str,
-    tensors: Sequence[int] | None = None, space: TensorSpace | None = None,
+    tensors: Sequence[int] | None = None, space: Degrees | None = None,
 ) -> tuple[float, list[float], list[float]]:
     """Predicted step seconds, W per stage and bytes per replica of a given configuration (`tensors`: each
     stage's degree, priced by `space`; None: every stage whole)."""
@@ -199,7 +200,7 @@ def evaluate(
     grid, p, w = Grid(problem, cuts), len(replicas), 0
     degrees = list(tensors) if tensors is not None else [1] * p
     if any(t > 1 for t in degrees) and space is None:
-        raise PartitionError(f"tensor degrees {degrees} need the TensorSpace that prices them (devices/split.py)")
+        raise PartitionError(f"tensor degrees {degrees} need the Degrees that price them (devices/split.py)")
     pricer = TensorPricer(space, cuts) if space is not None and any(t > 1 for t in degrees) else None
     work, memory = [], []
     for s, (r, t) in enumerate(zip(replicas, degrees)):

@@ -25,11 +25,10 @@ from cost_model.collectives import Ring
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.place.devices.search import HybridSolution
-from partitioner.place.devices.tensor import TensorDegree, TensorSpace
+from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.graph_costs import affine, batch_size, per_micro_batch
-from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import LinkCost
-from partitioner.place.search.tensor_split import collective_seconds, crossing, split_graph, split_problem
+from partitioner.place.search.problem import HybridProblem, LinkCost
+from partitioner.place.search.tensor_split import collective_seconds, split_graph, split_problem
 from partitioner.predict.assemble import assemble, finish
 from runtime.plan import Plan
 
@@ -55,32 +54,19 @@ def _slowest(rings: Sequence[Ring]) -> Ring:
     return max(r[0] for r in rings), max(r[1] for r in rings)
 
 
-def _splittable(shardable: Shardable, t: int, order: Sequence[str]) -> list[ShardGroup]:
-    """The groups t splits, but for one whose span holds another group's node (a tied embedding and LM head at both
-    ends of the model): a stage that splits its layers keeps each split group whole (TensorDegree.valid), which such
-    a group would allow only for a stage of the whole span."""
-    position = {name: i for i, name in enumerate(order)}
-    groups = [g for g in shardable.groups if all(n in position for n in g.nodes)]
-    spans = {g.name: (min(position[n] for n in g.nodes), max(position[n] for n in g.nodes)) for g in groups}
-    held = {g.name: {position[n] for n in g.nodes} for g in groups}
-    return [g for g in groups if t in g.degrees and not any(
-        spans[g.name][0] <= i <= spans[g.name][1] for o in groups if o.name != g.name for i in held[o.name])]
-
-
 def tensor_space(
     graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torch.device | str], cost: CostModel,
     problem: HybridProblem, shardable: Shardable | None,
-) -> tuple[TensorSpace | None, SplitGroups, dict[int, list[Ring]]]:
+) -> tuple[Degrees | None, SplitGroups, dict[int, list[Ring]]]:
     """The degrees a stage of the device-list search may split over (module docstring), the groups each splits and
     its tensor rings (by the index of its problems); (None, {}, {}) where nothing can split."""
     devs = [torch.device(d) for d in devices]
     D = len(devs)
     if shardable is None or not shardable.groups or D < 2 or problem.fixed_times.shape[0] != 1:
         return None, {}, {}
-    position = {name: i for i, name in enumerate(order)}
     degrees, groups, rings = [], {}, {}
     for t in sorted({t for g in shardable.groups for t in g.degrees if 1 < t <= D}):
-        chosen = _splittable(shardable, t, order)
+        chosen = split_groups(shardable, t, order, alone=True)
         if not chosen:
             continue
         at = [_ring(cost, devs[u : u + t]) for u in range(D - t + 1)]  # the tensor group from device u
@@ -93,14 +79,12 @@ def tensor_space(
                 index[w, r] = found.setdefault(ring, len(found))
                 reduce[w, r] = _slowest([_ring(cost, devs[w + i : w + r * t : t]) for i in range(t)]) if r > 1 \
                     else None
-        problems = tuple(split_problem(problem, graph, order, devs[0], cost, t, chosen, ring) for ring in found)
-        spans = np.array([[min(position[n] for n in g.nodes), max(position[n] for n in g.nodes)] for g in chosen],
-                         dtype=np.int64).reshape(-1, 2)
-        degrees.append(TensorDegree(t, problems, index, reduce, crossing(chosen, order), spans))
+        problems = [split_problem(problem, graph, order, devs[0], cost, t, chosen, ring) for ring in found]
+        degrees.append(TensorDegree.of(t, problems, chosen, order, ring=index, reduce=reduce))
         groups[t], rings[t] = chosen, list(found)
     if not degrees:
         return None, {}, {}
-    return TensorSpace(tuple(degrees)), groups, rings
+    return Degrees((TensorDegree(1, (problem,)), *degrees)), groups, rings
 
 
 def configuration(replicas: Sequence[int], tensors: Sequence[int]) -> str:
@@ -112,7 +96,7 @@ def configuration(replicas: Sequence[int], tensors: Sequence[int]) -> str:
 
 def place_solution(
     graph: nx.DiGraph, order: Sequence[str], solution: HybridSolution, names: Sequence[str], cost: CostModel,
-    capacity: np.ndarray, optimizer: str, space: TensorSpace | None = None, groups: SplitGroups | None = None,
+    capacity: np.ndarray, optimizer: str, space: Degrees | None = None, groups: SplitGroups | None = None,
     rings: dict[int, list[Ring]] | None = None,
 ) -> Plan:
     """The Plan of a device-list solution (module docstring) on devices `names` (one per rank)."""
@@ -135,7 +119,7 @@ def place_solution(
     if all(t == 1 for t in tensors):
         return plan
     if space is None or rings is None:
-        raise ValueError("a solution that splits layers needs the TensorSpace, groups and rings that priced it")
+        raise ValueError("a solution that splits layers needs the Degrees, groups and rings that priced it")
     batch = batch_size(graph)
     size = batch / m if batch else 1.0
     for stage, t, mine, first in zip(plan.stages, tensors, held, starts):

@@ -18,58 +18,22 @@ A message to a split stage is priced once (each of its t ranks gets a copy on a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import Grid, LinkCost, Window, stage_parts
+from partitioner.place.search.degrees import Degrees
+from partitioner.place.search.problem import Window
+from partitioner.place.search.stage_costs import Grid, stage_parts
 
-__all__ = ["TensorDegree", "TensorPricer", "TensorSpace"]
-
-
-@dataclass(frozen=True)
-class TensorDegree:
-    """One tensor degree t > 1: the problem per tensor ring, and each (first device, replicas)'s rings."""
-
-    tensor: int
-    problems: tuple[HybridProblem, ...]  # as each of t ranks runs it, one per distinct tensor ring
-    ring: dict[tuple[int, int], int]  # (first device, replicas) -> index into problems
-    reduce: dict[tuple[int, int], LinkCost]  # (first device, replicas) -> data-parallel ring (None: one replica)
-    forbidden: np.ndarray  # cut positions inside a split group
-    spans: np.ndarray  # [groups, 2] each split group's first and last position
-
-    def valid(self, cuts: np.ndarray) -> np.ndarray:
-        """[i, j]: whether a stage [cuts[i], cuts[j]) may split: it holds a group and no cut falls inside one."""
-        inside = np.isin(cuts, self.forbidden)
-        first, last = self.spans[:, 0], self.spans[:, 1]
-        holds = ((cuts[:, None, None] <= first[None, None, :]) & (last[None, None, :] < cuts[None, :, None])).any(2)
-        out: np.ndarray = holds & ~inside[:, None] & ~inside[None, :]
-        return out
-
-
-@dataclass(frozen=True)
-class TensorSpace:
-    """The tensor degrees > 1 a device-list search may give a stage (devices.split.tensor_space makes it)."""
-
-    degrees: tuple[TensorDegree, ...]
-
-    @property
-    def tensors(self) -> tuple[int, ...]:
-        """Every degree a stage may take, 1 first (so at equal cost a stage stays whole)."""
-        return (1, *(d.tensor for d in self.degrees))
-
-    def degree(self, t: int) -> TensorDegree:
-        return next(d for d in self.degrees if d.tensor == t)
+__all__ = ["TensorPricer"]
 
 
 class TensorPricer:
     """Split stages' W, static memory and memory per micro-batch on one grid of cuts, per degree and ring."""
 
-    def __init__(self, space: TensorSpace, cuts: np.ndarray) -> None:
+    def __init__(self, space: Degrees, cuts: np.ndarray) -> None:
         self.space, self.cuts = space, cuts
         self._grids: dict[tuple[int, int], Grid] = {}
-        self._valid = {d.tensor: d.valid(cuts) for d in space.degrees}
+        self._valid = {d.tensor: d.valid(cuts) for d in space.degrees if d.tensor > 1}
 
     def window(self, t: int, w: int, r: int, whole: Window) -> tuple[Window, int]:
         """The Window of r replicas of degree t from device w (`whole`: a stage's on all r t devices), and

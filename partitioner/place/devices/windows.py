@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import LinkCost, Window
+from partitioner.place.search.problem import HybridProblem, LinkCost, Window
 
 __all__: list[str] = []
 

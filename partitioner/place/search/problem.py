@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["HybridProblem"]
+__all__ = ["HybridProblem", "LinkCost", "Window"]
+
+# A stage's window, what its costs depend on: (replicas, device kinds, receive link, send link, all-reduce
+# ring, smallest capacity); links and ring are (latency, seconds per byte), None where there is no
+# neighbour or no replica to reduce with (devices/windows.py and cluster/search.py make them).
+LinkCost = tuple[float, ...] | None
+Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
 
 
 @dataclass

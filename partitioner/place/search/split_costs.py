@@ -26,8 +26,8 @@ import numpy as np
 from cost_model.data_parallel import DataParallelCost
 from cost_model.precision import Precision
 from cost_model.training_memory import state_bytes
-from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.stage_costs import Grid, Window, range_max, span, stage_parts
+from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
 
 __all__ = ["SplitGrid", "StateRule", "lower_static_bytes", "split_parts"]
 

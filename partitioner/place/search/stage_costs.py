@@ -14,7 +14,7 @@ import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.search.boundaries import boundary_bytes
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import HybridProblem, LinkCost, Window
 from rules.schedules import in_flight, schedule_spec, searched_names
 
 __all__ = [
@@ -22,11 +22,6 @@ __all__ = [
     "stage_parts",
 ]
 
-# A stage's window, what its costs depend on: (replicas, device kinds, receive link, send link, all-reduce
-# ring, smallest capacity); links and ring are (latency, seconds per byte), None where there is no
-# neighbour or no replica to reduce with (devices/windows.py and cluster/search.py make them).
-LinkCost = tuple[float, ...] | None
-Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
 
 
 class Grid:

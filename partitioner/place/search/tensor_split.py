@@ -26,9 +26,7 @@ becomes a reduce-scatter and an all-gather of the same bytes (cost_model.collect
 all-reduce), so the collectives' time does not change. The runtime does not run it (eager DTensor without
 SequenceParallel): the search prices it only for a configuration given whole (cluster/fixed.py).
 
-A group crossed by a cut candidate (a tied embedding and LM head at both ends of the model) cannot
-split once stages are cut there, so `priced_groups` leaves it whole, and `crossing` names the
-positions a search may not cut at once it split a group.
+Which groups a degree splits, and where a stage of it may not be cut, are search/degrees.py's.
 """
 
 from __future__ import annotations
@@ -42,39 +40,13 @@ import torch
 
 from cost_model.collectives import Ring, all_gather, all_reduce, reduce_scatter
 from cost_model.interface import CostModel
-from partitioner.capture.shardable_groups import Shardable, ShardGroup
+from partitioner.capture.shardable_groups import ShardGroup
 from partitioner.place.search.graph_costs import at_batch, batch_size, fixed_and_batch, graph_values
 from partitioner.place.search.problem import HybridProblem
 
-__all__ = ["collective_seconds", "crossing", "priced_groups", "split_attrs", "split_graph", "split_problem"]
+__all__ = ["collective_seconds", "split_attrs", "split_graph", "split_problem"]
 
 _BATCHED = ("matmul", "bmm", "einsum", "attention", "baddbmm")
-
-
-def priced_groups(shardable: Shardable, t: int, order: Sequence[str], cuts: Any) -> list[ShardGroup]:
-    """The groups t splits (t among their degrees) that no cut candidate crosses: each lies in one stage."""
-    if t == 1:
-        return []
-    position = {name: i for i, name in enumerate(order)}
-    marks = np.asarray(sorted(cuts) if cuts is not None else [], dtype=np.int64)
-    out = []
-    for group in shardable.groups:
-        if t not in group.degrees or any(n not in position for n in group.nodes):
-            continue
-        first, last = min(position[n] for n in group.nodes), max(position[n] for n in group.nodes)
-        if not np.any((marks > first) & (marks <= last)):
-            out.append(group)
-    return out
-
-
-def crossing(groups: Sequence[ShardGroup], order: Sequence[str]) -> np.ndarray:
-    """Cut positions (0..n) that would fall inside a split group: a cut at c runs nodes c.. in the next stage."""
-    position = {name: i for i, name in enumerate(order)}
-    out: set[int] = set()
-    for group in groups:
-        first, last = min(position[n] for n in group.nodes), max(position[n] for n in group.nodes)
-        out.update(range(first + 1, last + 1))
-    return np.array(sorted(out), dtype=np.int64)
 
 
 def split_attrs(attrs: dict[str, Any], t: int, role: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from partitioner.errors import PartitionError
-from partitioner.place.search.stage_costs import Window
+from partitioner.place.search.problem import Window
 
 __all__ = ["check_virtual", "interleaved_chunks", "interleaved_fill", "scaled_windows"]
 

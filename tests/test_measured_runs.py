@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
+from benchmarks import measured_plan
+from benchmarks.measured_plan import factory_name, plan_arguments
 from benchmarks.measured_runs import RUNS, SOURCES, MeasuredRunsError, check, runs
 from benchmarks.measured_types import Parallel, Run, flops_per_token, problems, region, rounded
 
@@ -115,6 +118,82 @@ def test_the_hidden_tables_rows_stay_out() -> None:
     foundry = runs(source="llm-foundry")
     assert not [r.key for r in foundry if r.gpu == "A100-SXM4-80GB"]
     assert not [r.key for r in foundry if r.family == "H100" and r.gpus < 128]
+
+
+def test_published_rows_are_the_same_runs() -> None:
+    """benchmarks/published.py's SC'21 and Llama 3 rows equal this table's (one run, one set of numbers)."""
+    from benchmarks.published import ROWS
+    from cost_model.precision import Precision
+
+    names = {"1008B": "sc21-1008B", "405B-8k": "llama3-405B-8k", "405B-16k": "llama3-405B-16k"}
+    for row in ROWS:
+        run = BY_KEY[names.get(row.name, f"sc21-{row.name}")]
+        args = plan_arguments(run)
+        assert (row.gpus, row.batch, row.seq) == (run.gpus, run.global_batch, run.seq)
+        assert run.measured.tflops_per_gpu is not None and row.published == run.measured.tflops_per_gpu.value
+        assert dataclasses.asdict(row.fixed) == args.fixed
+        assert row.cluster == args.cluster
+        mine = Precision.parse(run.precision)
+        assert (mine.compute, mine.param, mine.grad, mine.state) == (
+            row.precision.compute, row.precision.param, row.precision.grad, row.precision.state)
+
+
+def test_plan_arguments_by_hand() -> None:
+    sc21 = plan_arguments(SC21_1_7B)
+    assert sc21.cluster == {"hosts": 4, "gpus_per_host": 8, "gpu": "A100-SXM4-80GB"}
+    assert sc21.forced == {"precision": "fp16/fp32/fp32/fp32:adam", "micro_batches": 32, "replicas": "auto",
+                           "tensor": 1, "sharding": "none", "recompute": "full", "schedule": "gpipe"}
+    assert sc21.fixed == {"tensor": 1, "stages": 1, "micro_batch_size": 16, "sharding": "none", "schedule": "1f1b",
+                          "virtual_stages": 1, "recompute": "full", "order": "replicas-together",
+                          "sequence_parallel": False}
+    assert sc21.dtype == torch.float16 and sc21.example_inputs()[0].shape == (512, 2048)
+    assert sc21.cli()[4:] == [
+        "benchmarks/measured_plan.py:run_sc21_1_7B", "--cluster", "4x8xA100-SXM4-80GB", "--global-batch", "512",
+        "--dtype", "fp16", "--micro-batches", "32", "--precision", "fp16/fp32/fp32/fp32:adam", "--replicas", "auto",
+        "--tensor", "1", "--sharding", "none", "--schedule", "gpipe", "--recompute", "full"]
+
+    foundry = plan_arguments(FOUNDRY_7B)  # FULL_SHARD with checkpointing, 12 a micro-batch, 4 accumulated
+    assert foundry.forced["micro_batches"] == 32 and foundry.forced["sharding"] == "zero3"
+    assert foundry.cluster["fabric"] == {"inter": {"kind": "roce", "gbit_per_s": 180.0}}
+    with pytest.raises(ValueError, match="cluster_file"):
+        foundry.cli()
+
+    titan = plan_arguments(BY_KEY["titan-405B-512-3d-interleaved"])  # 8 micro-batches of 4 a replica, v = 2
+    assert titan.forced["micro_batches"] == 64
+    assert (titan.fixed["stages"], titan.fixed["virtual_stages"], titan.fixed["sharding"]) == (8, 2, "zero1")
+    assert titan.cluster_object().gpu.memory_bytes == 96 * 2**30
+    assert any("float8" in c for c in titan.caveats)
+
+    long = plan_arguments(BY_KEY["llama3-405B-16k-cp16"])
+    assert long.context == 16 and long.forced["micro_batches"] == 128
+    assert any(a.startswith("virtual_stages = 8") for a in long.assumed)
+
+
+@pytest.mark.parametrize("key", ["sc21-1.7B", "foundry-h100-large-1b-2048-128", "titan-8B-8-fsdp",
+                                 "megascale-175B-256"])
+def test_the_builders_hold_the_shapes_parameters(key: str) -> None:
+    run = BY_KEY[key]
+    model, tokens = getattr(measured_plan, factory_name(key))(batch=2)
+    assert tokens.shape == (2, run.seq) and tokens.device.type == "meta"
+    assert sum(p.numel() for p in model.parameters()) == run.model.parameters() + (
+        run.model.vocab * run.model.width if run.model.family == "gpt" and run.parallel.pipeline > 1 else 0)
+    with pytest.raises(AttributeError, match="run_<key>"):
+        measured_plan.run_nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("key", ["sc21-145.6B", "foundry-a100-40gb-13b-8192-8", "titan-70B-256-2d-bf16-2025",
+                                 "llama3-405B-8k", "megascale-530B-2240"])
+def test_forced_arguments_make_a_valid_request(key: str) -> None:
+    """plan() would take them: the request they make passes its checks (nothing is traced)."""
+    from cost_model.precision import Precision
+    from partitioner.arguments import cluster_devices
+    from partitioner.request import PlanRequest
+
+    args = plan_arguments(BY_KEY[key])
+    cluster, devices, _ = cluster_devices(args.cluster)
+    forced = dict(args.forced, precision=Precision.of(args.forced["precision"]))
+    request = PlanRequest.of(devices, processes=True, cluster=True, gpus_per_host=cluster.gpus_per_host, **forced)
+    assert request.tensor == BY_KEY[key].parallel.tensor and request.replicas == "auto"
 
 
 def test_parallel_defaults_are_a_plain_data_parallel_run() -> None:

@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping, Sequence, get_args
 
 from rules.schedules import schedule_names
-from rules.sharding import SHARDING_MODES, ShardingMode
+from rules.sharding import ShardingMode
 from runtime.ops import Op, Program
+from runtime.plan_axes import axis_problems, rank_problems
 from runtime.program_check import program_problems
 from runtime.tensor_parallel_spec import TensorParallelGroup
 
@@ -48,9 +49,13 @@ class StagePlan:
     the plan's `data_split="slice"`, every replica runs every micro-batch, each on its slice).
     `reads_from` are the stages whose values it reads (a chain: the one before it).
 
-    Inside a layer (see [Note: ranks of a split stage]): `tensor` ranks run each replica, its
+    Inside a replica ([Note: ranks of a split stage] in runtime/plan_axes.py): `tensor` ranks run each replica, its
     layers split by `tensor_groups` (runtime.tensor_parallel); `sharding` says how FSDP2 shards its
     weights, gradients and optimizer state over its replicas (rules.sharding; "none": whole on each).
+    `expert`: the experts of each layer in `expert_layers` split over that many of its replicas, tokens
+    dispatched to them and back by all-to-all (runtime.expert_parallel); `context`: each replica's
+    sequence split over that many ranks, attention over all-gathered keys and values
+    (runtime.context_parallel) for the causal attentions of `context_attention`.
     """
 
     index: int
@@ -75,15 +80,24 @@ class StagePlan:
     tensor: int = 1  # ranks per replica, its layers split across them (1: none)
     tensor_groups: list[TensorParallelGroup] = field(default_factory=list)  # what those ranks split
     sharding: ShardingMode = "none"  # FSDP2 over the replicas (rules.sharding)
+    expert: int = 1  # replicas each layer's experts are split over (1: every replica holds every expert)
+    expert_layers: list[str] = field(default_factory=list)  # module paths of the stacks of experts split
+    context: int = 1  # ranks per replica its sequence is split over (1: whole)
+    context_attention: list[str] = field(default_factory=list)  # module paths of its causal attentions split
 
     @property
     def replicas(self) -> int:
         return max(1, len(self.ranks))
 
     @property
+    def width(self) -> int:
+        """Ranks per replica: its context ranks, each holding `tensor` ranks (tensor innermost)."""
+        return self.tensor * self.context if isinstance(self.tensor, int) and isinstance(self.context, int) else 1
+
+    @property
     def rank_groups(self) -> list[list[int]]:
-        """The ranks of each replica: `tensor` consecutive ranks from each entry of `ranks`."""
-        return [list(range(r, r + self.tensor)) for r in self.ranks]
+        """The ranks of each replica: `width` consecutive ranks from each entry of `ranks`."""
+        return [list(range(r, r + self.width)) for r in self.ranks]
 
     @property
     def all_ranks(self) -> list[int]:
@@ -232,17 +246,25 @@ class Plan:
                 problems.append(f"stage {k} reads from stages {s.reads_from}; a stage reads only earlier stages")
             if s.recompute not in RECOMPUTE_MODES:
                 problems.append(f"stages[{k}].recompute={s.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
-            problems += _split_problems(k, s, self.data_split)
+            problems += axis_problems(k, s, self.data_split)
         if self.data_split not in DATA_SPLITS:
             problems.append(f"data_split={self.data_split!r}; use one of {', '.join(DATA_SPLITS)}")
         elif self.data_split == "slice" and len({s.replicas for s in self.stages}) > 1:
             problems.append(f"data_split='slice' runs replica j of every stage as pipeline j, so every stage needs "
                             f"as many replicas; they have {[s.replicas for s in self.stages]}")
-        problems += _rank_problems(self)
+        problems += rank_problems(self.stages)
+        contexts = sorted({s.context for s in self.stages if isinstance(s.context, int)})
+        if len(contexts) > 1:
+            problems.append(f"stages split their sequence {[s.context for s in self.stages]} ways; the sequence is "
+                            "split alike through the whole pipeline (positions, masks and sizes cross stages): give "
+                            f"every stage context={contexts[-1]}, or 1")
+        if self.staleness and any(s.context > 1 or s.expert > 1 for s in self.stages):
+            problems.append(f"staleness={self.staleness} with experts or a sequence split: their gradients are summed "
+                            "over their ranks at the end of each step; use staleness=0")
         if not any(p.startswith("micro_batches=") for p in problems):  # programs against stages, ranks, devices
             problems += program_problems(self.programs, [s.ranks for s in self.stages], self.devices,
                                          self.pieces, self.data_split == "deal" and  # sliced: m x replicas
-                                         all(s.tensor == 1 for s in self.stages))
+                                         all(s.width == 1 for s in self.stages))
         if self.precision is not None and not set(self.precision) <= _PRECISION_KEYS:
             problems.append(f"precision names {sorted(set(self.precision) - _PRECISION_KEYS)}; it holds "
                             f"{', '.join(sorted(_PRECISION_KEYS))}")
@@ -279,6 +301,7 @@ class Plan:
             + (f"update {self.update}; " if self.update != "sync" else "")
             + (f"staleness {self.staleness}; " if self.staleness else "")
             + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
+            + _axis_words(self.stages)
             + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch"
             + (" (a stage's time over its replicas)" if replicated else "")
             + f", predicted step {self.predicted_step_ms:.3f} ms"
@@ -289,7 +312,8 @@ class Plan:
         return self.summary()
 
 
-_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none"}
+_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none", "expert": 1,
+                                   "expert_layers": [], "context": 1, "context_attention": []}
 _PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": []}
 _PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
 
@@ -316,43 +340,16 @@ def _node_problems(stages: list[StagePlan], graph: Mapping[str, Sequence[str]] |
     return problems
 
 
-def _split_problems(k: int, s: StagePlan, data_split: str) -> list[str]:
-    """What keeps stage k's layer split and sharding from running."""
-    problems = []
-    if isinstance(s.tensor, bool) or not isinstance(s.tensor, int) or s.tensor < 1:
-        problems.append(f"stages[{k}].tensor={s.tensor!r}; use an integer >= 1 (1: layers whole)")
-    elif s.tensor == 1 and s.tensor_groups:
-        problems.append(f"stages[{k}] splits {len(s.tensor_groups)} layer groups over tensor=1 rank; set tensor to "
-                        "the ranks that split them, or drop tensor_groups")
-    elif s.tensor > 1 and not s.tensor_groups:
-        problems.append(f"stages[{k}].tensor={s.tensor} but it names no tensor_groups to split; list them "
-                        "(partitioner.capture.shardable), or use tensor=1")
-    if s.sharding not in SHARDING_MODES:
-        problems.append(f"stages[{k}].sharding={s.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
-    elif s.sharding != "none" and data_split != "slice":
-        problems.append(f"stages[{k}].sharding={s.sharding!r} shards over replicas that run every micro-batch in "
-                        "lockstep: set the plan's data_split='slice'")
-    return problems
-
-
-def _rank_problems(plan: Plan) -> list[str]:
-    """[Note: ranks of a split stage] A stage's replica j runs on ranks[j] .. ranks[j] + tensor - 1. A rank
-    holds one replica of a stage at most, and the stages a rank holds (interleaved, V) share its tensor degree."""
-    problems = []
-    tensor_of: dict[int, tuple[int, int]] = {}  # rank -> (first rank of its group, tensor degree)
-    for s in plan.stages:
-        if not isinstance(s.tensor, int) or s.tensor < 1:
-            continue
-        if len(set(s.all_ranks)) != len(s.all_ranks):
-            problems.append(f"stage {s.index}'s replicas overlap: ranks {s.ranks} with tensor={s.tensor} give "
-                            f"{s.rank_groups}; space replicas by tensor")
-        for group in s.rank_groups:
-            for r in group:
-                seen = tensor_of.setdefault(r, (group[0], s.tensor))
-                if seen != (group[0], s.tensor):
-                    problems.append(f"rank {r} runs stage {s.index} in the group {group} but also in a group from "
-                                    f"rank {seen[0]} with tensor={seen[1]}; stages on one rank share its group")
-    return problems
+def _axis_words(stages: list[StagePlan]) -> str:
+    """'experts split 2 ways (stages 0, 1); sequence split 2 ways; ' for the summary line ('' where none is)."""
+    words = ""
+    for name, degrees in (("experts", [s.expert for s in stages]), ("sequence", [s.context for s in stages])):
+        split = [(k, d) for k, d in enumerate(degrees) if isinstance(d, int) and d > 1]
+        if split:
+            ways = "/".join(sorted({str(d) for _, d in split}))
+            where = "" if len(split) == len(stages) else f" (stages {', '.join(str(k) for k, _ in split)})"
+            words += f"{name} split {ways} ways{where}; "
+    return words
 
 
 def micro_batch_words(plan: Plan, batch: int | None = None) -> str:

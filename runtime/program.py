@@ -24,18 +24,20 @@ rank pair can wait on each other, whatever NCCL serializes. All-reduces of a gro
 come after the tick of the group's last backward (B or W), in one global order. A W (the
 weight part of a split backward) waits for its B on the same rank and moves nothing.
 
-Split layers ([Note: ranks of a split stage] in runtime/plan.py) keep this order. `plan_programs`
-lowers over each replica's first rank (a sliced plan as the dealt one of m * d micro-batches: slice
-j of micro-batch i is piece i * d + j of the batch), then copies each program to the t - 1 tensor
-peers of its rank (`split_programs`). A message from stage a (degree ta) to stage b (degree tb) goes
-to every rank k_b of b's group from rank k_b mod ta of a's (values at a stage boundary are whole on
-every tensor rank), so the sender's one SEND becomes a SEND to each such k_b, in rank order, and an
-all-reduce group moves to the ranks of the same tensor index. The ops two ranks exchange at tick t
-are copies of those their leaders exchange at tick t, sorted by the leaders' key on both sides, and
-tensor peers compute at their leader's ticks, so batch t still waits only for ticks below t. The
-collectives inside an F or B (DTensor's, over the tensor group; FSDP2's, over a sharded stage's
-replicas) are posted by every rank of their group in the same op of the same program position:
-tensor peers run one program, sliced replicas the same program on their own micro-batches (see
+Split layers and sequences ([Note: ranks of a split stage] in runtime/plan_axes.py) keep this
+order. `plan_programs` lowers over each replica's first rank (a sliced plan as the dealt one of
+m * d micro-batches: slice j of micro-batch i is piece i * d + j of the batch), then copies each
+program to the w - 1 peers of its rank (`split_programs`; w = tensor x context, the ranks of a
+replica). A message from stage a (width wa) to stage b (width wb) goes to every rank k_b of b's
+replica from rank k_b mod wa of a's (values at a stage boundary are whole on every rank of a replica,
+split layers and sequences alike), so the sender's one SEND becomes a SEND to each such k_b, in rank
+order, and an all-reduce group moves to the ranks of the same index. The ops two ranks exchange at
+tick t are copies of those their leaders exchange at tick t, sorted by the leaders' key on both
+sides, and peers compute at their leader's ticks, so batch t still waits only for ticks below t.
+The collectives inside an F or B (DTensor's, over the tensor group; FSDP2's, over a sharded stage's
+replicas; the all-gathers of a split sequence; the all-to-alls of split experts, over sliced
+replicas) are posted by every rank of their group in the same op of the same program position: a
+replica's peers run one program, sliced replicas the same program on their own micro-batches (see
 [Note: one order of TP collectives] in runtime/tensor_parallel.py).
 """
 
@@ -200,12 +202,12 @@ def plan_programs(
     names: dict[int, str] = dict(devices or {})
     for s, ranks in zip(plan.stages, stage_ranks):
         for r in ranks:
-            for peer in range(r, r + s.tensor):
+            for peer in range(r, r + s.width):
                 names.setdefault(peer, s.device)
     world = 1 + max(names)
     sharded = {s.index for s in plan.stages if s.sharding != "none"}
     groups = [(r, st) for r, st in groups if not (len(set(st)) == 1 and st[0] in sharded)]
-    split = any(s.tensor > 1 for s in plan.stages)
+    split = any(s.width > 1 for s in plan.stages)
     leaders = sorted({r for ranks in stage_ranks for r in ranks}) if split else list(range(world))
     index = {r: i for i, r in enumerate(leaders)}  # split layers: lowered over the first ranks, numbered 0, 1, ...
     if split:
@@ -229,21 +231,21 @@ def plan_programs(
 
 
 def split_programs(programs: Sequence[Program], plan: Plan) -> list[Program]:
-    """Programs lowered over each replica's first rank, copied to its tensor peers (see [Note: one agreed order]).
+    """Programs lowered over each replica's first rank, copied to its peers (see [Note: one agreed order]).
 
-    `programs[r]` is rank r's; a tensor peer's own (nothing to run) is replaced by its first rank's, with
-    messages and all-reduce groups moved to the ranks of its tensor index.
+    `programs[r]` is rank r's; a peer's own (nothing to run) is replaced by its first rank's, with messages
+    and all-reduce groups moved to the ranks of its index in the replica.
 
     Raises:
-        ValueError: an all-reduce over ranks of different tensor degrees (a weight two stages share whose
-            degrees differ: give them one degree).
+        ValueError: an all-reduce over ranks of different widths (a weight two stages share whose tensor or
+            context degrees differ: give them one degree).
     """
-    tensor = [s.tensor for s in plan.stages]
+    tensor = [s.width for s in plan.stages]
     place: dict[int, tuple[int, int, int]] = {}  # rank -> (its group's first rank, its index, the group's degree)
     for s in plan.stages:
         for group in s.rank_groups:
             for k, r in enumerate(group):
-                place[r] = (group[0], k, s.tensor)
+                place[r] = (group[0], k, s.width)
 
     def degree(r: int) -> int:
         return place.get(r, (r, 0, 1))[2]
@@ -259,9 +261,9 @@ def split_programs(programs: Sequence[Program], plan: Plan) -> list[Program]:
                 ops.append(replace(op, peer=op.peer + k % tensor[op.src]))
             elif op.kind == "AR":
                 if len({degree(r) for r in op.group}) > 1:
-                    raise ValueError(f"ranks {list(op.group)} all-reduce weights they share, but their stages split "
-                                     f"layers {[degree(r) for r in op.group]} ways; stages sharing a weight need one "
-                                     "tensor degree")
+                    raise ValueError(f"ranks {list(op.group)} all-reduce weights they share, but their stages hold "
+                                     f"{[degree(r) for r in op.group]} ranks per replica; stages sharing a weight need "
+                                     "one tensor and context degree")
                 ops.append(replace(op, group=tuple(r + k for r in op.group)))
             else:
                 ops.append(op)

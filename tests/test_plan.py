@@ -156,3 +156,47 @@ def test_a_sliced_plan_with_the_programs_the_runtime_lowers_checks() -> None:
     assert max(op.microbatch for p in plan.programs for op in p.ops if op.is_compute) == plan.pieces - 1 == 3
     plan.check()
     Plan.from_json(plan.to_json())
+
+
+def test_expert_and_context_degrees_round_trip_default_and_are_checked() -> None:
+    # pp 2 x dp 2: each stage's experts split over its 2 replicas, its sequence over 2 ranks per replica
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 2], expert=2, expert_layers=["layers.0.mlp.experts"],
+                           context=2, context_attention=["layers.0.attn"]),
+                 StagePlan(1, "cpu", ["b"], ranks=[4, 6], expert=2, expert_layers=["layers.1.mlp.experts"],
+                           context=2, reads_from=[0])], data_split="slice")
+    text = plan.to_json()
+    back = Plan.from_json(text)
+    assert back == plan and back.stages[0].rank_groups == [[0, 1], [2, 3]] and back.ranks == 8
+    assert "context_attention" not in json.loads(text)["stages"][1]  # a field at its default is not written
+    old = json.loads(make().to_json())  # a plan written before the fields existed loads with them at 1
+    assert all(s.expert == 1 and s.context == 1 and not s.expert_layers for s in Plan.from_json(json.dumps(old)).stages)
+    assert "expert" not in make().to_json() and "context" not in make().to_json()
+    last = plan.summary().splitlines()[-1]
+    assert "experts split 2 ways; sequence split 2 ways;" in last and "split" not in make().summary().splitlines()[-1]
+    for bad, words in [
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], expert=2)], data_split="slice"), "names no expert_layers"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1, 2], expert=2, expert_layers=["e"])], data_split="slice"),
+         "use a divisor of 3"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], expert=2, expert_layers=["e"])]), "dispatch tokens"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0], context=2)]), "context=2: a replica's context ranks"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0], context_attention=["x"])]), "over context=1 rank"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0, 1], context=2)], data_split="slice"), "overlap"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0], context=2), StagePlan(1, "cpu", ["b"], ranks=[2])],
+              data_split="slice"), "give every stage context=2"),
+        (Plan([StagePlan(0, "cpu", ["a"], ranks=[0], context=2)], data_split="slice", staleness=1),
+         "staleness=1 with experts or a sequence split"),
+        (Plan([StagePlan(0, "cpu", ["a"], expert=0)]), r"stages\[0\].expert=0; use an integer >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bad.check()
+
+
+def test_context_peers_get_their_replicas_program_and_send_gradients_back() -> None:
+    # 2 stages, each one replica of 2 context ranks: ranks 1 and 3 run copies of ranks 0 and 2's programs, and
+    # every context rank of stage 1 sends its stage input's gradient (whole, the same on both) to its own peer
+    plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0], context=2),
+                 StagePlan(1, "cpu", ["b"], ranks=[2], context=2, reads_from=[0])], micro_batches=2,
+                data_split="slice")
+    programs = [" ".join(map(str, p.ops)) for p in plan_programs(plan)]
+    assert programs[1] == programs[0].replace(" r2 ", " r3 ") and programs[3] == programs[2].replace(" r0 ", " r1 ")
+    assert "SEND s1->s0 mb0 r1" in programs[3] and "RECV s1->s0 mb0 r3" in programs[1]

@@ -24,6 +24,13 @@ data-parallel groups, whose collectives DTensor and FSDP2 post) and of gradient 
 checker), which before every collective compares its fingerprint (sequence number, op, shapes,
 dtypes) across the group's ranks on a gloo helper group, so a collective posted out of order is an
 error naming both ranks' collectives, before it runs, instead of a hang or a wrong sum.
+
+That checker compares an all-to-all's op only (its splits may differ by rank): two all-to-alls posted
+in another order on two ranks, or a send count its peer does not expect, pass it and then move the
+wrong rows under NCCL. `check_all_to_all` adds what it leaves out (rules 4 and 5 for all-to-all): before
+each all-to-all of expert dispatch, every rank of the group shares what it is about to post (which
+exchange, the rows it sends to and expects from each peer, row shape, dtype), and each checks that its
+peers post the same exchange and that every count it sends is the count the peer expects from it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch.distributed as dist
 
 from runtime.comm import P2P, Work
 
-__all__ = ["NcclRuleError", "NcclRulesComm", "collective_checks"]
+__all__ = ["NcclRuleError", "NcclRulesComm", "check_all_to_all", "collective_checks"]
 
 _HEADER, _ACK = 1, 2  # control-group tags: the sender's description, the receiver's answer
 _META_BYTES = 32  # byte count (8), batch number (4), op index (4), dtype name (16)
@@ -72,6 +79,31 @@ def collective_checks(on: bool) -> Iterator[None]:
         yield
     finally:
         dist.set_debug_level(before)
+
+
+def check_all_to_all(group: Any, label: str, sends: Sequence[int], expects: Sequence[int], row: Sequence[int],
+                     dtype: torch.dtype) -> None:
+    """Rules 4 and 5 for the all-to-all `label` about to be posted on `group` (module docstring): every rank
+    calls it at the same point with `sends[p]` rows of shape `row` for the group's rank p and `expects[p]`
+    from it; raises NcclRuleError on every rank, naming both sides, where they do not pair up."""
+    mine = (label, [int(n) for n in sends], [int(n) for n in expects], [int(d) for d in row], str(dtype))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    me = dist.get_rank(group)
+    problems = []
+    for peer, (theirs, their_sends, their_expects, their_row, their_dtype) in enumerate(everyone):
+        if theirs != label:
+            problems.append(f"group rank {peer} posts {theirs!r} where group rank {me} posts {label!r}")
+        elif (their_row, their_dtype) != (mine[3], mine[4]):
+            problems.append(f"{label}: group rank {peer} moves rows {their_row} ({their_dtype}), group rank {me} "
+                            f"rows {mine[3]} ({mine[4]})")
+        elif their_sends[me] != mine[2][peer] or their_expects[me] != mine[1][peer]:
+            problems.append(f"{label}: group rank {me} sends {mine[1][peer]} rows to group rank {peer}, which expects "
+                            f"{their_expects[me]}, and expects {mine[2][peer]} from it, which sends {their_sends[me]}")
+    if problems:
+        raise NcclRuleError(f"rank {dist.get_rank()}: all-to-alls that do not pair up (NCCL moves the wrong rows or "
+                            "hangs; post each exchange in one order on every rank, with the counts its peers "
+                            "expect): " + "; ".join(problems))
 
 
 class _Meta(NamedTuple):

@@ -27,6 +27,7 @@ from torch import nn
 
 from runtime import checkpoint
 from runtime.async_updates import AsyncTrainer, refuse_optimizer
+from runtime.axis_reduce import AxisReductions
 from runtime.calibration_hook import Calibratable, StepCall
 from runtime.comm import Comm, TorchComm
 from runtime.errors import PartitionError
@@ -72,6 +73,7 @@ class DistributedPipeline(Calibratable, nn.Module):
         other_mode_error: str | None = None,
         input_dims: Sequence[SplitDim] | None = None,
         rank_devices: Sequence[torch.device] | None = None,
+        axes: AxisReductions | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -99,8 +101,10 @@ class DistributedPipeline(Calibratable, nn.Module):
         self._pieces = plan.pieces
         self._sharded = {s.index: s.module for s in stages if isinstance(s.module, ShardedRun)}
         readers = tensor_stages(gm, plan.stage_of())
+        self._axes = axes or AxisReductions()  # sums inside replicas: sequence parts, split experts
         self._groups, self._loss_group = grad_groups(plan, model, readers, self.rank, self._wire,
-                                                     checked=os.environ.get(NCCL_RULES_ENV) == "1")
+                                                     checked=os.environ.get(NCCL_RULES_ENV) == "1",
+                                                     leave=self._axes.experts)
         reduced = {op.group for op in self._program if op.kind == "AR"}
         missing = [g.ranks for g in self._groups if g.ranks not in reduced]
         if missing:
@@ -283,6 +287,7 @@ class DistributedPipeline(Calibratable, nn.Module):
                 except Exception as exc:  # noqa: BLE001 - a peer died during the all-reduce
                     raise self.transport.group_failure(g.ranks, exc) from None
                 interpreter._record("allreduce-wait", min(self._stages), -1, start)
+            self._axes.run()
         write_back(step)
         interpreter.end()  # the step's activations go with its graph (runtime.interpreter)
         self.end_step()

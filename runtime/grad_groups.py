@@ -5,14 +5,16 @@ across stages. Where stages split layers over t tensor ranks ([Note: ranks of a 
 ranks of one tensor index k hold the same part of it (a DTensor's local shard, or the whole weight
 where it is not split), so its gradient is summed over the data dimension only: ranks[j] + k of every
 replica j of every stage reading it, one group per k, as runtime.program.split_programs moves the
-programs' AR ops. Weights FSDP2 shards (read by one sharded stage only) are reduced by FSDP2, not here.
+programs' AR ops. Weights FSDP2 shards (read by one sharded stage only) are reduced by FSDP2, not here; the
+ranks of a replica that split its sequence sum theirs afterwards, as do replicas holding the same experts
+(runtime.axis_reduce).
 
     leaders (0, 4), t = 2:   k = 0 -> AR r0,4     k = 1 -> AR r1,5
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -79,22 +81,24 @@ def _sharded_only(plan: Plan, stages: list[int]) -> bool:
 
 
 def grad_groups(plan: Plan, model: nn.Module, readers: Mapping[int, tuple[torch.Tensor, list[int]]], rank: int,
-                wire: Callable[..., torch.device], *, checked: bool = False
+                wire: Callable[..., torch.device], *, checked: bool = False, leave: Collection[int] = ()
                 ) -> tuple[list[GradGroup], dist.ProcessGroup | None]:
     """This rank's gradient groups and its group of the last stage's replicas (to sum the loss), or None.
 
     Every rank creates every group, in one order (sorted, then by tensor index). `readers`:
     runtime.stage.tensor_stages of the graph (after its stages were split and sharded); `wire(*ranks)`:
-    where a group's tensors travel; `checked`: runtime.nccl_rules.collective_checks on the groups.
+    where a group's tensors travel; `checked`: runtime.nccl_rules.collective_checks on the groups. `leave`: ids
+    of weights summed otherwise (split experts: runtime.axis_reduce).
     """
     names = {id(p): n for n, p in model.named_parameters()}
     by_ranks: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]] = {}
     for t, stages in readers.values():
-        if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in names and not _sharded_only(plan, stages):
+        if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in names and not _sharded_only(plan, stages) \
+                and id(t) not in leave:
             ranks = tuple(sorted({r for s in stages for r in plan.stages[s].ranks}))
             by_ranks.setdefault(ranks, []).append((names[id(t)], t))
     last_ranks = tuple(sorted(plan.stages[-1].ranks))
-    degree = {r: s.tensor for s in plan.stages for r in s.ranks}
+    degree = {r: s.width for s in plan.stages for r in s.ranks}
     groups: list[GradGroup] = []
     loss_group = None
     with collective_checks(checked):

@@ -1,9 +1,14 @@
-"""A rank's share of a plan that splits layers: its tensor and data-parallel groups, its stages split and sharded.
+"""A rank's share of a plan that splits layers: its tensor, data, expert and context groups, its stages split.
 
-Every rank creates every group in one order (`dist.new_group` is collective), then keeps its own:
+Every rank creates every group in one order (`dist.new_group` is collective), then keeps its own
+([Note: ranks of a split stage] in runtime/plan_axes.py: replica j on ranks[j] + c t + k, tensor innermost):
 
-    tensor groups   ranks[j] .. ranks[j] + t - 1 of every stage replica (TP innermost), sorted
-    data groups     per sharded stage and tensor index k: ranks[j] + k of every replica j (FSDP2's mesh)
+    tensor groups   ranks[j] + c t .. ranks[j] + c t + t - 1 of every replica j and context index c, sorted
+    data groups     per sharded stage and tensor index k: ranks[j] + c t + k of every replica j and c (FSDP2's
+                    mesh: the context ranks too, as torchtitan's dp_shard x cp)
+    expert groups   per stage splitting experts e ways and index i in the replica: ranks[j] + i of e consecutive
+                    replicas j (all-to-all), and of the replicas holding the same experts (their gradients)
+    context groups  per stage splitting its sequence and replica j, tensor index k: ranks[j] + c t + k of every c
 
 A stage both split and sharded gets one 2-D (data, tensor) mesh of its two groups, and its tensor and
 data meshes are that mesh's dimensions: FSDP2 shards DTensor weights only over a mesh that shares a
@@ -29,22 +34,28 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from runtime.axis_groups import AxisGroups, axis_groups, data_ranks, tensor_ranks
+from runtime.axis_reduce import AxisReductions, Reduction
+from runtime.context_graph import ContextGraph
+from runtime.context_parallel import parallelize_sequence
+from runtime.expert_parallel import ExpertDispatch, parallelize_experts
 from runtime.nccl_rules import collective_checks
 from runtime.plan import Plan, StagePlan
 from runtime.sharding import ShardedStage, ShardingConfig, shard_stage
-from runtime.stage import Stage
+from runtime.stage import Rewrite, Stage
 
-__all__ = ["RankSplit", "ShardedRun", "shard_stages", "sharding_config", "split_groups", "splits_layers",
-           "tensor_index"]
+__all__ = ["RankSplit", "ShardedRun", "axis_reductions", "axis_rewrite", "expert_params", "shard_stages",
+           "sharding_config", "split_groups", "splits_layers", "tensor_index"]
 
 
 def splits_layers(plan: Plan) -> bool:
-    """Whether any stage splits layers over tensor ranks or shards its weights over replicas."""
-    return any(s.tensor > 1 or s.sharding != "none" for s in plan.stages)
+    """Whether any stage splits layers, experts or its sequence, or shards its weights over replicas."""
+    return any(s.tensor > 1 or s.sharding != "none" or s.expert > 1 or s.context > 1 for s in plan.stages)
 
 
 def tensor_index(plan: Plan, rank: int) -> int:
@@ -52,17 +63,19 @@ def tensor_index(plan: Plan, rank: int) -> int:
     for s in plan.stages:
         for group in s.rank_groups:
             if rank in group:
-                return group.index(rank)
+                return group.index(rank) % s.tensor
     return 0
 
 
 @dataclass
 class RankSplit:
-    """This rank's groups: its tensor mesh (None: its stages split nothing) and each sharded stage's data mesh."""
+    """This rank's groups: its tensor mesh (None: its stages split nothing), each sharded stage's data mesh, and
+    its expert and context groups (runtime.axis_groups)."""
 
     tensor_index: int = 0
     tensor_mesh: DeviceMesh | None = None
     data_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
+    axes: AxisGroups = field(default_factory=AxisGroups)
 
 
 def split_groups(plan: Plan, device_type: str, timeout_s: float, *, checked: bool = False) -> RankSplit:
@@ -72,26 +85,26 @@ def split_groups(plan: Plan, device_type: str, timeout_s: float, *, checked: boo
     collectives in the same order (runtime.nccl_rules.collective_checks).
     """
     rank = dist.get_rank()
-    tensor_groups = sorted({tuple(g) for s in plan.stages if s.tensor > 1 for g in s.rank_groups})
-    data_groups = sorted({tuple(r + k for r in s.ranks) for s in plan.stages if s.sharding != "none"
-                          for k in range(s.tensor)})
+    tensor_groups = sorted({g for s in plan.stages if s.tensor > 1 for g in tensor_ranks(s)})
+    data_groups = sorted({data_ranks(s, k) for s in plan.stages if s.sharding != "none" for k in range(s.tensor)})
     timeout = datetime.timedelta(seconds=timeout_s)
     split = RankSplit(tensor_index(plan, rank))
     handles: dict[tuple[int, ...], Any] = {}
     with collective_checks(checked):
         for ranks in [*tensor_groups, *data_groups]:
             handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
+        split.axes = axis_groups(plan, rank, device_type, timeout, checked)  # experts, sequence: after, in one order
     meshes: dict[tuple[tuple[int, ...] | None, ...], DeviceMesh] = {}  # stages on one rank share its meshes
     for s in plan.stages:
         if rank not in s.all_ranks:
             continue
-        tensor = tuple(next(g for g in s.rank_groups if rank in g)) if s.tensor > 1 else None
-        data = tuple(r + split.tensor_index for r in s.ranks) if s.sharding != "none" else None
+        tensor = next(g for g in tensor_ranks(s) if rank in g) if s.tensor > 1 else None
+        data = data_ranks(s, split.tensor_index) if s.sharding != "none" else None
         if tensor is not None and data is not None:  # FSDP2 over DTensors: one (data, tensor) mesh
             if (data, tensor) not in meshes:
                 meshes[data, tensor] = DeviceMesh.from_group(
-                    [handles[data], handles[tensor]], device_type, mesh=torch.tensor([list(g) for g in s.rank_groups]),
-                    mesh_dim_names=("data", "tensor"))
+                    [handles[data], handles[tensor]], device_type,
+                    mesh=torch.tensor([list(g) for g in tensor_ranks(s)]), mesh_dim_names=("data", "tensor"))
             split.tensor_mesh, split.data_meshes[s.index] = meshes[data, tensor]["tensor"], meshes[data, tensor]["data"]
         elif tensor is not None and split.tensor_mesh is None:
             split.tensor_mesh = DeviceMesh.from_group(handles[tensor], device_type)
@@ -179,10 +192,11 @@ def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: n
         spec = plan.stages[stage.index]
         if spec.sharding == "none" or not any(True for _ in stage.module.parameters()):
             continue  # a stage without weights has nothing to shard: its replicas run their slices as they are
-        tied = [t for t, readers_of in readers.values() if stage.index in readers_of and len(readers_of) > 1]
-        other = other_of.get(stage.index)
+        tied = _tied(stage.index, readers)
+        other = other_of.get(stage.index)  # split experts stay whole to FSDP2 (runtime.axis_reduce sums them)
         sharded = shard_stage(stage.module, split.data_meshes[stage.index], sharding_config(plan, spec), model=model,
-                              unsharded=tied, owners=owners, other=other.module if other is not None else None)
+                              unsharded=[*tied, *expert_params(stage.module)], owners=owners,
+                              other=other.module if other is not None else None)
         for module in sharded.root.modules():
             if isinstance(module, FSDPModule):  # a sum over replicas, as the runtime's own all-reduce
                 module.set_gradient_divide_factor(1.0)
@@ -193,3 +207,51 @@ def shard_stages(stages: Sequence[Stage], plan: Plan, split: RankSplit, model: n
             other.module = run.other_mode()  # type: ignore[assignment]
         runs.append(run)
     return runs
+
+
+def _tied(index: int, readers: Mapping[int, tuple[torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+    """Weights stage `index` reads that another stage reads too."""
+    return [t for t, readers_of in readers.values() if index in readers_of and len(readers_of) > 1]
+
+
+def expert_params(module: nn.Module) -> list[nn.Parameter]:
+    """The split experts' weights of a stage module (each ExpertDispatch's own), in module order."""
+    return [p for m in module.modules() if isinstance(m, ExpertDispatch) for p in m.parameters(recurse=False)]
+
+
+def axis_rewrite(plan: Plan, split: RankSplit, gm: torch.fx.GraphModule, model: nn.Module) -> Rewrite:
+    """runtime.stage's `rewrite` for this rank: split a stage's experts (runtime.expert_parallel), then its sequence
+    (runtime.context_parallel, read off the whole graph `gm` once), on the groups `split` holds."""
+    found: list[ContextGraph] = []
+
+    def rewrite(module: torch.fx.GraphModule, index: int, device: torch.device) -> dict[int, nn.Parameter]:
+        spec, swaps = plan.stages[index], {}
+        if spec.expert > 1:
+            swaps = parallelize_experts(module, spec.expert_layers, split.axes.experts[index], model.get_submodule,
+                                        split.axes.checked)
+        if spec.context > 1:
+            if not found:
+                found.append(ContextGraph.of(gm))
+            parallelize_sequence(module, found[0], split.axes.context[index], spec.context_attention, device)
+        return swaps
+
+    return rewrite
+
+
+def axis_reductions(stages: Sequence[Stage], plan: Plan, split: RankSplit,
+                    readers: Mapping[int, tuple[torch.Tensor, list[int]]]) -> AxisReductions:
+    """What runtime.axis_reduce sums for this rank's stages (built and sharded), in stage order."""
+    out = AxisReductions()
+    for stage in sorted(stages, key=lambda s: s.index):
+        spec, experts = plan.stages[stage.index], expert_params(stage.module)
+        out.experts |= {id(p) for p in experts}
+        if experts and stage.index in split.axes.expert_data:
+            out.reductions.append(Reduction(f"stage {stage.index} experts", split.axes.expert_data[stage.index],
+                                            experts))
+        if spec.context > 1:
+            whole = list(dict.fromkeys(stage.module.parameters())) if spec.sharding == "none" else [
+                *_tied(stage.index, readers), *experts]
+            params = [p for p in whole if isinstance(p, nn.Parameter) and p.requires_grad]
+            out.reductions.append(Reduction(f"stage {stage.index} sequence", split.axes.context[stage.index].group,
+                                            params))
+    return out

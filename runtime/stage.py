@@ -32,6 +32,8 @@ __all__ = ["Stage", "build_stages", "stage_io", "switches_state", "tensor_stages
 _DROP_TARGETS = {"_guards_fn", torch.ops.aten._assert_tensor_metadata.default}
 # (tensor, device) pairs to give storage -> (ids of the tensors it filled, undo); see runtime.materialize
 Materialize = Callable[[list[tuple[torch.Tensor, torch.device]]], tuple[set[int], Callable[[], None]]]
+# (stage graph, stage index, device) -> {id(old parameter): new}: experts and sequence split (runtime.layer_split)
+Rewrite = Callable[[torch.fx.GraphModule, int, torch.device], dict[int, nn.Parameter]]
 
 
 @dataclass
@@ -236,6 +238,7 @@ def build_stages(
     materialize: Materialize | None = None,
     tensor_mesh: DeviceMesh | None = None,
     owners: Sequence[nn.Module] = (),
+    rewrite: Rewrite | None = None,
 ) -> tuple[list[Stage], Callable[[], None]]:
     """Build the stage modules of `plan` and move the model's weights to their devices.
 
@@ -253,7 +256,8 @@ def build_stages(
 
     `tensor_mesh` (with `local`): this process's tensor-parallel mesh; a stage with `tensor` > 1 has its
     `tensor_groups` split on it (runtime.tensor_parallel) before recomputation wraps it, and the modules
-    of `gm` and `owners` (the model) then hold the split parameters.
+    of `gm` and `owners` (the model) then hold the split parameters. `rewrite` (with `local`) then splits its
+    experts and sequence (runtime.layer_split.axis_rewrite), the same modules pointed at its new parameters.
 
     Returns the stages and an `undo` function that restores every weight as it was.
     """
@@ -312,7 +316,8 @@ def build_stages(
         built = []
         for s in wanted:
             split = (tensor_mesh, [gm, *owners], swapped) if tensor_mesh is not None else None
-            built.append(_build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers, split))
+            axes = (rewrite, [gm, *owners], swapped) if rewrite is not None else None
+            built.append(_build_one(gm, plan, s, devices[s], io[s], nodes, homes, wrappers, split, axes))
     except BaseException:
         undo()
         raise
@@ -329,6 +334,7 @@ def _build_one(
     homes: dict[int, tuple[torch.Tensor, torch.device | None]],
     wrappers: dict[str, DeferredBatchNorm | DeferredBatchNormOp],
     split: tuple[DeviceMesh, list[nn.Module], list[tuple[nn.Module, str, Any]]] | None = None,
+    axes: tuple[Rewrite, list[nn.Module], list[tuple[nn.Module, str, Any]]] | None = None,
 ) -> Stage:
     inputs, outputs = io
     own = [nodes[name] for name in plan.stages[s].nodes if nodes[name].target not in _DROP_TARGETS]
@@ -407,6 +413,9 @@ def _build_one(
         parallelize_stage(module, mesh, plan.stages[s].tensor_groups)
         after = dict(module.named_parameters(remove_duplicate=False))
         swapped += rebind(roots, {id(p): after[n] for n, p in before.items() if n in after})
+    if axes is not None:  # experts and sequence split, on the graph the tensor split left
+        rewrite, roots, swapped = axes
+        swapped += rebind(roots, rewrite(module, s, device))
     if plan.recomputes:  # every stage, "none" ones too: see [Note: recomputation replays the stage's random numbers]
         module = wrap(module, plan.stages[s].recompute, device, deferred, writes)
     return Stage(s, device, module, inputs, outputs, deferred, writes)

@@ -30,11 +30,11 @@ from partitioner.place.planning import finish_plan
 from partitioner.request import PlanRequest, RunOptions
 from runtime.distributed import NCCL_RULES_ENV, DistributedPipeline
 from runtime.launch import init_process_group, joined_devices
-from runtime.layer_split import RankSplit, shard_stages, split_groups, splits_layers
+from runtime.layer_split import RankSplit, axis_reductions, axis_rewrite, shard_stages, split_groups, splits_layers
 from runtime.materialize import Materializer
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan
-from runtime.stage import Stage, build_stages, stage_io, tensor_stages, weight_groups
+from runtime.stage import Rewrite, Stage, build_stages, stage_io, tensor_stages, weight_groups
 
 __all__ = ["build_pipeline", "on_devices", "traced_call"]
 
@@ -129,9 +129,11 @@ def _local(model: nn.Module, example: Example, plan: Plan, request: PlanRequest,
            fill: Materializer | None) -> Pipeline:
     traced, gm = example.traced, example.graph_module
     if splits_layers(plan):
-        raise PartitionError("the plan splits layers across tensor ranks or shards weights over replicas "
-                             f"(tensor {[s.tensor for s in plan.stages]}, sharding "
-                             f"{[s.sharding for s in plan.stages]}), which runs one process per rank: launch with "
+        raise PartitionError("the plan splits layers across tensor ranks, experts or a sequence, or shards weights "
+                             f"over replicas (tensor {[s.tensor for s in plan.stages]}, sharding "
+                             f"{[s.sharding for s in plan.stages]}, expert {[s.expert for s in plan.stages]}, "
+                             f"context {[s.context for s in plan.stages]}), which runs one process per rank: "
+                             "launch with "
                              "torchrun --nproc_per_node="
                              f"{plan.ranks}, or use a plan with tensor=1 and sharding='none' on every stage")
     batched = shaped(model, traced, batched_outputs, traced, example.flat, example.first_chunk, example.dims,
@@ -172,7 +174,7 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
         if splits_layers(plan) else RankSplit()  # every rank makes every group, before any stage uses one
     owners = [model] + ([traced.other_mode] if traced.other_mode is not None else [])
     stages, undo = _build(gm, plan, local=mine, device=devices[rank], fill=fill, tensor_mesh=split.tensor_mesh,
-                          owners=owners)
+                          owners=owners, rewrite=axis_rewrite(plan, split, gm, model))
     undos = [undo]
     try:
         other: StageGraph | None = None
@@ -181,20 +183,21 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
             other_plan = same_cuts(traced.other_mode, plan, gm)
             finish_plan(other_plan, traced.other_mode, model, processes=True, regenerate=False)
             other_stages, other_undo = _build(traced.other_mode, other_plan, local=mine, device=devices[rank],
-                                              fill=fill, tensor_mesh=split.tensor_mesh, owners=[model, gm])
+                                              fill=fill, tensor_mesh=split.tensor_mesh, owners=[model, gm],
+                                              rewrite=axis_rewrite(other_plan, split, traced.other_mode, model))
             undos.append(other_undo)
             other_output, _, other_constants = _graph_io(traced.other_mode)
             other = StageGraph(other_stages, other_output, other_constants, other_plan,
                                stage_io(traced.other_mode, other_plan))
         # both modes' stages shard as one: see [Note: sharding both modes of a stage] (runtime.mode_units)
-        shard_stages(stages, plan, split, model, tensor_stages(gm, plan.stage_of()), owners=owners[1:] + [gm],
-                     others=other_stages)
+        readers = tensor_stages(gm, plan.stage_of())
+        shard_stages(stages, plan, split, model, readers, owners=owners[1:] + [gm], others=other_stages)
         _, placeholders, constants = _graph_io(gm)
         groups = weight_groups(gm, plan.stage_of(), [list(s.ranks) for s in plan.stages], model)
         return DistributedPipeline(
             model, gm, plan, stages, io, traced.flatten_inputs, traced.unflatten_outputs, placeholders, constants,
             run.timeout, groups, traced.mutated_inputs, other, traced.other_mode_error, example.dims,
-            rank_devices=devices,
+            rank_devices=devices, axes=axis_reductions(stages, plan, split, readers),
         )
     except BaseException:
         for u in reversed(undos):
@@ -204,11 +207,11 @@ def _distributed(model: nn.Module, example: Example, plan: Plan, run: RunOptions
 
 def _build(gm: torch.fx.GraphModule, plan: Plan, local: list[int] | None = None,
            device: torch.device | None = None, fill: Materializer | None = None, tensor_mesh: Any = None,
-           owners: Sequence[nn.Module] = ()) -> tuple[list[Stage], Callable[[], None]]:
+           owners: Sequence[nn.Module] = (), rewrite: Rewrite | None = None) -> tuple[list[Stage], Callable[[], None]]:
     """runtime.stage.build_stages, with a plan it cannot build as a PartitionError (a refused cut names itself)."""
     try:
         return build_stages(gm, plan, local=local, device=device, materialize=fill, tensor_mesh=tensor_mesh,
-                            owners=owners)
+                            owners=owners, rewrite=rewrite if splits_layers(plan) else None)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 

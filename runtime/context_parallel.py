@@ -1,0 +1,298 @@
+"""Split a stage's sequence over its context ranks: each runs its tokens, attention over all keys gathered.
+
+`parallelize_sequence(gm, found, group, attentions)` rewrites a stage graph (runtime.stage) in place, by
+what runtime.context_graph found in the whole graph ([Note: splitting the sequence of a graph]):
+
+    stage input (whole, as the pipeline sends it) ─► ContextSlice: my tokens (two chunks, below)
+      positions: arange(my length) ─► ContextPositions: the global positions of my tokens (RoPE, tables)
+      attention:  q (mine) x K, V ─► ContextAttention: K and V all-gathered from the group, causal mask
+                                     from the global positions of the queries and keys
+    stage output ◄─ ContextGather: every rank's tokens, back in sequence order (whole, as it was)
+
+Load balance: the sequence is cut into 2c equal chunks and rank r of c holds chunks r and 2c - 1 - r
+(torchtitan's "headtail"), so under a causal mask every rank attends over the same number of keys:
+
+    c = 2, the sequence in 4 chunks:   | 0 | 1 | 2 | 3 |    rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
+
+Keys and values are all-gathered, not passed around a ring: one collective per attention in each
+direction (backward: a reduce-scatter of their gradients), O(S) keys per rank, the mask applied by
+torch's own scaled_dot_product_attention; a ring (K/V in c - 1 steps overlapping compute) is not built.
+
+Gradients: a stage input's gradient is every rank's rows all-gathered (whole on every rank, as the
+pipeline sends it back); an output's gradient is whole on every rank and each keeps its rows; weights
+get the gradient of their rank's tokens, summed over the group at the end of the step
+(runtime.axis_reduce).
+
+[Note: one order of context collectives]
+Every rank of a context group runs the same stage graph on the same micro-batch (its part of it) in the
+same program, so each posts the same all-gathers in graph order (forward) and autograd's order
+(backward), recomputation alike; nothing branches on the rank or on values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, cast
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
+
+__all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice",
+           "parallelize_sequence", "positions"]
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """A context group: its process group, this rank's index in it and its size."""
+
+    group: Any
+    index: int
+    degree: int
+
+
+def positions(local: int, cg: ContextGroup, rank: int | None = None, device: Any = None) -> torch.Tensor:
+    """The global positions of the `local` tokens of group rank `rank` (default: this one): chunks r, 2c - 1 - r."""
+    r = cg.index if rank is None else rank
+    if local % 2:
+        raise ValueError(f"a rank's part of the sequence holds {local} tokens, not two equal chunks: use a sequence "
+                         f"length that is a multiple of {2 * cg.degree} (2 x the context degree)")
+    half = local // 2
+    return torch.cat([torch.arange(r * half, (r + 1) * half, device=device),
+                      torch.arange((2 * cg.degree - 1 - r) * half, (2 * cg.degree - r) * half, device=device)])
+
+
+def _every(local: int, cg: ContextGroup, device: Any) -> torch.Tensor:
+    """Global positions of the tokens of every rank, in group order (the order of an all-gather)."""
+    return torch.cat([positions(local, cg, r, device) for r in range(cg.degree)])
+
+
+def _gather(x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+    """Every rank's `x` along `dim`, in group order."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] * cg.degree, *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=cg.group)
+    return out.movedim(0, dim)
+
+
+def _check_length(whole: int, cg: ContextGroup) -> None:
+    if whole % (2 * cg.degree):
+        raise ValueError(f"a sequence of {whole} tokens does not split into 2 x {cg.degree} equal chunks (context "
+                         f"degree {cg.degree}); use a length that is a multiple of {2 * cg.degree}")
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+        _check_length(x.shape[dim], cg)
+        ctx.dim, ctx.cg = dim, cg
+        return x.index_select(dim, positions(x.shape[dim] // cg.degree, cg, device=x.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _ordered(_gather(grad, ctx.dim, ctx.cg), ctx.dim, ctx.cg), None, None
+
+
+def _ordered(gathered: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+    """Rows gathered in group order, put back in sequence order."""
+    every = _every(gathered.shape[dim] // cg.degree, cg, gathered.device)
+    return gathered.index_select(dim, torch.argsort(every))
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+        ctx.dim, ctx.cg, ctx.local = dim, cg, x.shape[dim]
+        return _ordered(_gather(x, dim, cg), dim, cg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # whole and equal on every rank: keep mine
+        return grad.index_select(ctx.dim, positions(ctx.local, ctx.cg, device=grad.device)), None, None
+
+
+class _GatherKeys(torch.autograd.Function):
+    """Keys or values of every rank along dim -2, in group order; backward sums each rank's part's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cg: ContextGroup) -> torch.Tensor:
+        ctx.cg = cg
+        return _gather(x, x.dim() - 2, cg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        moved = grad.movedim(grad.dim() - 2, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // ctx.cg.degree, *moved.shape[1:]))
+        dist.reduce_scatter_tensor(out, moved, group=ctx.cg.group)
+        return out.movedim(0, grad.dim() - 2), None
+
+
+class ContextSlice(nn.Module):
+    """A whole stage input -> this rank's tokens along `dim`."""
+
+    def __init__(self, dim: int, cg: ContextGroup) -> None:
+        super().__init__()
+        self.dim, self.cg = dim, cg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, _Slice.apply(x, self.dim, self.cg))
+
+
+class ContextGather(nn.Module):
+    """This rank's tokens along `dim` -> the whole stage output, in sequence order."""
+
+    def __init__(self, dim: int, cg: ContextGroup) -> None:
+        super().__init__()
+        self.dim, self.cg = dim, cg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, _Gather.apply(x, self.dim, self.cg))
+
+
+class ContextPositions(nn.Module):
+    """`arange(start, end)` over this rank's part of the sequence -> the global positions of its tokens."""
+
+    def __init__(self, cg: ContextGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cg, self.dtype, self.device = cg, dtype, device
+
+    def forward(self, *bounds: Any) -> torch.Tensor:
+        start, end = (0, bounds[0]) if len(bounds) == 1 else bounds[:2]
+        return (positions(int(end) - int(start), self.cg, device=self.device) + int(start)).to(self.dtype)
+
+
+class ContextTable(nn.Module):
+    """`table[start:end]` along `dim` over this rank's part -> the table's rows at the global positions."""
+
+    def __init__(self, cg: ContextGroup, dim: int) -> None:
+        super().__init__()
+        self.cg, self.dim = cg, dim
+
+    def forward(self, table: torch.Tensor, dim: int, start: Any = 0, end: Any = None) -> torch.Tensor:
+        start = int(start or 0)
+        local = positions(int(end) - start, self.cg, device=table.device) + start
+        return table.index_select(self.dim, local)
+
+
+class ContextAttention(nn.Module):
+    """Causal attention of this rank's queries over every rank's keys and values (module docstring)."""
+
+    def __init__(self, cg: ContextGroup) -> None:
+        super().__init__()
+        self.cg = cg
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        keys, values = _GatherKeys.apply(k, self.cg), _GatherKeys.apply(v, self.cg)
+        mine = positions(q.shape[-2], self.cg, device=q.device)
+        every = _every(k.shape[-2], self.cg, q.device)
+        mask = every.unsqueeze(0) <= mine.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _arg(node: torch.fx.Node, index: int, key: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(key, default)
+
+
+def _call(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, module: nn.Module, args: tuple[Any, ...],
+          kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(name, args, kwargs or {})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
+
+
+def parallelize_sequence(gm: torch.fx.GraphModule, found: ContextGraph, cg: ContextGroup,
+                         attentions: Sequence[str], device: torch.device) -> None:
+    """Split the sequence of the stage graph `gm` over `cg` (module docstring); in place.
+
+    `found` is runtime.context_graph's reading of the whole traced graph; `attentions` the module paths
+    of the attentions whose mask the plan checked to be causal (an attention with is_causal=True and no
+    mask needs none). Every rank of the group calls it with the same graph (see [Note: one order of
+    context collectives]).
+
+    Raises:
+        ValueError: the graph has no sequence to split, an op of the stage mixes tokens, an attention
+            whose mask is not known to be causal, dropout in attention, a value crossing the stage
+            boundary that is not one sequence.
+    """
+    if found.symbol is None:
+        raise ValueError(f"the stage's sequence cannot be split: {found.why_not}")
+    symbol, names = found.symbol, {n.name for n in gm.graph.nodes}
+    blocked = [f"{n} ({why})" for n, why in found.blocked.items() if n in names]
+    if blocked:
+        raise ValueError(f"the stage mixes tokens along the sequence at {', '.join(blocked[:4])}: these need the whole "
+                         "sequence on one rank; cut the stage elsewhere or run it with context=1")
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            _entry(gm, node, found, cg, symbol)
+        elif node.name in found.positions:
+            dtype = node.meta["val"].dtype
+            _call(gm, node, f"cp_{node.name}", ContextPositions(cg, dtype, device), tuple(node.args))
+        elif node.name in found.tables:
+            dim, _ = found.tables[node.name]
+            _call(gm, node, f"cp_{node.name}", ContextTable(cg, dim), tuple(node.args))
+        elif node.op == "call_function" and node.target in ATTENTION:
+            _attention(gm, node, found, cg, attentions)
+        elif node.op == "output":
+            _exit(gm, node, found, cg, symbol)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _entry(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any) -> None:
+    value = found.values.get(node.name)  # the value of the node of the whole graph this input is
+    dims, tokens = sequence_dims(value, symbol), token_dims(value, symbol)
+    if not tokens or (len(dims) > 1 and node.name in found.mask_only):
+        return  # no sequence, or a mask no attention reads (each rank's own, from its own part)
+    if len(dims) != 1 or tokens != dims:
+        raise ValueError(f"stage input {node.name} has shape {tuple(getattr(value, 'shape', ()))}, not one sequence "
+                         "dim; cut the stage where values hold one (between layers)")
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        gm.add_submodule(f"cp_in_{node.name}", ContextSlice(dims[0], cg))
+        local = gm.graph.call_module(f"cp_in_{node.name}", (node,))
+    local.meta = dict(node.meta)
+    for user in users:
+        user.replace_input_with(node, local)
+
+
+def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any) -> None:
+    outputs = node.args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return
+    whole = []
+    for k, value in enumerate(outputs):
+        val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        dims, tokens = sequence_dims(val, symbol), token_dims(val, symbol)
+        if not tokens or (len(dims) > 1 and value.name in found.mask_only):
+            whole.append(value)
+            continue
+        if len(dims) != 1 or tokens != dims:
+            raise ValueError(f"stage output {value.name} has shape {tuple(getattr(val, 'shape', ()))}, not one "
+                             "sequence dim; cut the stage where values hold one (between layers)")
+        gm.add_submodule(f"cp_out{k}", ContextGather(dims[0], cg))
+        with gm.graph.inserting_before(node):
+            whole.append(gm.graph.call_module(f"cp_out{k}", (value,)))
+    node.args = (type(outputs)(whole),)
+
+
+def _attention(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup,
+               attentions: Sequence[str]) -> None:
+    path = found.attention.get(node.name, "")
+    if not found.causal.get(node.name) and path not in attentions:
+        raise ValueError(f"attention {node.name} ({path or 'the root module'}) is not in the stage's "
+                         f"context_attention {list(attentions)}: only an attention whose mask is the causal one "
+                         "splits its sequence (partitioner.capture.sequence finds them)")
+    dropout = _arg(node, 4, "dropout_p", 0.0)
+    if dropout:
+        raise ValueError(f"attention {node.name} ({path}) drops out with p={dropout}; the sequence split does not "
+                         "reproduce it: train with attention dropout 0")
+    kwargs = {k: v for k, v in node.kwargs.items() if k in ("scale", "enable_gqa")}
+    _call(gm, node, f"cp_{node.name}", ContextAttention(cg), tuple(node.args[:3]), kwargs)

@@ -20,6 +20,7 @@ from partitioner.capture.leaves import functions_as_leaves, markers_recorded, ta
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.capture.rejected import model_rejects
 from partitioner.capture.untraceable import trace_error, where
+from partitioner.capture.whole import expert_stacks
 from partitioner.errors import PartitionError
 from runtime.mutation import mutated_inputs, order_mutations
 
@@ -79,16 +80,17 @@ class _Tracer(torch.fx.Tracer):
     get_attr that the stage builder can copy to whichever device needs it.
     """
 
-    def __init__(self, not_leaves: set[nn.Module]) -> None:
+    def __init__(self, not_leaves: set[nn.Module], experts: set[nn.Module] | None = None) -> None:
         super().__init__()
         self.not_leaves = not_leaves
+        self.experts = experts or set()  # stacks of experts: one node each, as on the export path (capture.whole)
         # Buffers become get_attr nodes (not baked-in constants), so they stay the model's; node.meta["stack_trace"]
         self.proxy_buffer_attributes = self.record_stack_traces = True  # lets errors name forward's lines
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m in self.not_leaves:
             return False
-        return super().is_leaf_module(m, module_qualified_name)
+        return m in self.experts or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
         with functions_as_leaves(self), markers_recorded(self, root):
@@ -162,10 +164,11 @@ def _fx_trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     names = list(signature.parameters)
 
     not_leaves = _shared_modules(model)
+    experts = {model.get_submodule(path) for path in expert_stacks(model)}
 
     def trace_once() -> tuple[_Tracer, torch.fx.Graph, set[nn.Module]]:
         """The trace, and the modules with weights it calls more than once that are still leaves."""
-        tracer = _Tracer(not_leaves)
+        tracer = _Tracer(not_leaves, experts)
         with warnings.catch_warnings():  # fx cannot assert a baked tensor default; flatten_inputs checks it
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=concrete)

@@ -1,0 +1,52 @@
+"""partitioner.capture.sequence and runtime.context_graph: whether a graph's sequence splits, its causal attentions
+and positions, and what needs the whole sequence (with the reason)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partitioner.capture.sequence import find_sequence_split
+from partitioner.capture.trace import trace
+from runtime.context_parallel import ContextGroup, positions
+from tests import zoo
+
+pytest.importorskip("transformers")
+
+
+def _traced(family: str, seq: int = 16, **config: object) -> torch.fx.GraphModule:
+    case = zoo.hf_case(family)
+    for key, value in {"use_cache": False, **config}.items():
+        setattr(case.config, key, value)
+    return trace(case.build(), (torch.randint(0, 128, (2, seq)),)).graph_module
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+def test_causal_decoders_split_their_sequence(family: str) -> None:
+    found = find_sequence_split(_traced(family))
+    assert found.splits and found.length == 16 and found.inputs == {"input_ids": 1}
+    assert [a.mask for a in found.attention] == ["causal mask (checked at 16 tokens)"] * 2  # the model's own mask
+    assert found.positions == ["arange"] and found.degrees() == (1, 2, 4, 8)  # 2 x degree chunks of 16
+    layer = "transformer.h.{}.attn" if family == "gpt2" else "model.layers.{}.self_attn"
+    assert found.attentions_within([a.node for a in found.attention]) == [layer.format(0), layer.format(1)]
+
+
+def test_a_sliding_window_a_padding_mask_and_eager_attention_stay_whole() -> None:
+    window = find_sequence_split(_traced("mistral", sliding_window=4))
+    assert not window.splits and all("not the causal one at 16 tokens" in w.reason for w in window.whole)
+    case = zoo.hf_case("llama")
+    case.config.use_cache = False
+    ids = torch.randint(0, 128, (2, 16))
+    padded = trace(case.build(), (ids,), {"attention_mask": torch.ones(2, 16, dtype=torch.long)}).graph_module
+    found = find_sequence_split(padded)
+    assert not found.splits and any("reads the values of input attention_mask" in w.reason for w in found.whole)
+    eager = find_sequence_split(_traced("gpt_oss"))  # attention with sinks, written out: no SDPA to gather for
+    assert not eager.splits and eager.why_not == "the graph has no scaled_dot_product_attention"
+
+
+def test_each_rank_holds_two_chunks_head_and_tail() -> None:
+    # 8 tokens over 2 ranks in 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    group = ContextGroup(None, 0, 2)
+    assert positions(4, group).tolist() == [0, 1, 6, 7] and positions(4, group, rank=1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        positions(3, group)

@@ -401,6 +401,58 @@ ZOO.update({
 })
 
 
+class PlainExperts(nn.Module):
+    """A stack of experts of one shape, as Hugging Face writes them: weights (E, ...) and
+    experts(hidden (T, W), index (T, k), weights (T, k)) -> (T, W), the sum over each token's k slots."""
+
+    def __init__(self, experts: int = 4, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, width, hidden) / math.sqrt(width))
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, width) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(index == e)
+            h = torch.relu(x[token] @ self.w_in[e]) @ self.w_out[e]
+            out = out.index_add(0, token, h * weights[token, slot].unsqueeze(-1))
+        return out
+
+
+class PlainMoE(nn.Module):
+    """A plain PyTorch mixture of experts: a router (Linear), its top-k, a stack of experts; no Hugging Face."""
+
+    def __init__(self, width: int = 16, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = PlainExperts(experts, width)
+        self.top_k, self.width = top_k, width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.width)
+        weights, index = torch.topk(self.router(flat).softmax(-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(flat, index, weights).view_as(x)
+
+
+class PlainMoEModel(nn.Module):
+    """Tokens -> embedding -> blocks of (norm, MoE, residual) -> head: a plain MoE language model (torch.fx path)."""
+
+    def __init__(self, vocab: int = 64, width: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.moes = nn.ModuleList(PlainMoE(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
 # --- Hugging Face families from their default configs, only the sizes shrunk (tests/test_hf_models.py) ---
 
 

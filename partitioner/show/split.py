@@ -1,4 +1,4 @@
-"""How each stage of a plan is split across ranks: replicas, tensor degree, sharding, memory per GPU by kind (text)."""
+"""How each stage of a plan is split across ranks: replicas, tensor, context and expert degrees, sharding, memory."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ __all__ = ["split_summary"]
 
 
 def split_summary(plan: Plan) -> str:
-    """A fixed-width table of each stage's ranks, replicas, tensor degree, sharding and memory by kind, and the
-    training precision; "" for a plan no stage of which is replicated, split or sharded (nor a precision given)."""
-    if not plan.precision and all(s.replicas == 1 and s.tensor == 1 and s.sharding == "none" for s in plan.stages):
+    """A fixed-width table of each stage's ranks, replicas, tensor degree (context and expert degrees where a stage
+    splits its sequence or experts), sharding and memory by kind, and the training precision; "" for a plan no
+    stage of which is replicated, split or sharded (nor a precision given)."""
+    if not plan.precision and all(s.replicas == 1 and s.width == 1 and s.expert == 1 and s.sharding == "none"
+                                  for s in plan.stages):
         return ""
-    header = ("stage", "ranks", "replicas", "tensor", "sharding", *KINDS, "memory")
+    axes = [(name, key) for name, key in (("context", "context"), ("expert", "expert"))
+            if any(getattr(s, key) > 1 for s in plan.stages)]
+    header = ("stage", "ranks", "replicas", "tensor", *(name for name, _ in axes), "sharding", *KINDS, "memory")
     rows = []
     for s in plan.stages:
         kinds = memory_kinds(plan, s)
         rows.append((str(s.index), rank_span(s.all_ranks) if s.all_ranks else str(s.index), str(s.replicas),
-                     str(s.tensor), s.sharding, *(human_bytes(kinds[k]) for k in KINDS), human_bytes(s.memory_bytes)))
+                     str(s.tensor), *(str(getattr(s, key)) for _, key in axes), s.sharding,
+                     *(human_bytes(kinds[k]) for k in KINDS), human_bytes(s.memory_bytes)))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*header), line.format(*("-" * w for w in widths)), *(line.format(*r) for r in rows)]

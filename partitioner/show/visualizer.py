@@ -114,7 +114,7 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
             "activation_bytes": s.activation_bytes, "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes,
             "allreduce_ms": s.allreduce_ms, "memory_bytes": s.memory_bytes, "capacity_bytes": s.capacity_bytes,
             "ranks": list(s.ranks), "reads_from": list(s.reads_from), "replicas": s.replicas, "tensor": s.tensor,
-            "sharding": s.sharding, "kinds": memory_kinds(plan, s),
+            "context": s.context, "expert": s.expert, "sharding": s.sharding, "kinds": memory_kinds(plan, s),
         }
         for s in plan.stages
     ]
@@ -180,8 +180,11 @@ def _title(plan: runtime_plan.Plan) -> str:
     ranks = {r for s in plan.stages for r in s.all_ranks}
     hosts = {plan.host_of(r) for r in ranks}
     tensor = max(s.tensor for s in plan.stages)
+    context, expert = max(s.context for s in plan.stages), max(s.expert for s in plan.stages)
     sharding = sorted({s.sharding for s in plan.stages} - {"none"})
     extra = (f", {tensor} tensor ranks per replica" if tensor > 1 else "") + (
+        f", sequence split over {context} ranks" if context > 1 else "") + (
+        f", experts split over {expert} replicas" if expert > 1 else "") + (
         f", replicas sharded {'/'.join(sharding)}" if sharding else "") + (
         f", precision {plan.precision.get('name') or plan.precision.get('compute')}" if plan.precision else "")
     return f"{stages} on {len(ranks)} GPUs ({len(hosts)} hosts x {plan.gpus_per_host}){extra}"

@@ -46,6 +46,7 @@ from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
 from partitioner.place.devices.search import evaluate, solve_hybrid  # noqa: E402
 from partitioner.place.replicated import plan_hybrid  # noqa: E402
 from partitioner.place.search.problem import HybridProblem  # noqa: E402
+from partitioner.place.search.space import SearchSpace  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests.graphs import fork_join_graph  # noqa: E402
 
@@ -203,7 +204,8 @@ def main() -> None:
     big, big_order = synthetic_graph(args.big)
     names = [f"cuda:{i}" for i in range(args.stages)]
     seconds, plan = timed(
-        lambda: plan_hybrid(big, big_order, names, cluster(args.stages), micro_batches=8, replicate=False), 3)
+        lambda: plan_hybrid(big, big_order, names, cluster(args.stages), space=SearchSpace(micro_batches=8),
+                            replicate=False), 3)
     print(f"hybrid: planned {args.big} nodes into {args.stages} stages (no replicas, m=8): median {seconds:.3f} s; "
           f"target < 2 s; predicted step {plan.predicted_step_ms:.1f} ms")
     names = [f"cuda:{i}" for i in range(args.devices)]

@@ -61,6 +61,7 @@ from partitioner.place.cluster.fixed import Fixed, price_fixed  # noqa: E402
 from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
 from partitioner.place.cluster.priced import search_priced  # noqa: E402
 from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
+from partitioner.place.search.space import SearchSpace  # noqa: E402
 
 MEGATRON_FP16 = Precision("float16", "float32", "float32", "float32", name="fp16 / fp32 master")
 WITHIN = 0.15
@@ -190,8 +191,8 @@ def run(row: Row, chosen: bool) -> tuple[bool, bool]:
     if not chosen:
         return ok, True
     try:
-        plan, found = plan_on_cluster(graph, order, cluster, cost, precision=row.precision, shardable=shardable,
-                                      recompute="auto")
+        plan, found = plan_on_cluster(graph, order, cluster, cost, shardable=shardable,
+                                      space=SearchSpace(recompute="auto", precision=row.precision))
         step = plan.predicted_step_ms / 1e3
         extra = f", {found.sharding}" if found.sharding != "none" else ""
         print(f"         chosen, runs here: {configuration(found.tensor, found.stages, found.replicas, extra)}, "

@@ -43,11 +43,13 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import Shardable, find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
-from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster  # noqa: E402
+from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
+from partitioner.place.cluster.prepare import cluster_problem  # noqa: E402
 from partitioner.place.cluster.search import fill, search_cluster  # noqa: E402
 from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
 from partitioner.place.devices.search import solve_hybrid  # noqa: E402
 from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
+from partitioner.place.search.space import SearchSpace  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
 GPT3 = GPTConfig(vocab=50257, width=12288, heads=96, layers=96, seq=2048)
@@ -80,8 +82,8 @@ def plan_gpt3(graph: object, order: list[str], shardable: Shardable, gpus: int) 
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     start = time.perf_counter()
     try:
-        plan, found = plan_on_cluster(graph, order, cluster, cost, recompute="auto",  # type: ignore[arg-type]
-                                      precision=MIXED, shardable=shardable)
+        plan, found = plan_on_cluster(graph, order, cluster, cost, space=SearchSpace(recompute="auto", precision=MIXED),
+                                      shardable=shardable)
     except InfeasibleError as exc:
         needs = re.search(r"At least (.*? GiB per GPU) is needed (\(.*?\))", str(exc))
         return time.perf_counter() - start, f"InfeasibleError: needs {needs.group(1)} {needs.group(2)}" if needs \

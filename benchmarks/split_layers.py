@@ -48,9 +48,9 @@ from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.meta import empty_weights  # noqa: E402
-from partitioner.place.cluster.axes import SplitChoice  # noqa: E402
 from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
 from partitioner.place.search.graph_costs import per_micro_batch  # noqa: E402
+from partitioner.place.search.space import SearchSpace  # noqa: E402
 from partitioner.predict.memory_kinds import KINDS, memory_kinds  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
 
@@ -74,11 +74,11 @@ def traced(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, list[str]
     return graph, [n.name for n in compute_nodes(gm)], find_shardable(gm, graph), time.perf_counter() - start
 
 
-def plan(shape: str, graph: Any, order: list[str], shardable: Any, **options: Any) -> tuple[Any, Any, float]:
+def plan(shape: str, graph: Any, order: list[str], shardable: Any, **space: Any) -> tuple[Any, Any, float]:
     cluster = Cluster.parse(shape)
     start = time.perf_counter()
     made, found = plan_on_cluster(graph, order, cluster, AnalyticCostModel(cluster_devices(cluster)[2]),
-                                  shardable=shardable, **options)
+                                  shardable=shardable, space=SearchSpace(**space))
     return made, found, time.perf_counter() - start
 
 
@@ -103,7 +103,7 @@ def llama_7b() -> tuple[float, float, int]:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     graph, order, shardable, took = traced(model, torch.zeros(512, 2048, dtype=torch.long, device="meta"))
     print(f"(a) 7B Llama on meta, traced in {took:.1f} s; 16x8 H100, global batch 512 x 2048 tokens")
-    before, found, s = plan("16x8xH100", graph, order, shardable, choice=SplitChoice(tensor=[1]))
+    before, found, s = plan("16x8xH100", graph, order, shardable, tensor=[1])
     print(f"    before (states at bf16, replicas whole): {describe(before, found, s)}")
     made, found, s = plan("16x8xH100", graph, order, shardable, precision=MIXED)
     print(f"    mixed precision, every axis:             {describe(made, found, s)}")
@@ -111,7 +111,7 @@ def llama_7b() -> tuple[float, float, int]:
     print("    memory per GPU by kind: " + ", ".join(f"{k} {human_bytes(kinds[k])}" for k in KINDS))
     small = per_micro_batch(graph, 16)  # a global batch of 32
     split, found_split, s = plan("16x8xH100", small, order, shardable, precision=MIXED)
-    whole, found_whole, _ = plan("16x8xH100", small, order, shardable, precision=MIXED, choice=SplitChoice(tensor=[1]))
+    whole, found_whole, _ = plan("16x8xH100", small, order, shardable, precision=MIXED, tensor=[1])
     print(f"    global batch 32, every axis: {describe(split, found_split, s)}")
     print(f"    global batch 32, tensor 1:   {describe(whole, found_whole, 0.0)}")
     return made.predicted_step_ms, before.predicted_step_ms, found_split.tensor

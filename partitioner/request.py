@@ -27,7 +27,7 @@ from cost_model.calibration_store import CalibrationArg
 from cost_model.precision import Precision
 from partitioner.errors import PartitionError
 from rules.schedules import either, schedule_names, searched_names
-from rules.sharding import SHARDING_MODES, ShardingMode
+from rules.sharding import SHARDING_MODES, ShardingMode, sharding_problem
 from runtime.materialize import Init
 from runtime.microbatch import InputSplitSpec, OutputMergeSpec, check_merge_spec
 from runtime.plan import RECOMPUTE_MODES, UPDATES, Schedule, Update
@@ -84,7 +84,7 @@ class PlanRequest:
     `devices`: one per rank (resolved torch devices; a described cluster's need not be here).
     `processes`: one process per rank (torchrun) rather than one process holding every device.
     `sharding` and `tensor`: what the hybrid search (replicas="auto") may shard replicas by and split layers
-    over; "auto": it chooses (partitioner.place.cluster.axes.SplitChoice), "none" and 1: it never does.
+    over; "auto": it chooses (partitioner.place.search.space.SearchSpace), "none" and 1: it never does.
     `cross_batch`: whether an operation mixing samples across the batch is refused with micro_batches > 1.
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
     described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the
@@ -170,9 +170,9 @@ class PlanRequest:
             if self.replicas != "auto":
                 raise PartitionError(f"sharding={self.sharding!r} shards stage replicas the hybrid planner makes; "
                                      "use replicas='auto' (or sharding='none')")
-            if self.precision is None:
-                raise PartitionError(f"sharding={self.sharding!r} needs the training precision its sharded states "
-                                     "are counted at: give precision= (e.g. 'mixed'), or use sharding='none'")
+            problem = sharding_problem(self.sharding, precision=self.precision is not None)
+            if problem is not None:
+                raise PartitionError(problem)
         if isinstance(self.tensor, int) and self.tensor > 1:
             if self.replicas != "auto":
                 raise PartitionError(f"tensor={self.tensor} splits layers in the stages the hybrid planner makes; "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 __all__ = ["GRADIENT_SYNCS", "SHARDING_MODES", "GradientSync", "ModeRule", "ShardingMode", "accumulates_unsharded",
-           "mode_rule", "reduces"]  # fmt: skip
+           "mode_rule", "reduces", "sharding_problem"]  # fmt: skip
 
 ShardingMode = Literal["none", "zero1", "zero2", "zero3"]
 GradientSync = Literal["last", "every"]
@@ -76,6 +76,19 @@ def mode_rule(mode: str, gradient_sync: str = "last") -> ModeRule:
         raise ValueError("zero1 reduces its gradients once a step, after the last micro-batch; "
                          "for a reduce-scatter every micro-batch use 'zero2' (or 'zero3')")
     return _RULES[mode]
+
+
+def sharding_problem(mode: object, *, precision: bool) -> str | None:
+    """Why replicas cannot be planned sharded by `mode`, or None: not a mode, or a sharded mode without a
+    training precision (a sharded state is counted at its own dtype: `precision=` gives them). The one check of
+    a mode's validity for planning: the request's and the searches' (a Plan's own stages are checked where it runs).
+    """
+    if not isinstance(mode, str) or mode not in _RULES:
+        return f"sharding={mode!r}; use one of {', '.join(map(repr, SHARDING_MODES))}"
+    if mode != "none" and not precision:
+        return (f"sharding={mode!r} needs the training precision its sharded states are counted at: give "
+                "precision= (e.g. 'mixed'), or use sharding='none'")
+    return None
 
 
 def reduces(mode: str, gradient_sync: str, last: bool) -> bool:

@@ -17,6 +17,7 @@ from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.graph_costs import per_micro_batch
+from partitioner.place.search.space import SearchSpace
 from partitioner.predict.assemble import assemble, finish
 from partitioner.predict.counting import stage_edges
 from partitioner.predict.simulator import ALLREDUCE, simulate
@@ -183,7 +184,7 @@ def test_every_planner_counts_through_assemble() -> None:
     branches = plan_branches(graph, order, [torch.device("cpu")] * 2, cost, 2, min_gain=0.0)
     assert branches.placement == "branches" and branches == rebuilt(branches, graph, cost)
     graph, order = traced("mlp")
-    hybrid = plan_hybrid(graph, order, ["cpu"] * 3, cost, micro_batches=[2, 4])
+    hybrid = plan_hybrid(graph, order, ["cpu"] * 3, cost, space=SearchSpace(micro_batches=[2, 4]))
     assert hybrid.placement == "hybrid"
     assert hybrid == rebuilt(hybrid, per_micro_batch(graph, hybrid.micro_batches), cost)
 
@@ -196,7 +197,7 @@ def test_three_planners_give_the_same_numbers_for_the_same_placement() -> None:
     plans = [
         plan_pipeline(graph, order, [cpu], cost, 1),
         plan_branches(graph, order, [cpu, cpu], cost, 1),  # nothing to place side by side: slot 1 stays idle
-        plan_hybrid(graph, order, ["cpu"], cost, micro_batches=1, schedules=("gpipe",)),
+        plan_hybrid(graph, order, ["cpu"], cost, space=SearchSpace(micro_batches=1, schedules=("gpipe",))),
     ]
     assert [p.placement for p in plans] == ["pipeline", "branches", "hybrid"]
     assert all(len(p.stages) == 1 and p.stages[0].nodes == order for p in plans)

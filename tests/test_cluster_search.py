@@ -18,7 +18,9 @@ from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.cluster.plan import cluster_problem, plan_on_cluster, replica_step
+from partitioner.place.cluster.look import replica_step
+from partitioner.place.cluster.plan import plan_on_cluster
+from partitioner.place.cluster.prepare import cluster_problem
 from partitioner.place.cluster.search import search_cluster, windows
 from partitioner.place.cluster.space import layout
 from partitioner.place.devices.problem import hybrid_problem
@@ -27,6 +29,7 @@ from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.blocks import block_cuts
 from partitioner.place.search.graph_costs import affine
 from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.space import SearchSpace
 from partitioner.predict.simulator import simulate
 from runtime.plan import Plan, StagePlan
 from runtime.program import plan_programs
@@ -203,7 +206,8 @@ def test_torchrun_runs_a_cluster_plans_rank_map(tmp_path: Path) -> None:
     gm = trace(model, (x,), {}).graph_module
     cluster = round_cluster(2, 2)
     made, _ = plan_on_cluster(build_graph(gm, [x]), [n.name for n in compute_nodes(gm)], cluster,
-                              AnalyticCostModel(cluster_devices(cluster)[2]), micro_batches=4, stages=2)
+                              AnalyticCostModel(cluster_devices(cluster)[2]), space=SearchSpace(micro_batches=4),
+                              stages=2)
     assert [len(s.ranks) for s in made.stages] == [2, 2]
     for stage, ranks in zip(made.stages, layout(2, 2, "pipelines-together")):
         stage.ranks = ranks
@@ -223,27 +227,26 @@ def test_recompute_auto_searches_both_ways_and_recomputes_where_nothing_fits_wit
     cluster = round_cluster(1, 2)
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     gpu = float(cost.spec(torch.device("cuda:0")).memory_bytes)
-    pin = {"stages": 2, "micro_batches": 4}
-    none, _ = plan_on_cluster(graph, order, cluster, cost, **pin)  # type: ignore[arg-type]
-    full, _ = plan_on_cluster(graph, order, cluster, cost, recompute="full", **pin)  # type: ignore[arg-type]
+    four, full_, auto_ = (SearchSpace(micro_batches=4, recompute=r) for r in ("none", "full", "auto"))
+    none, _ = plan_on_cluster(graph, order, cluster, cost, space=four, stages=2)
+    full, _ = plan_on_cluster(graph, order, cluster, cost, space=full_, stages=2)
     assert all(s.recompute == "none" for s in none.stages) and all(s.recompute == "full" for s in full.stages)
     held = [max(s.memory_bytes for s in p.stages) for p in (none, full)]
     assert held[1] < 0.5 * held[0]  # only the stage inputs kept
     assert full.predicted_step_ms > none.predicted_step_ms  # the forward runs twice
     headroom = 1.05 * held[1] / gpu  # room for the recomputing plan only
     with pytest.raises(InfeasibleError):
-        plan_on_cluster(graph, order, cluster, cost, headroom=headroom, **pin)  # type: ignore[arg-type]
-    auto, _ = plan_on_cluster(graph, order, cluster, cost, headroom=headroom, recompute="auto",
-                              **pin)  # type: ignore[arg-type]
+        plan_on_cluster(graph, order, cluster, cost, headroom=headroom, space=four, stages=2)
+    auto, _ = plan_on_cluster(graph, order, cluster, cost, headroom=headroom, space=auto_, stages=2)
     assert all(s.recompute == "full" for s in auto.stages)
     assert max(s.memory_bytes for s in auto.stages) <= headroom * gpu
-    roomy, _ = plan_on_cluster(graph, order, cluster, cost, recompute="auto", **pin)  # type: ignore[arg-type]
+    roomy, _ = plan_on_cluster(graph, order, cluster, cost, space=auto_, stages=2)
     assert all(s.recompute == "none" for s in roomy.stages)  # fits without: not recomputed
     # plan(recompute="auto") reaches the search through plan_hybrid (the device-list search finds nothing)
     devices = ["cuda:0", "cuda:1"]
     with pytest.raises(InfeasibleError):
-        plan_hybrid(graph, order, devices, cost, headroom=headroom, **pin)  # type: ignore[arg-type]
-    front = plan_hybrid(graph, order, devices, cost, headroom=headroom, recompute="auto", **pin)  # type: ignore[arg-type]
+        plan_hybrid(graph, order, devices, cost, headroom=headroom, space=four, stages=2)
+    front = plan_hybrid(graph, order, devices, cost, headroom=headroom, space=auto_, stages=2)
     assert all(s.recompute == "full" for s in front.stages)
 
 
@@ -278,6 +281,6 @@ def test_the_search_holds_what_a_recomputing_plan_holds(stages: int) -> None:
     graph, order = build_graph(gm, [x]), [n.name for n in compute_nodes(gm)]
     cluster = round_cluster(1, 2)
     made, found = plan_on_cluster(graph, order, cluster, AnalyticCostModel(cluster_devices(cluster)[2]),
-                                  stages=stages, micro_batches=8, recompute="full")
+                                  stages=stages, space=SearchSpace(micro_batches=8, recompute="full"))
     for held, stage in zip(found.memory, made.stages):
         assert 0.7 * stage.memory_bytes <= held <= 1.3 * stage.memory_bytes

@@ -19,12 +19,12 @@ from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
-from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.cluster.space import cheapest_modes
 from partitioner.place.search.blocks import block_cuts
 from partitioner.place.search.degrees import TensorDegree, split_groups
 from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.space import SearchSpace
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.show.visualizer import DrawablePlan, page_data
 
@@ -39,9 +39,10 @@ def traced(batch: int) -> tuple[nx.DiGraph, list[str], Shardable]:
     return graph, [n.name for n in compute_nodes(gm)], find_shardable(gm, graph)
 
 
-def planned(graph: nx.DiGraph, order: list[str], shardable: Shardable, **options: Any) -> Any:
+def planned(graph: nx.DiGraph, order: list[str], shardable: Shardable, stages: int | None = None,
+            headroom: float = 0.9, **space: Any) -> Any:
     return plan_on_cluster(graph, order, CLUSTER, AnalyticCostModel(cluster_devices(CLUSTER)[2]),
-                           shardable=shardable, **options)
+                           shardable=shardable, stages=stages, headroom=headroom, space=SearchSpace(**space))
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +52,15 @@ def two() -> tuple[nx.DiGraph, list[str], Shardable]:
 
 def test_the_search_keeps_the_fastest_tensor_degree(two: tuple[nx.DiGraph, list[str], Shardable]) -> None:
     chosen, _ = planned(*two)
-    forced = {t: planned(*two, choice=SplitChoice(tensor=[t]))[0].predicted_step_ms for t in (1, 2, 4)}
+    forced = {t: planned(*two, tensor=[t])[0].predicted_step_ms for t in (1, 2, 4)}
     assert chosen.predicted_step_ms == pytest.approx(min(forced.values()))
     with pytest.raises(Exception, match=r"tensor degrees \[3\] cannot split"):
-        planned(*two, choice=SplitChoice(tensor=[3]))
+        planned(*two, tensor=[3])
 
 
 def test_a_split_plan_names_its_groups_and_its_tensor_ranks(two: tuple[nx.DiGraph, list[str], Shardable]) -> None:
     graph, order, shardable = two
-    plan, found = planned(graph, order, shardable, choice=SplitChoice(tensor=[2]))
+    plan, found = planned(graph, order, shardable, tensor=[2])
     assert found.tensor == 2 and plan.programs == []  # lowered where it runs
     cuts = block_cuts([str(graph.nodes[x].get("module", "")) for x in order])
     groups = split_groups(shardable, 2, order, cuts)
@@ -69,14 +70,14 @@ def test_a_split_plan_names_its_groups_and_its_tensor_ranks(two: tuple[nx.DiGrap
         inside = set(stage.nodes)
         assert stage.tensor_groups == [g.spec() for g in groups if inside.issuperset(g.nodes)] != []
     plan.check()
-    whole, _ = planned(graph, order, shardable, choice=SplitChoice(tensor=[1]))
+    whole, _ = planned(graph, order, shardable, tensor=[1])
     assert sum(s.param_bytes for s in plan.stages) < 0.6 * sum(s.param_bytes for s in whole.stages)
 
 
 def test_sharded_replicas_slice_every_micro_batch() -> None:
     graph, order, shardable = traced(16)
     plan, found = planned(graph, order, shardable, precision=MIXED, micro_batches=8,
-                          choice=SplitChoice(tensor=[1], sharding=["zero3"]))
+                          tensor=[1], sharding=["zero3"])
     assert found.sharding == "zero3" and found.replicas == 8 and plan.data_split == "slice"
     assert plan.micro_batches == 1 and plan.precision == MIXED.to_dict()  # 8 micro-batches, each over 8 replicas
     stage = plan.stages[0]
@@ -108,7 +109,7 @@ def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
                                                                         "sharding"])
     assert [line.split()[4] for line in lines[at + 2:at + 4]] == modes  # the summary's sharding column
     # each mode alone on every stage, room for all: the plan's own memory and the search's W of each stage
-    alone = {mode: planned(graph, order, shardable, choice=SplitChoice(tensor=[1], sharding=[mode]), **pin)
+    alone = {mode: planned(graph, order, shardable, tensor=[1], sharding=[mode], **pin)
              for mode in ("none", "zero1", "zero2", "zero3")}
     for s, mode in enumerate(modes):
         assert all(f.bounds == found.bounds for _, f in alone.values())  # same cuts: stage s is the same nodes
@@ -116,7 +117,7 @@ def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
         faster = [x for x, (_, f) in alone.items() if f.work_s[s] < alone[mode][1].work_s[s]]
         assert all(alone[x][0].stages[s].memory_bytes > capacity for x in faster), (s, mode, faster)
     uniform, one = planned(graph, order, shardable, headroom=capacity / CLUSTER.gpu.memory_bytes,
-                           choice=SplitChoice(tensor=[1], sharding=["zero3"]), **pin)  # the only one mode that fits
+                           tensor=[1], sharding=["zero3"], **pin)  # the only one mode that fits
     assert found.step_s < one.step_s and plan.predicted_step_ms <= uniform.predicted_step_ms
     # a stage leaves the configuration's mode only for a strictly faster one that fits
     assert cheapest_modes({"zero3": ([2.0, 2.0], [5.0, 5.0]), "zero1": ([1.0, 2.0], [9.0, 4.0])}, "zero3",
@@ -125,7 +126,7 @@ def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
 
 def test_each_state_is_counted_at_its_dtype() -> None:
     graph, order, shardable = traced(16)
-    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "choice": SplitChoice(tensor=[1], sharding=["none"])}
+    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "tensor": [1], "sharding": ["none"]}
     before, _ = planned(graph, order, shardable, **pin)  # every state fp32, as the model: 16 bytes per parameter
     mixed, _ = planned(graph, order, shardable, precision=MIXED, **pin)  # bf16 copy 2 + master 4 + grads 4 + Adam 8
     params = before.stages[0].param_bytes // 4
@@ -136,7 +137,7 @@ def test_each_state_is_counted_at_its_dtype() -> None:
 
 def test_a_model_that_fits_under_another_precision_says_so() -> None:
     graph, order, shardable = traced(16)
-    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "choice": SplitChoice(tensor=[1], sharding=["none"])}
+    pin: dict[str, Any] = {"micro_batches": 8, "stages": 1, "tensor": [1], "sharding": ["none"]}
     bf16, _ = planned(graph, order, shardable, precision=PURE_BF16, **pin)
     mixed, _ = planned(graph, order, shardable, precision=MIXED, **pin)
     between = (bf16.stages[0].memory_bytes + mixed.stages[0].memory_bytes) / 2
@@ -149,7 +150,7 @@ def test_a_model_that_fits_under_another_precision_says_so() -> None:
 def test_a_cluster_plan_shows_its_split_and_memory_by_kind() -> None:
     graph, order, shardable = traced(16)
     plan, _ = planned(graph, order, shardable, precision=MIXED, micro_batches=8,
-                      choice=SplitChoice(tensor=[2], sharding=["zero2"]))
+                      tensor=[2], sharding=["zero2"])
     drawable = DrawablePlan.from_plan(plan)
     lines = drawable.summary().splitlines()
     header = next(line for line in lines if line.startswith("stage") and "tensor" in line).split()

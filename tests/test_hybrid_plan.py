@@ -25,6 +25,7 @@ from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.counts import micro_batch_counts
 from partitioner.place.search.graph_costs import at_batch, per_micro_batch
 from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.space import SearchSpace
 from tests.hybrid_worker import SmallCnn, cost as fixed_speed, planned
 from tests.test_distributed import results, torchrun
 
@@ -179,7 +180,8 @@ def small_cnn_graph(hidden: int) -> tuple[nx.DiGraph, list[str], Shardable]:
 def test_a_plan_that_splits_nothing_is_the_plan_made_without_split_groups() -> None:
     graph, order, found = small_cnn_graph(64)
     cost = BetweenProcesses(fixed_speed(10**9))
-    made = [plan_hybrid(graph, order, ["cpu"] * 4, cost, micro_batches=4, shardable=s) for s in (found, None)]
+    made = [plan_hybrid(graph, order, ["cpu"] * 4, cost, space=SearchSpace(micro_batches=4), shardable=s)
+            for s in (found, None)]
     assert all(s.tensor == 1 for s in made[0].stages)
     assert made[0].to_json() == made[1].to_json()
 

@@ -14,6 +14,7 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
 from partitioner.place.pippy_policy import _example_inputs, split_policy
 from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.space import SearchSpace
 from tests import zoo
 
 SPLIT = torch.ops.pippy._pipe_split.default
@@ -73,8 +74,8 @@ def test_pipeline_builds_the_planned_stages(name: str, speeds: list[float]) -> N
     graph = build_graph(gm, _example_inputs(gm))
     for _, attrs in graph.nodes(data=True):
         attrs["flops"], attrs["out_bytes"] = attrs.get("flops", 0) * 4, attrs.get("out_bytes", 0) * 4
-    direct = plan_hybrid(graph, [n.name for n in compute_nodes(gm)], devices, cluster(speeds), micro_batches=4,
-                         schedules=("1f1b",), replicate=False)
+    direct = plan_hybrid(graph, [n.name for n in compute_nodes(gm)], devices, cluster(speeds), replicate=False,
+                         space=SearchSpace(micro_batches=4, schedules=("1f1b",)))
     assert [s.nodes for s in direct.stages] == marked
 
     # PiPPy's stage modules hold exactly the weights of the planned stages and compute the model.

@@ -12,8 +12,7 @@ from cost_model.precision import MIXED
 from examples.models import make_gpt
 from partitioner.api import plan as make_plan
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.axes import SplitChoice
-from partitioner.place.planning import split_choice
+from partitioner.place.search.space import SearchSpace
 from partitioner.request import PlanRequest
 
 DEVICES = tuple(torch.device("cuda", i) for i in range(8))
@@ -41,11 +40,14 @@ def test_bad_sharding_or_tensor_names_the_fix(options: dict[str, Any], message: 
         request(**options)
 
 
-def test_sharding_and_tensor_become_the_search_choice() -> None:
-    assert split_choice(request()) == SplitChoice()  # "auto": the search chooses, as before the options existed
-    assert split_choice(request(sharding="none", tensor=1)) == SplitChoice(tensor=[1], sharding=["none"])
-    chosen = request(sharding="zero2", tensor=4, replicas="auto", precision=MIXED)
-    assert split_choice(chosen) == SplitChoice(tensor=[4], sharding=["zero2"])
+def test_sharding_and_tensor_become_the_search_space() -> None:
+    def space(made: PlanRequest) -> tuple[object, object]:
+        decoded = SearchSpace.of(made, "1f1b")
+        return decoded.tensor, decoded.sharding
+
+    assert space(request()) == (None, None)  # "auto": the search chooses, as before the options existed
+    assert space(request(sharding="none", tensor=1)) == ((1,), ("none",))
+    assert space(request(sharding="zero2", tensor=4, replicas="auto", precision=MIXED)) == ((4,), ("zero2",))
     assert request(sharding="none", tensor=1, replicas=(4, 4)).sharding == "none"  # never splits: always honoured
 
 

@@ -20,10 +20,10 @@ from partitioner.capture.meta import shapes_only
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
 from partitioner.meta import empty_weights
-from partitioner.place.cluster.axes import SplitChoice
 from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.search.graph_costs import per_micro_batch
 from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.space import SearchSpace
 from partitioner.predict.memory_kinds import memory_kinds
 
 Traced = tuple[nx.DiGraph, list[str], Shardable]
@@ -55,15 +55,15 @@ def gpt3() -> Traced:
     return _trace(model, torch.zeros(1536, 2048, dtype=torch.long, device="meta"))
 
 
-def on(shape: str, traced: Traced, **options: Any) -> Any:
+def on(shape: str, traced: Traced, stages: int | None = None, **space: Any) -> Any:
     cluster = Cluster.parse(shape)
     graph, order, shardable = traced
     return plan_on_cluster(graph, order, cluster, AnalyticCostModel(cluster_devices(cluster)[2]),
-                           shardable=shardable, **options)
+                           shardable=shardable, stages=stages, space=SearchSpace(**space))
 
 
 def test_llama_7b_trained_in_mixed_precision_fits_and_is_no_slower_than_before(llama_7b: Traced) -> None:
-    before, _ = on("16x8xH100", llama_7b, choice=SplitChoice(tensor=[1]))  # states at bf16, replicas whole
+    before, _ = on("16x8xH100", llama_7b, tensor=[1])  # states at bf16, replicas whole
     assert before.stages[0].memory_bytes < usable_bytes(80 * 2**30, "cuda")  # fits only as priced before
     plan, found = on("16x8xH100", llama_7b, precision=MIXED)
     capacity = plan.stages[0].capacity_bytes
@@ -75,14 +75,14 @@ def test_llama_7b_trained_in_mixed_precision_fits_and_is_no_slower_than_before(l
     assert plan.predicted_step_ms <= before.predicted_step_ms
     plan.check()
     with pytest.raises(InfeasibleError, match="does not fit"):  # that plan, its states counted as trained: over
-        on("16x8xH100", llama_7b, precision=MIXED, choice=SplitChoice(tensor=[1], sharding=["none"]), stages=1)
+        on("16x8xH100", llama_7b, precision=MIXED, tensor=[1], sharding=["none"], stages=1)
 
 
 def test_llama_7b_splits_layers_when_that_is_faster(llama_7b: Traced) -> None:
     graph, order, shardable = llama_7b
     small = (per_micro_batch(graph, 16), order, shardable)  # a global batch of 32 on 128 GPUs
     plan, found = on("16x8xH100", small, precision=MIXED)
-    whole, _ = on("16x8xH100", small, precision=MIXED, choice=SplitChoice(tensor=[1]))
+    whole, _ = on("16x8xH100", small, precision=MIXED, tensor=[1])
     assert found.tensor > 1 and plan.predicted_step_ms < whole.predicted_step_ms
     assert all(s.tensor == found.tensor and s.tensor_groups for s in plan.stages)
     plan.check()
@@ -92,10 +92,10 @@ def test_gpt3_175b_on_1024_a100_splits_layers_inside_hosts_and_as_published_with
     """SC'21 trained GPT-3 175B on 1,024 A100 at batch 1536 with t = 8, p = 16, d = 8 and no sharded optimizer.
     Under those conditions (sharding "none") the search chooses exactly that; allowed to shard the optimizer
     states (zero1) it may pick a smaller tensor degree, never a plan it predicts slower than forced t = 8."""
-    published, found = on("128x8xA100-SXM4-80GB", gpt3, precision=MIXED, choice=SplitChoice(sharding=["none"]))
+    published, found = on("128x8xA100-SXM4-80GB", gpt3, precision=MIXED, sharding=["none"])
     assert (found.tensor, found.stages, len(published.stages[0].ranks)) == (8, 16, 8)
     free, chosen = on("128x8xA100-SXM4-80GB", gpt3, precision=MIXED)
-    forced, _ = on("128x8xA100-SXM4-80GB", gpt3, precision=MIXED, choice=SplitChoice(tensor=[8]))
+    forced, _ = on("128x8xA100-SXM4-80GB", gpt3, precision=MIXED, tensor=[8])
     assert chosen.tensor > 1 and free.predicted_step_ms <= forced.predicted_step_ms
     for plan in (published, free):
         assert all(len({r // 8 for r in group}) == 1 for s in plan.stages for group in s.rank_groups)

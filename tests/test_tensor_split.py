@@ -13,7 +13,7 @@ from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import Shardable, find_shardable
 from partitioner.capture.trace import trace
-from partitioner.place.cluster.plan import cluster_problem
+from partitioner.place.cluster.prepare import cluster_problem
 from partitioner.place.search.blocks import block_cuts, block_ids
 from partitioner.place.search.degrees import crossing, split_groups
 from partitioner.place.search.tensor_split import collective_seconds, split_graph, split_problem

@@ -25,6 +25,7 @@ from cost_model.interface import CostModel
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
 from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.space import SearchSpace
 from runtime.plan import Plan
 
 __all__ = ["CostSplitPolicy", "split_policy"]
@@ -96,7 +97,7 @@ class CostSplitPolicy:
             )
         self.plan = plan_hybrid(
             graph, [n.name for n in nodes], self.devices, self.cost_model or AnalyticCostModel(),
-            micro_batches=self.micro_batches, schedules=(self.schedule,), replicate=False,
+            space=SearchSpace(micro_batches=self.micro_batches, schedules=(self.schedule,)), replicate=False,
             memory_bytes=self.memory_bytes, optimizer=self.optimizer,
         )
         by_name = {n.name: n for n in nodes}

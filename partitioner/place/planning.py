@@ -25,8 +25,9 @@ from partitioner.capture.shardable import find_shardable
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
-from partitioner.place.cluster.axes import SplitChoice
+from partitioner.place.devices.plan import plan_devices
 from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.space import SearchSpace
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
@@ -39,9 +40,8 @@ from runtime.recompute import kept_output_writes
 from runtime.stage import stage_io, weight_groups
 
 __all__ = [
-    "choose", "choose_recompute",
-    "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared", "schedule_layouts", "split_choice",
-    "stage_ranks_for", "within_memory",
+    "choose", "choose_recompute", "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared",
+    "schedule_layouts", "stage_ranks_for", "within_memory",
 ]
 
 def stage_ranks_for(request: PlanRequest) -> list[list[int]]:
@@ -54,12 +54,6 @@ def stage_ranks_for(request: PlanRequest) -> list[list[int]]:
         return stage_layout(request.world, schedule, request.replicas, request.virtual_stages)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-
-
-def split_choice(request: PlanRequest) -> SplitChoice:
-    """The tensor degrees and sharding modes the request lets the hybrid search use (None: it chooses)."""
-    return SplitChoice(tensor=None if request.tensor == "auto" else [request.tensor],
-                       sharding=None if request.sharding == "auto" else [request.sharding])
 
 
 @dataclass
@@ -168,9 +162,7 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
     whole_graph = lambda: build_graph(gm, placing.example.flat)  # noqa: E731 - the whole batch's shapes, on demand
     if request.replicas == "auto":  # the hybrid planner wants the whole batch's shapes and chooses the layout
         whole = whole_graph()
-        made = plan_hybrid(whole, placing.order, devices, cost, micro_batches=micro_batches,
-                           schedules=(schedule,), recompute=recompute if recompute in ("full", "auto") else "none",
-                           precision=request.precision, choice=split_choice(request),
+        made = plan_hybrid(whole, placing.order, devices, cost, space=SearchSpace.of(request, schedule),
                            shardable=find_shardable(gm, whole))  # replicas="auto" runs under torchrun
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
@@ -307,8 +299,8 @@ def within_memory(
         return plan
     shares = {d: sum(1 for x in devices if str(x) == d) for d in need}  # stages sharing one device split it
     limits = [capacity[str(d)] / shares[str(d)] for d in devices]
-    return plan_hybrid(
-        whole_graph(), order, devices, cost, micro_batches=micro_batches, schedules=("gpipe",),
+    return plan_devices(
+        whole_graph(), order, devices, cost, space=SearchSpace(micro_batches=micro_batches, schedules=("gpipe",)),
         replicate=False, stages=len(devices), memory_bytes=limits, optimizer="sgd",
     )
 

@@ -10,19 +10,17 @@ Neither search imports the other: this module, beside planning.py, is where they
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 import networkx as nx
 import torch
 
 from cost_model.interface import CostModel
-from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.axes import ANY_SPLIT, SplitChoice
 from partitioner.place.cluster.plan import cluster_of, plan_on_cluster
 from partitioner.place.devices.plan import plan_devices
-from partitioner.place.search.compare import SCHEDULES
+from partitioner.place.search.space import ANY, SearchSpace
 from runtime.plan import Plan
 
 __all__ = ["EXHAUSTIVE_GPUS", "plan_hybrid"]
@@ -36,17 +34,13 @@ def plan_hybrid(
     devices: Sequence[torch.device | str],
     cost: CostModel,
     *,
-    micro_batches: int | Sequence[int] | None = None,
-    schedules: Sequence[str] = SCHEDULES,
+    space: SearchSpace = ANY,
     stages: int | None = None,
     replicate: bool = True,
     memory_bytes: Sequence[float] | None = None,
     optimizer: str = "adam",
     headroom: float = 0.9,
-    recompute: Literal["none", "full", "auto"] = "none",
-    precision: Precision | None = None,
     shardable: Shardable | None = None,
-    choice: SplitChoice = ANY_SPLIT,
 ) -> Plan:
     """Plan `order` (compute nodes, topological) onto all of `devices`: stages, replicas, m, schedule.
 
@@ -54,58 +48,46 @@ def plan_hybrid(
         graph: annotated for one step's whole batch (`build_graph` on the full inputs).
         devices: every device (rank) of the job, in rank order; stage replicas take
             consecutive ones, and a stage's time is that of its slowest device.
-        micro_batches: the count to use, or candidates to choose from (default 1, 2, 4, ...).
-        schedules: the schedules the runtime may run ("gpipe" only in one process).
+        space: what the searches may choose (search/space.py: micro-batch counts, default 1, 2, 4, ...;
+            schedules, "gpipe" only in one process; recomputation and precision, which the cluster search
+            alone prices; tensor degrees and sharding modes: a degree > 1 or a sharding mode fixed there is
+            planned by the cluster search alone, tensor (1,) splits nothing).
         stages: force this many stages; replicate=False puts one stage on each device.
         memory_bytes: usable bytes per device (default: headroom x the spec's memory).
-        recompute: on a Cluster, search with full recomputation ("full"), or only when nothing fits
-            without it ("auto"); `plan()` then chooses each stage's mode (planning.choose_recompute).
-        precision: on a Cluster, the training precision states are counted at (and replicas may be
-            sharded under: cluster/plan.py).
         shardable: the layer groups tensor parallelism may split (partitioner.capture.shardable), for
             the cluster search and, on devices of one kind, the search over device lists
             (devices/split.py: a tensor degree per stage, kept only where it splits a layer and is
             predicted faster, or where nothing fits whole); None: every layer whole.
-        choice: the tensor degrees and sharding modes allowed (cluster.axes.SplitChoice; default: the search
-            chooses). The device-list search never shards and chooses each stage's degree, so a choice that
-            fixes a degree > 1 or a sharding mode is planned by the cluster search alone; tensor [1] splits nothing.
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
 
-    On all GPUs of a Cluster (the cost model prices one: `plan(cluster=...)`) the search is by counts
-    (partitioner/place/cluster/plan.py: stages x equal replicas, micro-batches, schedule, rank placement);
-    up to EXHAUSTIVE_GPUS GPUs this search over device lists (uneven replicas) runs too, and the
-    plan simulated faster is kept (not with a `precision`: that search counts every state at the model's dtype).
+    Which search runs: the module docstring (not the device-list search with a precision: it counts every
+    state at the model's dtype).
     """
     cluster = cluster_of(cost) if memory_bytes is None else None
-    unsplit = choice.tensor is not None and set(choice.tensor) == {1}
-    fixed = ([f"tensor degrees {list(choice.tensor)}"] if choice.tensor is not None and not unsplit else []) + (
-        [f"sharding {list(choice.sharding)}"] if choice.sharding is not None and set(choice.sharding) != {"none"}
-        else [])
-    counts_only = bool(fixed)  # what the device-list search cannot honour: the cluster search plans alone
+    fixed = space.cluster_only  # what the device-list search cannot honour: the cluster search plans alone
     counted: tuple[Plan, float] | None = None
     if cluster is not None and len(devices) == cluster.size:
-        alone = cluster.size > EXHAUSTIVE_GPUS or precision is not None or counts_only
+        alone = cluster.size > EXHAUSTIVE_GPUS or space.precision is not None or bool(fixed)
         try:
-            made, found = plan_on_cluster(graph, order, cluster, cost, micro_batches=micro_batches,
-                                          schedules=schedules, stages=stages, replicate=replicate,
-                                          optimizer=optimizer, headroom=headroom, recompute=recompute,
-                                          precision=precision, shardable=shardable, choice=choice)
+            made, found = plan_on_cluster(graph, order, cluster, cost, space=space, stages=stages,
+                                          replicate=replicate, optimizer=optimizer, headroom=headroom,
+                                          shardable=shardable)
             counted = made, found.step_s
         except PartitionError:
             if alone:
                 raise
         if counted is not None and alone:
             return counted[0]  # the device-list search counts states at the model's dtype only
-    if counts_only:
+    if fixed:
         raise PartitionError(f"{' and '.join(fixed)} are planned by the search over a cluster's GPUs only "
                              "(plan(cluster=...)); on a list of devices use tensor='auto' or 1 and sharding='auto' "
                              "or 'none'")
-    try:
-        plan = plan_devices(graph, order, devices, cost, micro_batches=micro_batches, schedules=schedules,
-                            stages=stages, replicate=replicate, memory_bytes=memory_bytes, optimizer=optimizer,
-                            headroom=headroom, shardable=None if unsplit else shardable)
+    try:  # recomputation is chosen per stage afterwards (planning.choose_recompute)
+        plan = plan_devices(graph, order, devices, cost, space=space.but(recompute="none"), stages=stages,
+                            replicate=replicate, memory_bytes=memory_bytes, optimizer=optimizer, headroom=headroom,
+                            shardable=None if space.unsplit else shardable)
     except PartitionError:
         if counted is None:
             raise

@@ -14,8 +14,7 @@ candidate inside) on a tensor group of t consecutive ranks from rank 0 (one host
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 import networkx as nx
 import numpy as np
@@ -24,31 +23,18 @@ import torch
 from cost_model.cluster_shape import Cluster
 from cost_model.collectives import ring_of
 from cost_model.interface import CostModel
-from cost_model.precision import DTYPE_BYTES, Precision, dtype_name
+from cost_model.precision import DTYPE_BYTES, dtype_name
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.errors import PartitionError
-from partitioner.place.cluster.space import Axes, tensor_degrees
+from partitioner.place.cluster.space import Axes
 from partitioner.place.search.blocks import block_ids
 from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.space import SearchSpace
 from partitioner.place.search.split_costs import StateRule
 from partitioner.place.search.tensor_split import split_problem
-from rules.sharding import SHARDING_MODES
 
-__all__ = ["ANY_SPLIT", "SplitChoice", "cluster_axes", "param_itemsize", "recomputed"]
+__all__ = ["cluster_axes", "param_itemsize"]
 
-
-@dataclasses.dataclass(frozen=True)
-class SplitChoice:
-    """What the caller allows: tensor degrees and sharding modes (None: every one worth trying), and whether split
-    layers run with sequence parallelism (search/tensor_split.py: priced only, for a configuration given whole)."""
-
-    tensor: Sequence[int] | None = None
-    sharding: Sequence[str] | None = None
-    sequence_parallel: bool = False
-
-
-ANY_SPLIT = SplitChoice()
 
 def param_itemsize(graph: nx.DiGraph) -> int:
     """Bytes of one weight element in the graph: the dtype of the first weight read (get_attr), else of the first
@@ -65,30 +51,12 @@ def param_itemsize(graph: nx.DiGraph) -> int:
 
 def cluster_axes(
     graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, plain: HybridProblem,
-    share: np.ndarray, cuts: np.ndarray | None, *, precision: Precision | None, shardable: Shardable | None,
-    optimizer: str = "adam", choice: SplitChoice = ANY_SPLIT,
+    share: np.ndarray, cuts: np.ndarray | None, degrees: Sequence[int], *, space: SearchSpace,
+    shardable: Shardable | None, optimizer: str = "adam",
 ) -> tuple[Axes, dict[int, list[ShardGroup]]]:
-    """The Axes of a cluster search (module docstring) and the groups each tensor degree splits.
-
-    Raises:
-        PartitionError: a tensor degree or sharding mode asked for that the model or cluster cannot take.
-    """
-    legal = sorted({t for g in shardable.groups for t in g.degrees}) if shardable is not None else []
-    degrees = tensor_degrees(cluster.size, cluster.gpus_per_host, legal)
-    if choice.tensor is not None:
-        unknown = sorted(set(choice.tensor) - set(degrees))
-        if unknown:
-            raise PartitionError(f"tensor degrees {unknown} cannot split this model on {cluster.shape}; it can take "
-                                 f"{degrees} (a split group's degree that divides the GPUs and a host's, or twice a "
-                                 "host)")
-        degrees = sorted(set(choice.tensor))
-    modes = tuple(SHARDING_MODES) if precision is not None else ("none",)
-    if choice.sharding is not None:
-        wrong = [m for m in choice.sharding if m not in SHARDING_MODES]
-        if wrong or (precision is None and set(choice.sharding) != {"none"}):
-            raise PartitionError(f"sharding {list(choice.sharding)}: use modes of {list(SHARDING_MODES)}, and give "
-                                 "precision= to shard (sharded states are counted at their own dtypes)")
-        modes = tuple(choice.sharding)
+    """The Axes of a cluster search (module docstring) over tensor `degrees` (space.tensor_degrees'), and the groups
+    each degree splits."""
+    modes = space.sharding_modes()
     device = torch.device("cuda:0")
     splits, groups = [], {}
     for t in degrees:
@@ -96,15 +64,9 @@ def cluster_axes(
         if t > 1 and not chosen:
             continue
         problem = split_problem(plain, graph, order, device, cost, t, chosen, ring_of(cluster, range(t)),
-                                choice.sequence_parallel)
+                                space.sequence_parallel)
         splits.append(TensorDegree.of(t, [problem], chosen, order))
         groups[t] = chosen
-    rule = StateRule(precision, param_itemsize(graph), optimizer)
+    rule = StateRule(space.precision, param_itemsize(graph), optimizer)
     blocks = np.array(block_ids([str(graph.nodes[x].get("module", "") or "") for x in order]), dtype=np.int64)
     return Axes(Degrees(tuple(splits)), modes, rule, blocks, share), groups
-
-
-def recomputed(axes: Axes, redo: Callable[[HybridProblem], HybridProblem]) -> Axes:
-    """`axes` with every split's problem passed through `redo` (e.g. full recomputation)."""
-    return dataclasses.replace(axes, degrees=Degrees(tuple(
-        dataclasses.replace(d, problems=tuple(redo(p) for p in d.problems)) for d in axes.degrees)))

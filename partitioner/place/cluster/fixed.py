@@ -24,11 +24,12 @@ from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.cluster.axes import SplitChoice, recomputed
-from partitioner.place.cluster.plan import prepare_search, recomputing
+from partitioner.place.cluster.prepare import prepare_search
 from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import ClusterSolution, RankOrder
+from partitioner.place.search.axes import Choice, search_choices
 from partitioner.place.search.graph_costs import batch_size
+from partitioner.place.search.space import SearchSpace
 from partitioner.place.search.virtual_stages import check_virtual
 from rules.schedules import searched_names
 
@@ -88,15 +89,19 @@ def price_fixed(
     if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full"):
         raise PartitionError(f"schedule={fixed.schedule!r}, recompute={fixed.recompute!r}: use one of "
                              f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none' or 'full'")
-    if precision is not None:
-        optimizer = precision.optimizer
-    prepared = prepare_search(graph, order, cluster, cost, m, optimizer=optimizer, headroom=headroom,
-                              precision=precision, shardable=shardable,
-                              choice=SplitChoice(tensor=[t], sharding=[fixed.sharding],
-                                                 sequence_parallel=fixed.sequence_parallel))
-    problem, axes = prepared.plain, prepared.axes
-    if fixed.recompute == "full":
-        problem = recomputing(problem, prepared.share, prepared.segment)
-        axes = recomputed(axes, lambda x: recomputing(x, prepared.share, prepared.segment))
-    return search_cluster(problem, cluster, micro_batches=[m], schedules=(fixed.schedule,), stages=p,
-                          cuts=prepared.cuts, orders=(fixed.order,), axes=axes, virtual=fixed.virtual_stages)
+    space = SearchSpace(micro_batches=m, schedules=(fixed.schedule,), recompute=fixed.recompute, precision=precision,
+                        tensor=(t,), sharding=(fixed.sharding,), sequence_parallel=fixed.sequence_parallel)
+    prepared = prepare_search(graph, order, cluster, cost, space, optimizer=space.optimizer(optimizer),
+                              headroom=headroom, shardable=shardable)
+    nodes = prepared.nodes(graph, order, cost)
+
+    def run(choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
+        problem, axes = prepared.priced(choice, nodes)
+        found = search_cluster(problem, cluster, micro_batches=[m], schedules=(fixed.schedule,), stages=p,
+                               cuts=prepared.cuts, orders=(fixed.order,), axes=axes, virtual=fixed.virtual_stages,
+                               better_than=bound)
+        return found, found.step_s
+
+    solution, choice = search_choices(space, run)
+    solution.choice = choice
+    return solution

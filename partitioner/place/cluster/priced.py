@@ -13,7 +13,6 @@ objective is at most a fixed configuration's, priced the same way. Nothing here 
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Sequence
 
 import networkx as nx
@@ -22,12 +21,11 @@ from cost_model.cluster_shape import Cluster
 from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from partitioner.capture.shardable_groups import Shardable
-from partitioner.place.cluster.axes import SplitChoice, recomputed
-from partitioner.place.cluster.plan import prepare_search, recomputing
+from partitioner.place.cluster.prepare import prepare_search
 from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import ClusterSolution
-from partitioner.place.search.compare import SCHEDULES
-from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.axes import Choice, search_choices
+from partitioner.place.search.space import SearchSpace
 
 __all__ = ["VIRTUAL", "search_priced"]
 
@@ -49,27 +47,17 @@ def search_priced(
     Raises:
         InfeasibleError: nothing fits, naming the memory per GPU needed; PartitionError: bad arguments.
     """
-    if precision is not None:
-        optimizer = precision.optimizer
-    prepared = prepare_search(graph, order, cluster, cost, None, optimizer=optimizer, headroom=headroom,
-                              precision=precision, shardable=shardable,
-                              choice=SplitChoice(sequence_parallel=sequence_parallel))
-    best: tuple[ClusterSolution, Literal["none", "full"]] | None = None
-    failure: InfeasibleError | None = None
-    for mode in ("none", "full"):
-        problem, axes = prepared.plain, prepared.axes
-        if mode == "full":
-            problem = recomputing(problem, prepared.share, prepared.segment)
-            axes = recomputed(axes, lambda x: recomputing(x, prepared.share, prepared.segment))
-        try:
-            found = search_cluster(problem, cluster, micro_batches=prepared.micro_batches, schedules=SCHEDULES,
-                                   cuts=prepared.cuts, axes=axes, virtual=virtual,
-                                   better_than=best[0].step_s if best is not None else math.inf)
-        except InfeasibleError as exc:
-            failure = exc
-            continue
-        if best is None or found.step_s < best[0].step_s:
-            best = (found, mode)
-    if best is None:
-        raise failure if failure is not None else InfeasibleError("nothing fits", [])
-    return best
+    space = SearchSpace(recompute="auto", precision=precision, sequence_parallel=sequence_parallel)
+    prepared = prepare_search(graph, order, cluster, cost, space, optimizer=space.optimizer(optimizer),
+                              headroom=headroom, shardable=shardable)
+    nodes = prepared.nodes(graph, order, cost)
+
+    def run(choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
+        problem, axes = prepared.priced(choice, nodes)
+        found = search_cluster(problem, cluster, micro_batches=prepared.micro_batches, schedules=space.schedules,
+                               cuts=prepared.cuts, axes=axes, virtual=virtual, better_than=bound)
+        return found, found.step_s
+
+    solution, choice = search_choices(space, run)
+    solution.choice = choice
+    return solution, "full" if solution.choice.get("recompute") == "full" else "none"

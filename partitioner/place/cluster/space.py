@@ -12,8 +12,9 @@ was an input, the only way without a rule).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Sequence, get_args
+from typing import Callable, Hashable, Literal, NamedTuple, Sequence, get_args
 
 import numpy as np
 
@@ -63,6 +64,11 @@ class Axes:
     def degree(self, tensor: int) -> TensorDegree:
         return self.degrees.degree(tensor)
 
+    def priced(self, redo: Callable[[HybridProblem], HybridProblem]) -> Axes:
+        """These axes with every degree's problem passed through `redo` (search.degrees.Degrees.priced)."""
+        degrees = self.degrees.priced(redo)
+        return self if degrees is self.degrees else dataclasses.replace(self, degrees=degrees)
+
     def modes_for(self, d: int) -> tuple[str, ...]:
         """Sharding modes worth pricing with d replicas ("none" alone for one)."""
         return self.modes if d > 1 else ("none",)
@@ -89,6 +95,7 @@ class ClusterSolution:
     sharding: str = "none"  # the configuration's sharding mode (rules.sharding), the one the search compared
     virtual: int = 1  # chunks per rank, interleaved (partitioner/place/search/virtual_stages.py)
     stage_sharding: list[str] = field(default_factory=list)  # each stage's mode (cheapest_modes); empty: `sharding`
+    choice: dict[str, Hashable] = field(default_factory=dict)  # each search axis's value (search/axes.py)
 
     @property
     def modes(self) -> list[str]:

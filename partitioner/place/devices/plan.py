@@ -20,9 +20,10 @@ from partitioner.errors import PartitionError
 from partitioner.place.devices.problem import hybrid_problem
 from partitioner.place.devices.search import HybridSolution, solve_hybrid
 from partitioner.place.devices.split import place_solution, tensor_space
-from partitioner.place.search.compare import SCHEDULES
+from partitioner.place.search.axes import Choice, NodeFacts, apply_choice, priced, search_choices
 from partitioner.place.search.degrees import Degrees
 from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.space import ANY, SearchSpace
 from runtime.plan import Plan
 
 __all__ = ["plan_devices"]
@@ -34,8 +35,7 @@ def plan_devices(
     devices: Sequence[torch.device | str],
     cost: CostModel,
     *,
-    micro_batches: int | Sequence[int] | None = None,
-    schedules: Sequence[str] = SCHEDULES,
+    space: SearchSpace = ANY,
     stages: int | None = None,
     replicate: bool = True,
     memory_bytes: Sequence[float] | None = None,
@@ -43,22 +43,34 @@ def plan_devices(
     headroom: float = 0.9,
     shardable: Shardable | None = None,
 ) -> Plan:
-    """Plan `order` (compute nodes, topological) onto all of `devices` by the device-list search.
+    """Plan `order` (compute nodes, topological) onto all of `devices` by the device-list search, once per choice of
+    the registered search axes (search/axes.py), the best kept.
 
-    `shardable`: the layer groups a stage may split over a tensor degree of its own (None: every layer whole);
-    the other arguments are replicated.plan_hybrid's.
+    `space`: its micro-batch counts, schedules and the axes' values (search/space.py; every state is counted at the
+    model's dtype); `shardable`: the layer groups a stage may split over a tensor degree of its own (None: every
+    layer whole); the other arguments are replicated.plan_hybrid's.
 
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
     """
     problem = hybrid_problem(
-        graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=micro_batches
+        graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=space.micro_batches
     )
     split = shardable if replicate else None
-    space, groups, rings = tensor_space(graph, order, devices, cost, problem, split)
-    sol = _solve(problem, micro_batches, schedules, stages, replicate, space)
+    degrees, groups, rings = tensor_space(graph, order, devices, cost, problem, split)
+    nodes = NodeFacts(graph, order, torch.device(devices[0]), cost)
+
+    def run(choice: Choice, bound: float) -> tuple[tuple[HybridSolution, Degrees | None], float]:
+        redo = lambda x: priced(x, choice, nodes)  # noqa: E731 - the problem as the choice runs it
+        chosen = degrees.priced(redo) if degrees is not None else None
+        solution = _solve(redo(problem), space.micro_batches, space.schedules, stages, replicate, chosen)
+        return (solution, chosen), solution.step_s
+
+    (sol, chosen), choice = search_choices(space, run)
     names = problem.names or [str(d) for d in devices]
-    return place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, space, groups, rings)
+    plan = place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, chosen, groups, rings)
+    apply_choice(plan, choice)
+    return plan
 
 
 def _solve(

@@ -20,8 +20,9 @@ the whole span could split.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -98,6 +99,14 @@ class Degrees:
 
     def degree(self, t: int) -> TensorDegree:
         return next(d for d in self.degrees if d.tensor == t)
+
+    def priced(self, redo: Callable[[HybridProblem], HybridProblem]) -> Degrees:
+        """These degrees with every problem passed through `redo` (a search axis's price: search/axes.py); the
+        same object where `redo` changes none."""
+        made = tuple(tuple(redo(p) for p in d.problems) for d in self.degrees)
+        if all(a is b for d, ps in zip(self.degrees, made) for a, b in zip(d.problems, ps)):
+            return self
+        return Degrees(tuple(dataclasses.replace(d, problems=ps) for d, ps in zip(self.degrees, made)))
 
     def __iter__(self) -> Any:
         return iter(self.degrees)

@@ -14,10 +14,13 @@ import networkx as nx
 import numpy as np
 import torch
 
-from cost_model.interface import CostModel
+from cost_model.interface import CostModel, forward_time
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 
-__all__ = ["affine", "at_batch", "batch_size", "fixed_and_batch", "graph_values", "node_times", "per_micro_batch"]
+__all__ = [
+    "affine", "at_batch", "batch_size", "fixed_and_batch", "forward_share", "graph_values", "node_times",
+    "per_micro_batch",
+]
 
 
 def affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
@@ -123,4 +126,14 @@ def per_micro_batch(graph: nx.DiGraph, micro_batches: int) -> nx.DiGraph:
     for _, _, data in out.edges(data=True):
         if "bytes" in data:
             data["bytes"] = data["bytes"] / micro_batches
+    return out
+
+
+def forward_share(graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel) -> np.ndarray:
+    """[n] the forward's fraction of each node's forward + backward time (whole batch)."""
+    out = np.full(len(order), 1 / 3)
+    for i, name in enumerate(order):
+        whole = cost.node_time(graph.nodes[name], device)
+        if whole > 0:
+            out[i] = forward_time(cost, graph.nodes[name], device) / whole
     return out

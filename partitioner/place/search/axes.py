@@ -1,0 +1,176 @@
+"""Search axes that change the problem a search prices, written once: both searches try every registered axis.
+
+An axis is a choice the plan makes for every stage that changes what a search prices: full recomputation
+(built in), a kernel set, a gradient mode. Each is one `AxisSpec` in this registry; the device-list and
+cluster searches run once per combination of the values the space allows (`each_choice`), each on the
+problem as that combination runs it (`priced`), keep the best objective (`search_choices`: the first at a
+tie, so each axis's first value wins ties) and give the Plan the chosen values (`apply_choice`):
+
+    register(AxisSpec(
+        "kernels",
+        values=lambda space: ("eager", "fused"),       # what the space allows, in order (first kept at a tie)
+        price=lambda problem, value, nodes: ...,        # the problem as the value runs (unchanged: the same object)
+        apply=lambda plan, value: ...,                  # what the chosen value sets in the Plan (None: nothing)
+    ))
+
+The axes a search prices otherwise (tensor degree, sharding, stages, replicas, micro-batches, schedule,
+rank order) are its own: they choose where nodes and ranks go, not what a node costs.
+`tests/test_search_axes.py` registers a toy axis and plans with it: nothing else names it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+import networkx as nx
+import numpy as np
+import torch
+
+from cost_model.interface import CostModel
+from partitioner.errors import PartitionError
+from partitioner.place.search.graph_costs import forward_share
+from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.recompute import node_segments, recomputing
+from partitioner.place.search.space import SearchSpace
+from runtime.plan import Plan
+
+__all__ = [
+    "AxisSpec", "Choice", "NodeFacts", "apply_choice", "axis_names", "each_choice", "priced", "register",
+    "search_choices", "unregister",
+]
+
+Choice = dict[str, Hashable]  # axis name -> its value, for every registered axis
+T = TypeVar("T")
+
+
+class NodeFacts:
+    """Per-node facts an axis may price with, each worked out on first use: the forward's share of each node's time
+    (graph_costs.forward_share, on `device`) and each node's recomputation segment (recompute.node_segments)."""
+
+    def __init__(self, graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel, *,
+                 share: np.ndarray | None = None, segment: np.ndarray | None = None) -> None:
+        self._graph, self._order, self._device, self._cost = graph, list(order), device, cost
+        self._share, self._segment = share, segment
+
+    @property
+    def share(self) -> np.ndarray:
+        if self._share is None:
+            self._share = forward_share(self._graph, self._order, self._device, self._cost)
+        return self._share
+
+    @property
+    def segment(self) -> np.ndarray:
+        if self._segment is None:
+            self._segment = node_segments([(x, str(self._graph.nodes[x].get("module", "") or ""))
+                                           for x in self._order])
+        return self._segment
+
+
+@dataclass(frozen=True)
+class AxisSpec:
+    """One search axis (module docstring).
+
+    Attributes:
+        name: the key of its value in a `Choice`.
+        values: `values(space)`, the values the space lets the searches try, in order; not empty.
+        price: `price(problem, value, nodes)`, the problem as the value runs it; `problem` itself where the
+            value changes nothing (the searches then reuse what they priced).
+        apply: `apply(plan, value)`, what the chosen value sets in the Plan; None: nothing (the plan's
+            builder counts it already, as assemble counts recomputation).
+        doc: a few words for help texts.
+    """
+
+    name: str
+    values: Callable[[SearchSpace], tuple[Hashable, ...]]
+    price: Callable[[HybridProblem, Any, NodeFacts], HybridProblem]
+    apply: Callable[[Plan, Any], None] | None = None
+    doc: str = ""
+
+
+_REGISTRY: dict[str, AxisSpec] = {}
+
+
+def register(spec: AxisSpec, *, replace: bool = False) -> AxisSpec:
+    """Add `spec` to the axes both searches try (after those registered before it); returns it.
+
+    Raises:
+        ValueError: the name is taken and `replace` is False.
+    """
+    if spec.name in _REGISTRY and not replace:
+        raise ValueError(f"search axis {spec.name!r} is registered already; pick another name, or pass replace=True")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a registered axis (tests register toys and take them away). Raises ValueError if unknown."""
+    if name not in _REGISTRY:
+        raise ValueError(f"no search axis {name!r}; registered: {list(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def axis_names() -> tuple[str, ...]:
+    """The registered axes, in registration order (the built-ins first)."""
+    return tuple(_REGISTRY)
+
+
+def each_choice(space: SearchSpace) -> list[Choice]:
+    """Every combination of the registered axes' values `space` allows, first values first (ties keep the earlier).
+
+    Raises:
+        PartitionError: an axis allows no value.
+    """
+    values = {name: tuple(spec.values(space)) for name, spec in _REGISTRY.items()}
+    empty = [name for name, vs in values.items() if not vs]
+    if empty:
+        raise PartitionError(f"search axes {empty} allow no value in {space}; their `values` must give one at least")
+    return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+
+
+def priced(problem: HybridProblem, choice: Choice, nodes: NodeFacts) -> HybridProblem:
+    """`problem` as `choice` runs it: each registered axis's price in turn (the same object where none changes it)."""
+    for name, spec in _REGISTRY.items():
+        if name in choice:
+            problem = spec.price(problem, choice[name], nodes)
+    return problem
+
+
+def apply_choice(plan: Plan, choice: Choice) -> None:
+    """Give `plan` what each axis's chosen value sets in it."""
+    for name, spec in _REGISTRY.items():
+        if name in choice and spec.apply is not None:
+            spec.apply(plan, choice[name])
+
+
+def search_choices(space: SearchSpace, run: Callable[[Choice, float], tuple[T, float]]) -> tuple[T, Choice]:
+    """The best of running a search once per choice (`each_choice`): `run(choice, bound)` returns what it found and
+    its objective, told the best objective so far (`bound`) so that it may prune; the first is kept at a tie.
+
+    Raises:
+        InfeasibleError: no choice fits (the last choice's error).
+    """
+    best: tuple[T, float, Choice] | None = None
+    failure: InfeasibleError | None = None
+    for choice in each_choice(space):
+        try:
+            found, objective = run(choice, best[1] if best is not None else math.inf)
+        except InfeasibleError as exc:
+            failure = exc
+            continue
+        if best is None or objective < best[1]:
+            best = (found, objective, choice)
+    if best is None:
+        raise failure if failure is not None else InfeasibleError("nothing fits", [])
+    return best[0], best[2]
+
+
+def _recompute_price(problem: HybridProblem, mode: Any, nodes: NodeFacts) -> HybridProblem:
+    return recomputing(problem, nodes.share, nodes.segment) if mode == "full" else problem
+
+
+register(AxisSpec("recompute", lambda space: space.recompute_modes, _recompute_price,
+                  doc="full activation recomputation for every stage, or none (per-stage modes: planning)"))

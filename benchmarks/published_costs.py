@@ -29,8 +29,8 @@ from cost_model.collectives import ring_of
 from cost_model.interface import CostModel, forward_time
 from cost_model.ops import classify
 from partitioner.capture.shardable_groups import Shardable
+from partitioner.place.cluster.candidate import slowest_pair
 from partitioner.place.cluster.fixed import Fixed
-from partitioner.place.cluster.search import slowest_pair
 from partitioner.place.cluster.space import ClusterSolution
 from partitioner.place.search.blocks import block_cuts
 from partitioner.place.search.degrees import split_groups

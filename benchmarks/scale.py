@@ -43,9 +43,10 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
 from partitioner.capture.shardable import Shardable, find_shardable  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
+from partitioner.place.cluster.candidate import fill  # noqa: E402
 from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
 from partitioner.place.cluster.prepare import cluster_problem  # noqa: E402
-from partitioner.place.cluster.search import fill, search_cluster  # noqa: E402
+from partitioner.place.cluster.search import search_cluster  # noqa: E402
 from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
 from partitioner.place.devices.search import solve_hybrid  # noqa: E402
 from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402

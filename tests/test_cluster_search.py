@@ -18,10 +18,11 @@ from partitioner.api import plan as make_plan
 from partitioner.arguments import cluster_devices
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
+from partitioner.place.cluster.candidate import windows
 from partitioner.place.cluster.look import replica_step
 from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.cluster.prepare import cluster_problem
-from partitioner.place.cluster.search import search_cluster, windows
+from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import layout
 from partitioner.place.devices.problem import hybrid_problem
 from partitioner.place.devices.search import evaluate, solve_hybrid

@@ -33,6 +33,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # runtime/ and cost_model/ are siblings: neither imports the other (nor anything above them).
 SIBLINGS = {"cost_model": "runtime", "runtime": "cost_model"}
 MAX_LINES = 400
+# Inside partitioner/place/: the search layer both searches stand on, the two searches (siblings: neither imports
+# the other), and the planners above them (planning.py and replicated.py decide which search runs).
+PLACE_ROOMS = ("partitioner.place.search", ("partitioner.place.devices", "partitioner.place.cluster"))
+PLACE_DEPTH = 8  # files on the longest chain of place/ modules importing each other
 
 
 def _modules() -> dict[str, Path]:
@@ -138,3 +142,36 @@ def test_the_checker_sees_a_loop_and_an_upward_import(tmp_path: Path) -> None:
     found = _imports(source)
     assert ("partitioner.api", False, 2) in found and ("runtime.plan", True, 5) in found
     assert _layer("partitioner.api") > _layer("partitioner.place.planning") > _layer("runtime.plan")
+    rooms = [_place_room(f"partitioner.place.{m}") for m in ("search.space", "devices.dp", "cluster.plan", "planning")]
+    assert rooms == [0, 1, 1, 2]
+
+
+def _place_room(module: str) -> int:
+    """0: place/search/, 1: place/devices/ or place/cluster/, 2: the rest of place/ (the planners above them)."""
+    search, searches = PLACE_ROOMS
+    if module == search or module.startswith(search + "."):
+        return 0
+    return 1 if any(module == s or module.startswith(s + ".") for s in searches) else 2
+
+
+def test_the_two_searches_stand_on_the_search_layer_alone() -> None:
+    """place/devices/ and place/cluster/ never import each other; place/search/ imports neither, nor anything above."""
+    wrong = []
+    place = {m: p for m, p in MODULES.items() if m.startswith("partitioner.place.")}
+    for module, path in place.items():
+        for target, _, line in _imports(path):
+            if not target.startswith("partitioner.place."):
+                continue
+            mine, theirs = _place_room(module), _place_room(target)
+            other_search = mine == theirs == 1 and target.split(".")[2] != module.split(".")[2]
+            if theirs > mine or other_search:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "imports across the two searches or back up place/:\n" + "\n".join(wrong)
+
+
+def test_place_is_shallow() -> None:
+    graph = _graph().subgraph(m for m in MODULES if m.startswith("partitioner.place"))
+    chain = nx.dag_longest_path(graph)
+    assert len(chain) <= PLACE_DEPTH, (f"place/ is {len(chain)} files deep (at most {PLACE_DEPTH}): "
+                                       + " -> ".join(chain))
+

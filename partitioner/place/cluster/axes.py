@@ -30,7 +30,7 @@ from partitioner.place.search.blocks import block_ids
 from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.space import SearchSpace
-from partitioner.place.search.split_costs import StateRule
+from partitioner.place.search.states import StateRule
 from partitioner.place.search.tensor_split import split_problem
 
 __all__ = ["cluster_axes", "param_itemsize"]

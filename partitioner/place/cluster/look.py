@@ -14,7 +14,7 @@ import numpy as np
 
 from cost_model.cluster_shape import Cluster
 from cost_model.data_parallel import DataParallelCost
-from partitioner.place.cluster.search import evaluate_cluster, refine, solve_candidate, windows
+from partitioner.place.cluster.candidate import evaluate_cluster, refine, solve_candidate, space_of, windows
 from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, layout
 from partitioner.place.cluster.stages import stage_units
 from partitioner.place.search.boundaries import boundary_bytes
@@ -39,7 +39,7 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
     where it is also the fastest here. Sharded replicas (data_split "slice") run every micro-batch on
     their slice in lockstep: d pipelines of m / d micro-batches too.
     """
-    space = space if isinstance(space, Axes) else Axes.whole(space)
+    space = space_of(space)
     best: tuple[float, Candidate, str] | None = None
     timed: dict[str, float] = {}
     for candidate in solution.candidates:
@@ -64,7 +64,7 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
 def runtime_step_s(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate, schedule: str,
                    share: np.ndarray) -> float:
     """Seconds of one step of a candidate as the runtime orders it (see second_look); inf over memory."""
-    space = space if isinstance(space, Axes) else Axes.whole(space)
+    space = space_of(space)
     m, d, order, bounds, t, sharding = candidate[1:]
     problem = space.degree(t).problem
     p, capacity = len(bounds) - 1, float(problem.capacity.min())

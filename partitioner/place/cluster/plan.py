@@ -30,9 +30,10 @@ from cost_model.interface import CostModel
 from cost_model.precision import FP32, MIXED, PURE_BF16, Precision
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.errors import PartitionError
+from partitioner.place.cluster.candidate import slowest_pair
 from partitioner.place.cluster.look import replica_step, second_look
 from partitioner.place.cluster.prepare import prepare_search
-from partitioner.place.cluster.search import search_cluster, slowest_pair
+from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import Axes, ClusterSolution
 from partitioner.place.cluster.stages import price_stages
 from partitioner.place.search.axes import Choice, apply_choice, each_choice, search_choices

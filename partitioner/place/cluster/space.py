@@ -20,7 +20,7 @@ import numpy as np
 
 from partitioner.place.search.degrees import Degrees, TensorDegree
 from partitioner.place.search.problem import HybridProblem
-from partitioner.place.search.split_costs import StateRule
+from partitioner.place.search.states import StateRule
 
 __all__ = [
     "RANK_ORDERS", "Axes", "Candidate", "ClusterSolution", "RankOrder", "cheapest_modes", "layout",

@@ -30,7 +30,7 @@ from cost_model.memory import optimizer_states
 from cost_model.training_memory import state_bytes
 from partitioner.capture.shardable_groups import ShardGroup
 from partitioner.place.search.graph_costs import batch_size
-from partitioner.place.search.split_costs import StateRule
+from partitioner.place.search.states import StateRule
 from partitioner.place.search.tensor_split import collective_seconds
 from runtime.plan import Plan
 

@@ -18,7 +18,8 @@ from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
 from partitioner.place.devices.problem import hybrid_problem
-from partitioner.place.devices.search import HybridSolution, solve_hybrid
+from partitioner.place.devices.search import solve_hybrid
+from partitioner.place.devices.solution import HybridSolution
 from partitioner.place.devices.split import place_solution, tensor_space
 from partitioner.place.search.axes import Choice, NodeFacts, apply_choice, priced, search_choices
 from partitioner.place.search.degrees import Degrees

@@ -46,13 +46,13 @@ priced on the model as each of its t ranks runs it; the DP (devices/dp.py) choos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.devices.dp import run_pass, units, walk
+from partitioner.place.devices.solution import HybridSolution
 from partitioner.place.devices.tensor import TensorPricer
 from partitioner.place.devices.windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
 from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
@@ -63,28 +63,9 @@ from partitioner.place.search.problem import HybridProblem
 from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
 
-__all__ = ["HybridSolution", "evaluate", "solve_hybrid"]
+__all__ = ["evaluate", "solve_hybrid"]
 
 WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
-
-
-@dataclass
-class HybridSolution:
-    """A chosen configuration and its predicted costs."""
-
-    bounds: list[int]  # [0, b1, ..., n]
-    replicas: list[int]
-    micro_batches: int
-    schedule: str
-    step_s: float
-    work_s: list[float]  # W per stage
-    memory: list[float]  # bytes per replica of each stage
-    tensor: list[int] = field(default_factory=list)  # ranks per replica of each stage (empty: 1 each)
-
-    @property
-    def tensors(self) -> list[int]:
-        """Each stage's tensor degree (1: its layers whole)."""
-        return self.tensor or [1] * len(self.replicas)
 
 
 def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:

@@ -24,7 +24,7 @@ import torch
 from cost_model.collectives import Ring
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.place.devices.search import HybridSolution
+from partitioner.place.devices.solution import HybridSolution
 from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.graph_costs import affine, batch_size, per_micro_batch
 from partitioner.place.search.problem import HybridProblem, LinkCost

@@ -19,38 +19,16 @@ node's forward share. A rule with no precision and mode "none" is stage_costs' o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from cost_model.data_parallel import DataParallelCost
-from cost_model.precision import Precision
 from cost_model.training_memory import state_bytes
 from partitioner.place.search.problem import HybridProblem, Window
 from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
+from partitioner.place.search.states import StateRule
 
-__all__ = ["SplitGrid", "StateRule", "lower_static_bytes", "split_parts"]
-
-
-@dataclass(frozen=True)
-class StateRule:
-    """How a search counts a stage's states: the training precision (None: every state at the model's dtype, the
-    all-reduce after the backward, as before precision was an input), the bytes of one weight element in the graph."""
-
-    precision: Precision | None
-    itemsize: int
-    optimizer: str = "adam"  # without a precision: the optimizer counted (with one: the precision's)
-
-    @property
-    def states(self) -> Precision:
-        """The precision states are counted at (the model's dtype for every state, without one)."""
-        if self.precision is not None:
-            return self.precision
-        name = {8: "float64", 4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}.get(self.itemsize, "float32")
-        return Precision(name, name, name, name, optimizer=self.optimizer, name=name)
-
-    def legacy(self, mode: str) -> bool:
-        return self.precision is None and mode == "none"
+__all__ = ["SplitGrid", "lower_static_bytes", "split_parts"]
 
 
 class SplitGrid(Grid):

@@ -35,6 +35,8 @@ from torchtitan.distributed.pipeline_parallel import (  # noqa: E402
 )
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 
+from partitioner import PartitionError  # noqa: E402
+
 
 def debug_llama(sdpa: bool) -> nn.Module:
     """torchtitan's own Llama 3 debug model on meta (6 layers); with SDPA inside, so that our tracer can plan it."""
@@ -70,7 +72,8 @@ def check_in_torchtitan(plan: Plan, args: list[str], *, csv: Path | None = None)
     pipeline_ranks = len({s.ranks[0] for s in plan.stages})
     replicas, sharded = first.replicas, first.sharding != "none"
     dims = ParallelDims.from_config(par, plan.ranks)  # raises unless the degrees multiply to the plan's ranks
-    assert (dims.pp, dims.tp, dims.cp) == (pipeline_ranks, first.tensor, 1)
+    assert (dims.pp, dims.tp, dims.cp, dims.ep) == (pipeline_ranks, first.tensor, first.context,
+                                                    max(s.expert for s in plan.stages))
     assert (dims.dp_replicate, dims.dp_shard) == ((1, replicas) if sharded else (replicas, 1))
     inputs = [n for n in (plan.graph or {})["nodes"] if n["op"] == "placeholder"]
     size, seq = inputs[0]["shapes"][0]  # samples and tokens one rank's stage takes per micro-batch
@@ -178,3 +181,72 @@ def test_readme_7b_llama_on_16x8_h100_exports_its_sliced_plan(tmp_path: Path,
     assert launch[:2] == ["--nnodes=16", "--nproc-per-node=8"]
     config = check_in_torchtitan(plan, args)  # stages cut from torchtitan's Llama 3 8B on meta
     assert config.training.global_batch_size == 1536
+
+
+def test_context_parallel_plan_exports_its_degree_and_load_balance(sdpa_llama: nn.Module, tmp_path: Path) -> None:
+    # pp 2 x cp 2 on 4 ranks: torchtitan's dense mesh (pp, dp_replicate, dp_shard, cp, tp) holds the context ranks,
+    # its "headtail" balancer holds chunks r and 2c - 1 - r as the plan's runtime does, and 64 tokens divide by
+    # tp x 2 cp (its seq_len_divisor)
+    tokens = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = partitioner.plan(sdpa_llama, cluster="1x2xH100", example_inputs=(tokens,), micro_batches=2,
+                                sharding="none", replicas=[1, 1], schedule="1f1b")
+    assert len(plan.stages) == 2
+    for stage in plan.stages:  # the planner does not choose a context degree yet: set by hand, as a user would
+        stage.ranks, stage.context = [2 * stage.index], 2
+        stage.context_attention = [f"layers.{k}.attention" for k in range(6)][3 * stage.index:3 * stage.index + 3]
+    plan.data_split, plan.programs = "slice", []
+    plan.check()
+    csv = pipeline_schedule(plan).write_csv(tmp_path / "schedule.csv")
+    job = torchtitan_job(plan, csv, module="llama3", config="llama3_debugmodel")
+    config = check_in_torchtitan(plan, job.args(), csv=csv)
+    assert config.parallelism.context_parallel_load_balancer == "headtail" and job.degrees["cp"] == 2
+    dims = ParallelDims.from_config(config.parallelism, plan.ranks)
+    assert config.training.seq_len % dims.seq_len_divisor == 0
+    assert any("shards the weights over the 2 context ranks" in n for n in job.notes)  # the plan keeps them whole
+    plan.stages[0].context = plan.stages[1].context = 3  # 64 tokens are not 2 x 3 equal parts
+    plan.stages[0].ranks, plan.stages[1].ranks = [0], [3]
+    with pytest.raises(PartitionError, match="multiple of 6"):
+        torchtitan_job(plan, csv, module="llama3", config="llama3_debugmodel")
+
+
+@pytest.fixture(scope="module")
+def moe_plan() -> Plan:
+    """torchtitan's own Qwen3 MoE debug model (SDPA inside) on meta, planned on 4 H100s: one stage, 4 sharded
+    replicas; the planner does not choose an expert degree yet, so the test sets 2, as a user would."""
+    qwen3 = pytest.importorskip("torchtitan.models.qwen3")
+    spec = qwen3.model_registry("debugmodel_moe")
+    for layer in spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = spec.model.build()
+    tokens = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = partitioner.plan(model, cluster="1x4xH100", example_inputs=(tokens,), micro_batches=4, tensor=1,
+                                sharding="zero1", precision="mixed", replicas="auto", schedule="1f1b",
+                                cross_batch="allow")
+    assert [(s.replicas, s.sharding) for s in plan.stages] == [(4, "zero1")]
+    plan.stages[0].expert = 2
+    plan.stages[0].expert_layers = [f"layers.{k}.moe.experts" for k, _ in enumerate(spec.model.layers)]
+    plan.check()
+    return plan
+
+
+def test_expert_parallel_plan_exports_a_degree_torchtitans_mesh_takes(moe_plan: Plan) -> None:
+    # torchtitan borrows ep from dp_shard x cp x tp (its sparse mesh pp, dp_replicate, efsdp, ep): 4 sharded replicas
+    # give efsdp = 4 / 2 = 2, each expert's weights sharded over the 2 replicas holding it
+    job = torchtitan_job(moe_plan, module="qwen3", config="qwen3_moe_debug")
+    config = check_in_torchtitan(moe_plan, job.args())
+    par = config.parallelism
+    assert (par.expert_parallel_degree, par.data_parallel_shard_degree, job.degrees["ep"]) == (2, 4, 2)
+    dims = ParallelDims.from_config(par, moe_plan.ranks)
+    assert dims.ep_enabled and (dims.dp_shard * dims.cp * dims.tp) % dims.ep == 0  # build_mesh's efsdp
+    assert any("over the 2 ranks holding it" in n for n in job.notes)
+    moe_plan.stages[0].sharding = "none"  # unsharded replicas are dp_replicate, which ep cannot borrow from
+    try:
+        with pytest.raises(PartitionError, match="shard the replicas"):
+            torchtitan_job(moe_plan, module="qwen3", config="qwen3_moe_debug")
+    finally:
+        moe_plan.stages[0].sharding = "zero1"

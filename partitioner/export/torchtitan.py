@@ -6,7 +6,8 @@ config function, and `--section.key` arguments (parsed by tyro in
 `torchtitan/config/configs.py`'s (TrainingConfig, ParallelismConfig) and the activation
 checkpointing subcommands of `torchtitan/distributed/activation_checkpoint.py`:
 
-    degrees      pp x dp_replicate x dp_shard x cp x tp = the plan's ranks (torchtitan's mesh, pp outermost)
+    degrees      pp x dp_replicate x dp_shard x cp x tp = the plan's ranks (torchtitan's mesh, pp outermost); ep
+                 borrowed from dp_shard x cp x tp (partitioner.export.torchtitan_axes)
     pipeline     module_fqns_per_model_part (partitioner.export.model_parts), the schedule CSV and its layout
     batch        pipeline_parallel_microbatch_size x micro-batches per pipeline = local_batch_size;
                  global_batch_size = every replica's samples (no pipeline: gradient accumulation over them)
@@ -25,6 +26,7 @@ from partitioner.errors import PartitionError
 from partitioner.export.model_parts import ModelParts, model_parts
 from partitioner.export.pipelines import per_pipeline, pipeline_schedule
 from partitioner.export.torch_schedule import TorchSchedule
+from partitioner.export.torchtitan_axes import axis_degrees, axis_options
 from runtime.plan import Plan, human_bytes
 
 __all__ = ["TorchtitanJob", "microbatch_size", "to_torchtitan", "torchtitan_job", "write_torchtitan"]
@@ -53,7 +55,7 @@ class TorchtitanJob:
         notes: what torchtitan runs otherwise than the plan priced, one sentence each.
         header: the plan in a few comment lines.
         module, config: torchtitan's --module and --config, where given.
-        degrees: pp, dp_replicate, dp_shard, tp as written (torchtitan's ParallelDims names).
+        degrees: pp, dp_replicate, dp_shard, cp, tp, ep as written (torchtitan's ParallelDims names).
     """
 
     options: list[tuple[list[str], str]]
@@ -142,8 +144,9 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
 
     Raises:
         PartitionError: what torchtitan cannot run as planned, naming the stage and the fix: stages
-            with different tensor degrees or sharding modes, a stage holding no whole layer, a
-            stage layout other than one per rank, a loop or a V, an unknown micro-batch size.
+            with different tensor degrees, sharding modes or expert degrees, a stage holding no whole
+            layer, a stage layout other than one per rank, a loop or a V, an unknown micro-batch size,
+            a sequence or an expert degree torchtitan cannot split so (torchtitan_axes.axis_options).
     """
     tp, shard, sharded = _uniform(plan)
     sched = schedule or pipeline_schedule(plan)
@@ -152,11 +155,12 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
                              "rank, round robin (stage s on rank s % ranks) or in a V: plan with one of those layouts "
                              "(torch's _PipelineScheduleRuntime runs this CSV as it is)")
     replicas, pp = plan.stages[0].replicas, sched.ranks
-    world = pp * replicas * tp
+    cp, ep = axis_degrees(plan)
+    world = pp * replicas * cp * tp
     if world != plan.ranks:
         raise PartitionError(f"the plan runs on {plan.ranks} ranks, but its {pp} pipeline ranks x {replicas} replicas "
-                             f"x tensor {tp} make {world}: torchtitan's mesh holds every rank once; plan every rank "
-                             "into a stage")
+                             f"x context {cp} x tensor {tp} make {world}: torchtitan's mesh holds every rank once; "
+                             "plan every rank into a stage")
     size, source = (microbatch, "given") if microbatch is not None else microbatch_size(plan)
     if size is None or size < 1:
         raise PartitionError(f"micro-batch size {source}; pass microbatch= (samples per micro-batch on one rank)")
@@ -166,7 +170,10 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
     per_host = plan.gpus_per_host or world
     hosts, nproc = -(-world // per_host), min(per_host, world)
     opts = _degrees(plan, pp, dp_replicate, dp_shard, tp, shard)
-    opts += _batch(plan, size, source, count, pp, replicas)
+    batch = _batch(plan, size, source, count, pp, replicas)
+    seq = next((int(t[0].partition("=")[2]) for t, _ in batch if t[0].startswith("--training.seq_len=")), None)
+    axes, axis_notes = axis_options(plan, tp, dp_shard, seq)
+    opts += axes + batch
     if pp > 1:
         opts += [
             (["--parallelism.module_fqns_per_model_part", *(",".join(p) for p in parts.parts)],
@@ -181,7 +188,7 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
     opts.append((["--training.disable_cuda_graphs"],
                  "eager kernels, as the plan is priced (torchtitan 0.3.0 refuses CUDA graphs with a pipeline)"))
     checkpointing, why = _checkpointing(plan)
-    notes = [*parts.moved, *([why] if why else []), *_layout_notes(plan, sched, replicas, tp)]
+    notes = [*parts.moved, *([why] if why else []), *axis_notes, *_layout_notes(plan, sched, replicas, cp * tp)]
     if pp == 1 and count > 1 and replicas > 1:
         notes.append(f"gradients: torchtitan reduces them after each of its {count} accumulation steps; the plan "
                      "reduces once a step, after the last micro-batch")
@@ -190,13 +197,15 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
                                                      else "")
     header = [
         "torchtitan 0.3.0 job for a plan made by partitioner (python -m partitioner export --torchtitan).",
-        f"Plan: {len(plan.stages)} stages x {replicas} replicas ({shard if sharded else 'unsharded'}) x tensor {tp} on "
+        f"Plan: {len(plan.stages)} stages x {replicas} replicas ({shard if sharded else 'unsharded'})"
+        f"{f' x context {cp}' if cp > 1 else ''} x tensor {tp}{f', experts over {ep} replicas' if ep > 1 else ''} on "
         f"{world} ranks ({hosts} x {nproc} GPUs), schedule {plan.schedule}, {split}; predicted step "
         f"{plan.predicted_step_ms:.3f} ms.",
         f"Predicted memory per GPU: {memory or 'not predicted'}.",
     ]
     return TorchtitanJob(opts, checkpointing, world, hosts, nproc, parts, sched if pp > 1 else None, notes, header,
-                         module, config, {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp})
+                         module, config, {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
+                                          "tp": tp, "ep": ep})
 
 
 def to_torchtitan(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv", *, microbatch: int | None = None,
@@ -253,7 +262,8 @@ def _groups(plan: Plan) -> str:
 
 def _degrees(plan: Plan, pp: int, dp_replicate: int, dp_shard: int, tp: int,
              shard: str) -> list[tuple[list[str], str]]:
-    """Every degree of torchtitan's mesh (cp and ep are 1: the plan has neither), sequence parallelism, resharding."""
+    """The pipeline, data and tensor degrees of torchtitan's mesh, sequence parallelism, resharding (context and
+    expert degrees: torchtitan_axes)."""
     sharded = shard != "none"
     opts: list[tuple[list[str], str]] = [
         _opt("parallelism.pipeline_parallel_degree", pp,
@@ -267,8 +277,6 @@ def _degrees(plan: Plan, pp: int, dp_replicate: int, dp_shard: int, tp: int,
         _opt("parallelism.tensor_parallel_degree", tp,
              f"ranks per replica, each stage's layers split over them ({_groups(plan)})" if tp > 1
              else "the plan splits no layer"),
-        _opt("parallelism.context_parallel_degree", 1, "the plan splits no sequence"),
-        _opt("parallelism.expert_parallel_degree", 1, "the plan has no expert parallelism"),
     ]
     if tp > 1:
         opts.append((["--parallelism.no_enable_sequence_parallel"],
@@ -341,7 +349,8 @@ def _checkpointing(plan: Plan) -> tuple[str, str]:
 
 
 def _layout_notes(plan: Plan, sched: TorchSchedule, replicas: int, tp: int) -> list[str]:
-    """Where the plan's ranks differ from torchtitan's mesh (pp, dp, tp; pp outermost, tp innermost)."""
+    """Where the plan's ranks differ from torchtitan's mesh (pp, dp, cp, tp; pp outermost, tp innermost); `tp`: the
+    ranks of a replica (context x tensor)."""
     differ = [(s, j) for s in plan.stages for j, rank in enumerate(s.ranks or [s.index])
               if rank != (sched.stage_to_rank[s.index] * replicas + j) * tp]
     if not differ:

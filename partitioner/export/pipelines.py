@@ -42,18 +42,16 @@ def pipeline_schedule(plan: Plan) -> TorchSchedule:
 
 
 def per_pipeline(plan: Plan) -> int:
-    """Micro-batches one pipeline runs per step: m / d dealt, m sliced.
+    """Micro-batches one pipeline runs per step: the step's (Plan.pieces) over the replicas (m / d dealt, m sliced).
 
     Raises:
         PartitionError: dealt micro-batches the replicas do not share equally.
     """
     replicas = max(s.replicas for s in plan.stages)
-    if plan.data_split == "slice":
-        return plan.micro_batches
-    if plan.micro_batches % replicas:
+    if plan.pieces % replicas:  # sliced: every pipeline runs each of its micro-batches on its slice
         raise PartitionError(f"{plan.micro_batches} micro-batches dealt over {replicas} replicas of each stage: every "
                              "pipeline must run as many; use a multiple of the replica count")
-    return plan.micro_batches // replicas
+    return plan.pieces // replicas
 
 
 def _check_replicas_agree(plan: Plan) -> None:

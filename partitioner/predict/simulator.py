@@ -116,8 +116,7 @@ def simulate(
         return simulate_calibrated(plan, calibration, transfer_ms=transfer_ms, allreduce_ms=allreduce_ms,
                                    group_ms=group_ms)
     if plan.data_split == "slice" and not plan.programs:  # see [Note: sliced replicas as dealt ones]
-        plan = replace(plan, micro_batches=plan.micro_batches * max(s.replicas for s in plan.stages),
-                       data_split="deal")
+        plan = replace(plan, micro_batches=plan.pieces, data_split="deal")
     folded = fold(plan) if rows == "replicas" else None
     if folded is None:
         programs = plan.programs or default_programs(plan)

@@ -218,5 +218,6 @@ def test_split_interleaved_lowers_over_the_first_ranks_and_pairs_agree() -> None
 def test_a_weight_shared_by_stages_of_other_tensor_degrees_is_named() -> None:
     plan = Plan([StagePlan(0, "cpu", ["a"], ranks=[0], tensor=2, tensor_groups=SPLIT),
                  StagePlan(1, "cpu", ["b"], ranks=[2], reads_from=[0])], micro_batches=2)
-    with pytest.raises(ValueError, match=r"split layers \[2, 1\] ways; stages sharing a weight need one tensor degree"):
+    with pytest.raises(ValueError, match=r"hold \[2, 1\] ranks per replica; stages sharing a weight need one "
+                                         r"tensor and context degree"):
         plan_programs(plan, [([0, 2], [0, 1])])

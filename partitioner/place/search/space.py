@@ -59,6 +59,9 @@ class SearchSpace:
         object.__setattr__(self, "schedules", tuple(self.schedules))
         if self.micro_batches is not None:
             given_counts(self.micro_batches)
+        if self.tensor == () or self.sharding == ():
+            raise PartitionError(f"tensor={self.tensor!r}, sharding={self.sharding!r}: allow one value at least, or "
+                                 "None for every value the search finds")
         if self.recompute not in ("none", "full", "auto"):
             raise PartitionError(f"recompute={self.recompute!r}; use 'none', 'full' or 'auto'")
         if self.tensor is not None and any(isinstance(t, bool) or not isinstance(t, int) or t < 1

@@ -11,9 +11,9 @@ from typing import Iterator, Literal, Sequence
 from rules.actions import Action, Kind, check_counts
 
 __all__ = [
-    "clock_cycles", "dag_gpipe", "dag_levels", "dualpipe_v", "dualpipe_v_micro_batches", "gpipe",
-    "interleaved_micro_batches", "interleaved_one_f_one_b", "one_f_one_b", "stream_one_f_one_b", "v_stage_ranks",
-    "zero_bubble_h1", "zero_bubble_v",
+    "clock_cycles", "dag_gpipe", "dag_levels", "dualpipe_v", "dualpipe_v_micro_batches", "gpipe", "interleaved_fill",
+    "interleaved_micro_batches", "interleaved_one_f_one_b", "interleaved_warmup", "one_f_one_b", "stream_one_f_one_b",
+    "v_stage_ranks", "zero_bubble_h1", "zero_bubble_v",
 ]
 
 
@@ -177,13 +177,27 @@ def interleaved_one_f_one_b(micro_batches: int, stages: int, virtual_stages: int
 
     lists = []
     for d in range(p):
-        warmup = min(2 * (p - d - 1) + (v - 1) * p, total)
+        warmup = interleaved_warmup(d, p, micro_batches, v)
         actions = [action(d, k, "F") for k in range(warmup)]
         for k in range(total - warmup):
             actions += [action(d, warmup + k, "F"), action(d, k, "B")]
         actions += [action(d, k, "B") for k in range(total - warmup, total)]
         lists.append(actions)
     return lists
+
+
+def interleaved_warmup(device: int, stages: int, micro_batches: int, virtual_stages: int) -> int:
+    """Forwards device `device` of `stages` runs before its first backward under interleaved 1F1B (Megatron-LM's
+    num_warmup_microbatches): min(2 (p - d - 1) + (v - 1) p, m v). A device holds this many chunks' activations,
+    and one more while the next forward runs (the searches' memory: partitioner/place/search/virtual_stages.py)."""
+    p, v = stages, virtual_stages
+    return min(2 * (p - device - 1) + (v - 1) * p, micro_batches * v)
+
+
+def interleaved_fill(micro_batches: int, stages: int, virtual_stages: int) -> float:
+    """Step over the slowest stage's work under interleaved 1F1B: (m + (p - 1) / v) / m, the bubble shrunk by v
+    (Narayanan et al., SC'21, eq. 2, https://arxiv.org/abs/2104.04473)."""
+    return (micro_batches + (stages - 1) / virtual_stages) / micro_batches
 
 
 def zero_bubble_h1(micro_batches: int, stages: int) -> list[list[Action]]:

@@ -17,7 +17,7 @@ from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.place.cluster.fixed import Fixed, price_fixed
 from partitioner.place.cluster.priced import search_priced
-from partitioner.place.search.virtual_stages import interleaved_fill
+from rules.generators import interleaved_fill
 
 CLUSTER = Cluster.parse("2x4xH100")
 

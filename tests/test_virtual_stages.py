@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from partitioner.errors import PartitionError
-from partitioner.place.search.virtual_stages import check_virtual, interleaved_chunks, interleaved_fill, scaled_windows
+from partitioner.place.search.virtual_stages import check_virtual, interleaved_chunks, scaled_windows
+from rules.generators import interleaved_fill
 
 
 def test_the_bubble_shrinks_by_the_chunks_per_rank() -> None:

@@ -30,7 +30,8 @@ from partitioner.place.search.graph_costs import affine
 from partitioner.place.search.problem import HybridProblem, Window
 from partitioner.place.search.split_costs import SplitGrid, split_parts
 from partitioner.place.search.stage_costs import Grid, replica_in_flight, schedule_fill, stage_parts
-from partitioner.place.search.virtual_stages import interleaved_chunks, interleaved_fill, scaled_windows
+from partitioner.place.search.virtual_stages import interleaved_chunks, scaled_windows
+from rules.generators import interleaved_fill
 
 __all__ = [
     "Pricer", "dp", "evaluate_cluster", "fill", "refine", "slowest_pair", "solve_candidate", "space_of", "windows",

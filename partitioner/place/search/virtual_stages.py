@@ -10,10 +10,11 @@ per pipeline (m / d):
     messages               = v x a stage's own per micro-batch (each crosses every rank boundary v times; the
                              wrap from the last rank to the first is left in the first rank's count)
 
-A chunk saves 1/v of its stage's activations and receives and sends a boundary value of its own, so memory in
-flight is chunks / v x the stage's saved bytes + chunks x its boundary bytes (full recomputation keeps only
-the boundaries: chunks x them). Megatron-LM needs n to be a multiple of p for this schedule.
-The runtime runs interleaving with one replica per stage only (rules.schedules "interleaved"), so the cluster
+The fill and the warm-up are rules.generators' (interleaved_fill, interleaved_warmup), beside the generator
+that runs the schedule, and so is the rule that n be a multiple of p. A chunk saves 1/v of its stage's
+activations and receives and sends a boundary value of its own, so memory in flight is chunks / v x the
+stage's saved bytes + chunks x its boundary bytes (full recomputation keeps only the boundaries: chunks x
+them). The runtime runs interleaving with one replica per stage only (rules.schedules "interleaved"), so the cluster
 search prices v > 1 where a caller fixes it (cluster/fixed.py: a published run's configuration), and a plan
 is not made of it.
 """
@@ -24,18 +25,15 @@ from typing import Sequence
 
 from partitioner.errors import PartitionError
 from partitioner.place.search.problem import Window
+from rules.generators import interleaved_micro_batches, interleaved_warmup
 
-__all__ = ["check_virtual", "interleaved_chunks", "interleaved_fill", "scaled_windows"]
-
-
-def interleaved_fill(n: int, p: int, v: int) -> float:
-    """Step / slowest stage's work for n micro-batches per pipeline of p ranks with v chunks each."""
-    return (n + (p - 1) / v) / n
+__all__ = ["check_virtual", "interleaved_chunks", "scaled_windows"]
 
 
 def interleaved_chunks(q: int, p: int, n: int, v: int) -> int:
-    """Chunks rank p - q of p holds at its peak (q = p - s: the stage is q-th from the end)."""
-    return min(n * v, 2 * (q - 1) + (v - 1) * p + 1)
+    """Chunks rank p - q of p holds at its peak (q = p - s: the stage is q-th from the end): its warm-up forwards
+    (rules.generators.interleaved_warmup, the generator's own count) and the one running, at most n v."""
+    return min(n * v, interleaved_warmup(p - q, p, n, v) + 1)
 
 
 def scaled_windows(wins: Sequence[Window], v: int) -> list[Window]:
@@ -54,6 +52,6 @@ def check_virtual(v: int, p: int, n: int) -> None:
     multiple of p (Megatron-LM's condition)."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise PartitionError(f"virtual_stages={v!r}; give a whole number of chunks per rank, 1 or more")
-    if v > 1 and (p < 2 or n % p):
+    if v > 1 and (p < 2 or interleaved_micro_batches(n, p, v) is not None):
         raise PartitionError(f"virtual_stages={v} needs 2 or more stages and micro-batches per pipeline ({n}) a "
                              f"multiple of the stages ({p}), as Megatron-LM's interleaved schedule does")

@@ -129,7 +129,7 @@ def stream_one_f_one_b(micro_batches: int, stages: int, steps: int) -> list[list
 
     Batch t's micro-batches are numbered t*m .. t*m + m - 1; the stream is one 1F1B over all of
     them, so a stage starts the forwards of batch t + 1 before the backwards of batch t end
-    (PipeDream-2BW and PipeDream's weight stashing; runtime/stream.py cuts it into calls):
+    (PipeDream-2BW and PipeDream's weight stashing; runtime/flushless.py cuts it into calls):
 
         m=2, p=2, steps=2   warm-up   steady: B then F            drain
         stage 0:            F0 F1     B0 F2 B1 F3                 B2 B3

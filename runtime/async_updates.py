@@ -1,4 +1,4 @@
-"""Asynchronous training for both runtimes: one stream of calls (runtime.stream), weight versions, losses.
+"""Asynchronous training for both runtimes: one stream of calls (runtime.flushless), weight versions, losses.
 
 `Pipeline` (one process) and `DistributedPipeline` (torchrun) both hold an `AsyncTrainer`
 when the plan's `update` is "2bw" or "stash". A call of `train_step` adds its batch to the
@@ -29,12 +29,12 @@ from typing import Callable, Sequence
 import torch
 
 from runtime.errors import PartitionError
+from runtime.flushless import Stream, StreamError
 from runtime.interpreter import Interpreter
 from runtime.plan import Plan
 from runtime.program import Op
 from runtime.stage import Stage
 from runtime.steps import StepInputs
-from runtime.stream import Stream, StreamError
 from runtime.versions import AsyncUpdate, StageVersions, Stepper
 
 __all__ = ["AsyncTrainer", "check_async_plan", "refuse_optimizer"]

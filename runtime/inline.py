@@ -72,7 +72,7 @@ class InlineOrders:
     `shared` (src, dst) stage pairs hand their values over through the workers' shared dict
     (runtime.interpreter, `begin`): their SEND and RECV ops are left out. A plan's programs
     are the same list every step; an asynchronous stream's calls are new lists each call
-    (runtime.stream), so only a few entries are kept.
+    (runtime.flushless), so only a few entries are kept.
     """
 
     def __init__(self, keep: int = 8) -> None:

@@ -138,7 +138,7 @@ class Interpreter:
         self.step = _NO_STEP
 
     def begin_stream(self, local: dict[Key, list[Any]]) -> None:
-        """Start a stream of calls (runtime.stream): what forwards save lives on from call to call."""
+        """Start a stream of calls (runtime.flushless): what forwards save lives on from call to call."""
         self.begin(StepInputs([], "train"), local)
         self._streaming = True
         self.batch_losses = {}

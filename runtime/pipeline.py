@@ -27,6 +27,7 @@ from torch import nn
 
 from runtime.async_updates import AsyncTrainer, refuse_optimizer
 from runtime.calibration_hook import Calibratable, StepCall
+from runtime.cuda_streams import compute_stream, current, join_caller
 from runtime.errors import PartitionError
 from runtime.inline import InlineOrders, run_inline
 from runtime.interpreter import Interpreter
@@ -37,7 +38,6 @@ from runtime.routes import stage_aliases
 from runtime.stage import Stage
 from runtime.stage_graph import StageGraph, for_mode
 from runtime.steps import StepInputs, forward_step, step_sizes, train_step_inputs, transaction, write_back
-from runtime.streams import compute_stream, current, join_caller
 from runtime.thread_state import thread_state
 from runtime.transport_local import LocalTransport, WorkerFailed
 from runtime.weight_grads import WeightGradHook, check_self_computed, check_whole_modules
@@ -273,7 +273,7 @@ class Pipeline(Calibratable, nn.Module):
         return trainer
 
     def _run_segment(self, segment: list[list[Op]], step: StepInputs | None) -> None:
-        """One call of an asynchronous stream (runtime.stream): each worker's ops of that call."""
+        """One call of an asynchronous stream (runtime.flushless): each worker's ops of that call."""
         mode = self._mode()
         programs = [Program(rank=r, device=str(w._device()), ops=ops) for r, (w, ops) in
                     enumerate(zip(mode.workers, segment))]

@@ -115,7 +115,7 @@ class Plan:
     predicted_step_ms: float = 0.0
     placement: Placement = "pipeline"
     virtual_stages: int = 1  # stages per rank of a loop or V layout (interleaved: 2 or more; zbv: 2)
-    update: Update = "sync"  # asynchronous updates run the 1F1B stream of runtime.stream, not `programs`
+    update: Update = "sync"  # asynchronous updates run the 1F1B stream of runtime.flushless, not `programs`
     # Bounded staleness (torchrun, runtime.staleness): the update of step t uses the all-reduced
     # gradients of step t - staleness for weights held by several ranks; 0 is synchronous.
     staleness: int = 0

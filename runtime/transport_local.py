@@ -1,7 +1,7 @@
 """The local transport: values between workers of one process (threads, or one thread in tick order).
 
 A send starts moving the values to the receiving stage's device at once (the producer starts
-the copy, on CUDA copy streams: see runtime.streams) and leaves them in a mailbox; the
+the copy, on CUDA copy streams: see runtime.cuda_streams) and leaves them in a mailbox; the
 receiver's `take` waits for them, and on CUDA for the copy to end on its stream. Within one process
 nothing needs NCCL's ordering, but the programs and the interpreter are the same as under
 torchrun, so one process runs every schedule the same way.
@@ -14,9 +14,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from runtime.cuda_streams import CopyStreams, Handoff
 from runtime.microbatch import to_device
 from runtime.program import Op
-from runtime.streams import CopyStreams, Handoff
 
 __all__ = ["LocalTransport", "WorkerFailed"]
 
@@ -48,7 +48,7 @@ class LocalTransport:
         """Start a step: forget a failure and, unless `mail` is False, every undelivered value.
 
         A call of an asynchronous stream keeps its mail: a value sent at the last tick of one
-        call may be taken by the first op of the next (runtime.stream).
+        call may be taken by the first op of the next (runtime.flushless).
         """
         if not self._failed and not (mail and self._box):  # between steps no worker runs: nothing to clear
             return

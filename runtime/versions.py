@@ -1,6 +1,6 @@
 """Weight versions for asynchronous pipeline updates: PipeDream-2BW and PipeDream's weight stashing.
 
-In a pipeline without flushes (runtime.stream) a stage's optimizer steps while micro-batches
+In a pipeline without flushes (runtime.flushless) a stage's optimizer steps while micro-batches
 whose forwards read the old weights still wait for their backwards. Stepping the Parameters
 in place would break what autograd saved (or, swapping `.data`, silently give wrong
 gradients). So the forwards never read the Parameters: each version is a set of leaf clones

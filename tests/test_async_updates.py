@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.pipelining import pipe_split
 
 from partitioner import PartitionError, partition
-from runtime.stream import Stream
+from runtime.flushless import Stream
 from tests.zoo import rel
 
 M, P, K, BATCH = 4, 2, 5, 8  # micro-batches per step, stages, steps, samples per step

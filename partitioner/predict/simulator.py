@@ -46,10 +46,10 @@ from partitioner.predict.timeline import (
     Event,
     Timeline,
 )
+from runtime.flushless import Stream, StreamError
 from runtime.plan import Plan
 from runtime.program import Op, Program
 from runtime.schedule import Action
-from runtime.stream import Stream, StreamError
 
 __all__ = [
     "ALLREDUCE",
@@ -134,7 +134,7 @@ def simulate(
 def steady_step_ms(plan: Plan, *, transfer_ms: TransferMs | None = None) -> float:
     """Milliseconds per batch of an asynchronous plan (`plan.update` "2bw"/"stash") once the stream is full.
 
-    With no flush between batches (runtime.stream) a step costs the stream's period, not a
+    With no flush between batches (runtime.flushless) a step costs the stream's period, not a
     fill-and-drain makespan: a stream of a few batches is simulated with the prices of the
     plan's own programs, and the time between the starts of consecutive steady batches
     (stage 0's first forward of each) is averaged over two batches.

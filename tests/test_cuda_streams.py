@@ -8,9 +8,9 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-import runtime.streams as streams
+import runtime.cuda_streams as streams
+from runtime.cuda_streams import CopyStreams, Handoff, join_caller
 from runtime.microbatch import to_device
-from runtime.streams import CopyStreams, Handoff, join_caller
 
 
 def test_cpu_to_cpu_moves_nothing_and_waits_for_nothing() -> None:

@@ -12,7 +12,7 @@ from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.errors import PartitionError
-from partitioner.place.pippy_policy import _example_inputs, split_policy
+from partitioner.pippy_policy import _example_inputs, split_policy
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.space import SearchSpace
 from tests import zoo

@@ -3,7 +3,8 @@
 A model whose weights are on `meta` has shapes and no values. `partition` traces and plans it
 like any other (shape propagation runs on meta tensors: see `shapes_only`), with the analytic
 cost model by default since profiling needs values, then materializes each stage's weights on
-its own device (runtime.materialize) from `weights=` or `init=`.
+its own device (runtime.materialize) from `weights=` or `init=`. Users build one with
+partitioner.meta.empty_weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from partitioner.errors import PartitionError
 from runtime.materialize import swap
 from runtime.microbatch import to_device
 
-__all__ = ["empty_weights", "is_meta", "on_meta", "shapes_only"]
+__all__ = ["is_meta", "on_meta", "shapes_only"]
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -30,30 +31,6 @@ def is_meta(model: nn.Module) -> bool:
 def on_meta(value: Any) -> Any:
     """`value` (a tree of inputs) with every tensor replaced by a meta tensor of its shape and dtype."""
     return to_device(value, torch.device("meta"))
-
-
-@contextlib.contextmanager
-def empty_weights() -> Iterator[None]:
-    """Build a model with its parameters on meta and its buffers real (as accelerate's
-    `init_empty_weights()`): a non-persistent buffer such as a causal mask, which no checkpoint
-    holds, then keeps the value its constructor computed, and materializes like any other.
-
-    >>> with empty_weights():
-    ...     model = GPT(cfg)          # parameters on meta, the mask on the CPU
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            kind = type(param)
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def _real_tensors(model: nn.Module, graphs: list[torch.fx.GraphModule]) -> list[torch.Tensor]:

@@ -1,3 +1,3 @@
-"""Placement search: stages, replicas and cuts (chain DP, branches, hybrid, cluster search, PiPPy policy, chooser)."""
+"""Placement: where nodes and ranks go (planning.py chooses; chain DP, branches, and the two searches on search/)."""
 
 __all__: list[str] = []

@@ -1,8 +1,9 @@
-"""Calibration: per-device correction factors learned from measured runs, applied to any model.
+"""A cost model corrected by measured runs: CalibratedCostModel scales a base model's times; fit_calibration fits.
 
-A run records, for each stage, its device, the predicted compute time and the measured one
-(plain data: the runtime's trace or a Plan's stages plus measured times; nothing here
-imports the runtime). For each device the factor is the least-squares ratio over every
+The factors are per device, learned from measured runs and applied to any model (the record that holds
+them is cost_model/machine_params.py's Calibration). A run records, for each stage, its device, the
+predicted compute time and the measured one (plain data: the runtime's trace or a Plan's stages plus
+measured times; nothing here imports the runtime). For each device the factor is the least-squares ratio over every
 observation so far,
 
     f = sum(predicted * measured) / sum(predicted ** 2)

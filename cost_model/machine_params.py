@@ -1,4 +1,6 @@
-"""Calibration: the machine parameters fitted from measured runs (compute factors, overheads, links), saved as JSON.
+"""The machine parameters a calibration learns, as data: the Calibration record (compute factors, overheads, links).
+
+The record a run's measurements update and that is saved as JSON; nothing here prices anything.
 
 See cost_model/calibration.py for what they mean and how the simulator prices them; cost_model/run_fit.py fits them.
 Compute factors come twice: pooled per device and kind (`sums`: measured over the plan's base stage time), and

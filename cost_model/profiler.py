@@ -34,9 +34,9 @@ from cost_model.cache import cache_dir as default_cache_dir, cache_key, read_jso
 from cost_model.chunks import default_budget, measure_chunks, model_bytes
 from cost_model.devices import device_index, device_present
 from cost_model.interface import CostModel, forward_time
+from cost_model.progress import phase, say
 from cost_model.rounds import Rounds, record, time_in_forward
 from cost_model.timing import Clock, Timer, is_out_of_memory, release_cached, timer_for
-from rules.progress import phase, say
 
 __all__ = ["Profile", "ProfiledCostModel", "graph_fingerprint", "profile_graph"]
 

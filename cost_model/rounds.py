@@ -25,9 +25,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from cost_model.progress import Progress
 from cost_model.timing import NodeRunner, Submodules, Timer, is_out_of_memory
 from rules.device_args import on_device
-from rules.progress import Progress
 
 __all__ = ["BackwardCallProbe", "Recorded", "Rounds", "record", "time_in_forward"]
 

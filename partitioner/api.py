@@ -11,6 +11,7 @@ from cost_model.analytic import CostModel
 from cost_model.calibration_store import CalibrationArg
 from cost_model.devices import DeviceLike
 from cost_model.precision import Precision
+from cost_model.progress import library_call
 from partitioner.arguments import (
     ClusterLike,
     check_model_options,
@@ -40,7 +41,6 @@ from partitioner.request import (
     TensorChoice,
 )
 from partitioner.show.visualizer import DrawablePlan
-from rules.progress import library_call
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed
 from runtime.materialize import Init
@@ -154,7 +154,7 @@ def _plans(
 
 
 def _drawable(made: Iterator[tuple[int, Plan | PartitionError]]) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
-    """Each plan drawable, made inside a library call (rules.progress: its long phases said by default)."""
+    """Each plan drawable, made inside a library call (cost_model.progress: its long phases said by default)."""
     with library_call():
         for m, each in made:
             yield m, each if isinstance(each, PartitionError) else DrawablePlan.from_plan(each)

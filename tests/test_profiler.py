@@ -22,11 +22,11 @@ from cost_model.cache import ENV_VAR
 from cost_model.chunks import node_bytes, plan_chunks
 from cost_model.cluster import DeviceSet
 from cost_model.profiler import ProfiledCostModel, profile_graph
+from cost_model.progress import LOGGER, Progress
 from cost_model.timing import NodeRunner, make_timer, materialize
 from partitioner import partition
 from partitioner.capture.graph import build_graph
 from partitioner.capture.trace import trace
-from rules.progress import LOGGER, Progress
 
 CPU = torch.device("cpu")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from cost_model import progress as progress_rules
 from cost_model.analytic import AnalyticCostModel
+from cost_model.progress import LOGGER, Progress, is_terminal, library_call, phase, say
 from partitioner import partition, plan
 from partitioner.capture.graph import compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.cli.main import main
-from rules import progress as progress_rules
-from rules.progress import LOGGER, Progress, is_terminal, library_call, phase, say
 from tests import zoo
 
 

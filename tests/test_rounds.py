@@ -10,9 +10,9 @@ import torch
 import torch.fx
 from torch import nn
 
+from cost_model.progress import Progress
 from cost_model.rounds import Recorded, Rounds, record, time_in_forward
 from cost_model.timing import NodeRunner, Timer
-from rules.progress import Progress
 
 CPU = torch.device("cpu")
 

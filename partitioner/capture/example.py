@@ -8,13 +8,13 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from cost_model.progress import say
 from partitioner.capture.cross_batch import check_cross_batch
 from partitioner.capture.fidelity import InputSplitSpec, input_dims
 from partitioner.capture.meta import is_meta, shapes_only
 from partitioner.capture.trace import Traced, trace
 from partitioner.errors import PartitionError
 from partitioner.request import CrossBatchChoice
-from rules.progress import say
 from runtime.microbatch import batch_size, scatter
 
 __all__ = ["Example", "shaped", "trace_example"]

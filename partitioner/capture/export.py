@@ -42,12 +42,12 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.graph import _PyTreeCodeGen
 
+from cost_model.progress import say
 from partitioner.capture.export_device import FakeDevice, run_device
 from partitioner.capture.export_functions import Functions, as_leaves, functions_recorded, source_of
 from partitioner.capture.meta import is_meta
 from partitioner.capture.whole import keep_experts_whole
 from partitioner.errors import PartitionError, TraceError
-from rules.progress import say
 
 __all__ = ["Exported", "export_graph"]
 

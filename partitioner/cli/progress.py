@@ -9,7 +9,7 @@ from typing import Iterator
 
 from rich.console import Console
 
-from rules.progress import LOGGER
+from cost_model.progress import LOGGER
 
 __all__ = ["phase_lines", "step"]
 
@@ -33,7 +33,7 @@ def step(err: Console, quiet: bool, text: str) -> Iterator[None]:
 @contextmanager
 def phase_lines(err: Console, quiet: bool) -> Iterator[None]:
     """Where stderr is not a terminal, the library's phase lines (tracing, profiling n of N nodes, planning: the
-    `rules.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead, and
+    `cost_model.progress` log) go to it, one line each; on a terminal its spinners and bars show progress instead, and
     with --quiet nothing does: in both the library's own default lines are off ([Note: progress by default])."""
     log = logging.getLogger(LOGGER)
     if quiet or err.is_terminal:

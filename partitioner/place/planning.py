@@ -18,6 +18,7 @@ from cost_model.analytic import CostModel
 from cost_model.devices import host_memory
 from cost_model.memory import usable_bytes
 from cost_model.processes import BetweenProcesses
+from cost_model.progress import say
 from partitioner.capture.example import Example
 from partitioner.capture.fidelity import Cuts, forced_cuts, shape_graph
 from partitioner.capture.graph import build_graph, compute_nodes
@@ -31,7 +32,6 @@ from partitioner.place.search.space import SearchSpace
 from partitioner.predict.assemble import finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
-from rules.progress import say
 from rules.schedules import auto_layouts, virtual_stages
 from runtime.interpreter import Routes
 from runtime.launch import stage_layout

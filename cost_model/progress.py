@@ -1,14 +1,16 @@
 """Progress of the long phases (tracing, profiling, planning): one log line per phase, a bar only on a terminal.
 
-Every phase says what it does in one line on the `rules.progress` logger, at INFO, and a phase that
+Every phase says what it does in one line on the `cost_model.progress` logger, at INFO, and a phase that
 counts (profiling n of N nodes) also draws a bar on stderr when it is a terminal, which clears its line
-when the phase ends, so what is printed next starts on a line of its own.
+when the phase ends, so what is printed next starts on a line of its own. It is output, not a price: it
+lives in cost_model/ as the lowest layer that says progress (the profiler counts nodes), where
+partitioner/ reads it too.
 
 [Note: progress by default] Where nobody configured logging (no handler on this logger or above it), a
 call of the front door (`plan`, `partition`: `library_call`) still says its long phases on stderr, one
 line each, `partitioner: tracing LlamaForCausalLM ...`: a phase still running after `SLOW_S` seconds,
 so quick calls say nothing; on torchrun rank 0 only. The logger's own level is the switch:
-`logging.getLogger("rules.progress").setLevel(logging.WARNING)` silences it, `logging.INFO` says every
+`logging.getLogger("cost_model.progress").setLevel(logging.WARNING)` silences it, `logging.INFO` says every
 phase as it starts. A program that configured logging gets the records through its own handlers
 instead (shown where it shows INFO), and pytest configures logging, so tests print nothing. The
 command line draws its own spinners and bars, or logs these lines into a pipe (cli/progress.py).
@@ -32,7 +34,7 @@ from tqdm import tqdm
 
 __all__ = ["LOGGER", "SLOW_S", "Progress", "is_terminal", "library_call", "phase", "say"]
 
-LOGGER = "rules.progress"
+LOGGER = "cost_model.progress"
 SLOW_S = 3.0  # seconds a phase runs before it is said on stderr by default (see [Note: progress by default])
 log = logging.getLogger(LOGGER)
 
@@ -79,7 +81,7 @@ _DEFAULT = _Default()
 
 
 def say(line: str) -> None:
-    """Say in one line which phase runs now ("tracing GPT", "planning 2 stages"): INFO on the `rules.progress` log,
+    """Say in one line which phase runs now ("tracing GPT", "planning 2 stages"): INFO on the `cost_model.progress` log,
     and on stderr where a library call runs long and nobody configured logging (see [Note: progress by default])."""
     log.info(line)
     _DEFAULT.said(line)

@@ -42,10 +42,10 @@ from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
 from partitioner.capture.regions import fork_join_regions, iter_regions  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
 from partitioner.place.chain import SplitProblem, plan_pipeline, solve  # noqa: E402
-from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
-from partitioner.place.devices.search import evaluate, solve_hybrid  # noqa: E402
+from partitioner.place.devices.problem import device_problem  # noqa: E402
+from partitioner.place.devices.search import evaluate, solve_devices  # noqa: E402
 from partitioner.place.replicated import plan_hybrid  # noqa: E402
-from partitioner.place.search.problem import HybridProblem  # noqa: E402
+from partitioner.place.search.problem import SearchProblem  # noqa: E402
 from partitioner.place.search.space import SearchSpace  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests.graphs import fork_join_graph  # noqa: E402
@@ -135,7 +135,7 @@ def equal_layer_bounds(graph: nx.DiGraph, order: list[str], blocks: str, parts: 
     return [round(len(order) * s / parts) for s in range(parts + 1)]
 
 
-def parameter_bounds(problem: HybridProblem, parts: int) -> list[int]:
+def parameter_bounds(problem: SearchProblem, parts: int) -> list[int]:
     """Contiguous stages whose largest parameter bytes is smallest (exact bottleneck split)."""
     none = np.zeros((parts, 2))
     weights = np.tile(problem.param_bytes + 1.0, (parts, 1))
@@ -143,7 +143,7 @@ def parameter_bounds(problem: HybridProblem, parts: int) -> list[int]:
     return solve(split)[0]
 
 
-def best_baseline(problem: HybridProblem, bounds: list[int], ms: list[int]) -> float:
+def best_baseline(problem: SearchProblem, bounds: list[int], ms: list[int]) -> float:
     """Smallest predicted step of a split with one stage per device, over micro-batch counts and schedules."""
     steps = []
     for m in ms:
@@ -166,9 +166,9 @@ def compare_models() -> None:
         order = [n.name for n in compute_nodes(traced.graph_module)]
         for devices in (2, 4, 8):
             names = [f"cuda:{i}" for i in range(devices)]
-            problem = hybrid_problem(graph, order, names, cluster(devices))
+            problem = device_problem(graph, order, names, cluster(devices))
             ms = [m for m in (1, 2, 4, 8, 16, 32) if m <= (problem.batch or 1)]
-            ours = solve_hybrid(problem, ms)
+            ours = solve_devices(problem, ms)
             layer = best_baseline(problem, equal_layer_bounds(graph, order, blocks, devices), ms)
             param = best_baseline(problem, parameter_bounds(problem, devices), ms)
             ratios_layer.append(layer / ours.step_s)

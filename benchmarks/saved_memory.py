@@ -32,7 +32,7 @@ from cost_model.ops import classify  # noqa: E402
 from cost_model.recompute_cost import graph_nodes  # noqa: E402
 from examples.resnet50 import resnet50  # noqa: E402
 from partitioner.capture.meta import shapes_only  # noqa: E402
-from partitioner.place.devices.search import solve_hybrid  # noqa: E402
+from partitioner.place.devices.search import solve_devices  # noqa: E402
 from tests.test_saved_memory import autograd_saved_bytes, cases, resnet50_on_v100s, traced_graph  # noqa: E402
 
 GIB = float(1 << 30)
@@ -88,7 +88,7 @@ def plans() -> None:
     old = np.array([float(old_bound([n])) for n in graph_nodes(graph, order)])
     for label, saved in (("now", problem.saved_bytes.copy()), ("old bound", old)):
         problem.saved_bytes = saved
-        sol = solve_hybrid(problem, counts)
+        sol = solve_devices(problem, counts)
         print(f"  {label:<10} stages x replicas {sol.replicas}, m={sol.micro_batches} "
               f"({1024 // sol.micro_batches} images per pass), {sol.schedule}, predicted step "
               f"{sol.step_s * 1e3:.1f} ms, {max(sol.memory) / GIB:.2f} GiB per GPU")

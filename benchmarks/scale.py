@@ -47,8 +47,8 @@ from partitioner.place.cluster.candidate import fill  # noqa: E402
 from partitioner.place.cluster.plan import plan_on_cluster  # noqa: E402
 from partitioner.place.cluster.prepare import cluster_problem  # noqa: E402
 from partitioner.place.cluster.search import search_cluster  # noqa: E402
-from partitioner.place.devices.problem import hybrid_problem  # noqa: E402
-from partitioner.place.devices.search import solve_hybrid  # noqa: E402
+from partitioner.place.devices.problem import device_problem  # noqa: E402
+from partitioner.place.devices.search import solve_devices  # noqa: E402
 from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
 from partitioner.place.search.space import SearchSpace  # noqa: E402
 from runtime.plan import human_bytes  # noqa: E402
@@ -117,7 +117,7 @@ def synthetic(gpus: int, slow: bool) -> None:
     line = f"count search {new_s:.2f} s, objective {found.step_s * 1e3:.3f} ms ({found.stages}x{found.replicas})"
     if gpus <= 64 or slow:
         start = time.perf_counter()
-        old = solve_hybrid(hybrid_problem(graph, order, devices, cost))
+        old = solve_devices(device_problem(graph, order, devices, cost))
         old_s = time.perf_counter() - start
         p, m, d = len(old.replicas), old.micro_batches, max(old.replicas)
         # its (m + p - 1) / m fill as the count search counts it (d pipelines of m / d), so both are one objective

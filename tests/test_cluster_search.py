@@ -24,8 +24,8 @@ from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.cluster.prepare import cluster_problem
 from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import layout
-from partitioner.place.devices.problem import hybrid_problem
-from partitioner.place.devices.search import evaluate, solve_hybrid
+from partitioner.place.devices.problem import device_problem
+from partitioner.place.devices.search import evaluate, solve_devices
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.blocks import block_cuts
 from partitioner.place.search.graph_costs import affine
@@ -88,13 +88,13 @@ def test_count_search_is_the_exact_optimum_of_the_device_list_objective_on_one_h
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     devices = [torch.device(f"cuda:{r}") for r in range(8)]
     ms = [8, 16]
-    old = hybrid_problem(graph, order, devices, cost, headroom=headroom, micro_batches=ms)
+    old = device_problem(graph, order, devices, cost, headroom=headroom, micro_batches=ms)
     new = cluster_problem(graph, order, devices[0], cost, ms, headroom=headroom)
     found = search_cluster(new, cluster, micro_batches=ms, schedules=("1f1b",))
     assert found.step_s == pytest.approx(uniform_optimum(old, 8, ms, "1f1b"), rel=1e-9)
-    assert solve_hybrid(old, ms, ("1f1b",)).step_s <= found.step_s * (1 + 1e-9)
+    assert solve_devices(old, ms, ("1f1b",)).step_s <= found.step_s * (1 + 1e-9)
     pipeline = search_cluster(new, cluster, micro_batches=ms, schedules=("1f1b",), replicate=False)
-    exhaustive = solve_hybrid(old, ms, ("1f1b",), stages=8, replicate=False)
+    exhaustive = solve_devices(old, ms, ("1f1b",), stages=8, replicate=False)
     assert pipeline.step_s == pytest.approx(exhaustive.step_s, rel=1e-9)
     assert pipeline.bounds == exhaustive.bounds or evaluate(old, pipeline.bounds, [1] * 8, pipeline.micro_batches,
                                                             "1f1b")[0] == pytest.approx(exhaustive.step_s, rel=1e-9)

@@ -18,14 +18,14 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.shardable import find_shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.devices.problem import hybrid_problem
-from partitioner.place.devices.search import evaluate, solve_hybrid
+from partitioner.place.devices.problem import device_problem
+from partitioner.place.devices.search import evaluate, solve_devices
 from partitioner.place.devices.split import tensor_space
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.counts import micro_batch_counts
 from partitioner.place.search.degrees import Degrees, TensorDegree
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.predict.simulator import simulate
 from runtime.microbatch import split_sizes
 from runtime.plan import Plan
@@ -34,14 +34,14 @@ from tests.hybrid_worker import SmallCnn, cost as fixed_speed
 from tests.values import random_values
 
 
-def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 2, tight: bool = True) -> HybridProblem:
+def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 2, tight: bool = True) -> SearchProblem:
     producers, consumers, sizes = random_values(rng, n)
     params = rng.uniform(0, 1e6, n) * (rng.random(n) < 0.7)
     saved = rng.uniform(0, 2e5, n)
     capacity = np.full(devices, np.inf)
     if tight:
         capacity = rng.uniform(0.6, 1.6, devices) * (4 * params.sum() / devices + saved.sum() / 2)
-    return HybridProblem(
+    return SearchProblem(
         fixed_times=rng.uniform(0, 1e-3, (kinds, n)),
         batch_times=rng.uniform(1e-3, 1e-2, (kinds, n)),
         device_kind=rng.integers(0, kinds, devices),
@@ -58,7 +58,7 @@ def random_problem(rng: np.random.Generator, n: int, devices: int, kinds: int = 
     )
 
 
-def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
+def moved(pr: SearchProblem, a: int, b: int) -> tuple[float, float]:
     """Whole-batch bytes a stage [a, b) receives (made before a, read inside) and sends (made inside, read at b+)."""
     recv = send = 0.0
     for p, cons, nbytes in zip(pr.producers, pr.consumers, pr.value_bytes):
@@ -70,7 +70,7 @@ def moved(pr: HybridProblem, a: int, b: int) -> tuple[float, float]:
 
 
 def stage_numbers(
-    pr: HybridProblem, a: int, b: int, w: int, r: int, m: int, before: int = 1
+    pr: SearchProblem, a: int, b: int, w: int, r: int, m: int, before: int = 1
 ) -> tuple[float, float, float, float, float]:
     """Direct (slow) W, static bytes, bytes per micro-batch in flight, capacity, and recv+send of one stage
     after a stage of `before` replicas (devices w - before .. w-1): its receive is priced on the slowest of
@@ -105,7 +105,7 @@ def compositions(total: int, parts: int):
         yield [y - x for x, y in zip(edges, edges[1:])]
 
 
-def configs(pr: HybridProblem, ms, schedules, stages=None, replicate=True):
+def configs(pr: SearchProblem, ms, schedules, stages=None, replicate=True):
     """Every (step, max memory ratio, bounds, replicas, m, schedule), feasible or not."""
     n, D = pr.n, pr.devices
     for m in ms:
@@ -130,11 +130,11 @@ def configs(pr: HybridProblem, ms, schedules, stages=None, replicate=True):
                         yield step, ratio, bounds, reps, m, schedule
 
 
-def exhaustive(pr: HybridProblem, ms, schedules=("gpipe", "1f1b"), stages=None, replicate=True) -> float:
+def exhaustive(pr: SearchProblem, ms, schedules=("gpipe", "1f1b"), stages=None, replicate=True) -> float:
     return min((c[0] for c in configs(pr, ms, schedules, stages, replicate) if c[1] <= 1.0), default=math.inf)
 
 
-def check_solution(pr: HybridProblem, sol, ms) -> None:
+def check_solution(pr: SearchProblem, sol, ms) -> None:
     """Valid structure, the step it claims, and every replica within its device's memory."""
     b, reps, m = sol.bounds, sol.replicas, sol.micro_batches
     assert b[0] == 0 and b[-1] == pr.n and all(x < y for x, y in zip(b, b[1:]))
@@ -158,9 +158,9 @@ def test_equals_exhaustive_search(seed: int) -> None:
     expected = exhaustive(pr, ms, schedules)
     if not np.isfinite(expected):
         with pytest.raises(InfeasibleError):
-            solve_hybrid(pr, ms, schedules)
+            solve_devices(pr, ms, schedules)
         return
-    sol = solve_hybrid(pr, ms, schedules)
+    sol = solve_devices(pr, ms, schedules)
     assert sol.step_s == pytest.approx(expected, rel=1e-9)
     assert sol.schedule in schedules
     check_solution(pr, sol, ms)
@@ -177,9 +177,9 @@ def test_fixed_stage_count_and_no_replication_equal_exhaustive(seed: int) -> Non
         expected = exhaustive(pr, ms, **kwargs)
         if not np.isfinite(expected):
             with pytest.raises(InfeasibleError):
-                solve_hybrid(pr, ms, **kwargs)
+                solve_devices(pr, ms, **kwargs)
             continue
-        sol = solve_hybrid(pr, ms, **kwargs)
+        sol = solve_devices(pr, ms, **kwargs)
         assert sol.step_s == pytest.approx(expected, rel=1e-9)
         assert len(sol.replicas) == kwargs.get("stages", D)
         check_solution(pr, sol, ms)
@@ -188,12 +188,12 @@ def test_fixed_stage_count_and_no_replication_equal_exhaustive(seed: int) -> Non
 def test_slow_stage_gets_more_replicas() -> None:
     """Node 0 takes 2 s, node 1 takes 1 s, 3 devices, m = 4: [2 replicas, 1 replica], step 1.25 s."""
     zero2, zero3 = np.zeros((3, 3, 2)), np.zeros((3, 4, 2))
-    pr = HybridProblem(
+    pr = SearchProblem(
         np.zeros((1, 2)), np.array([[2.0, 1.0]]), np.zeros(3, dtype=int), np.array([-1, 0, 1]),
         [np.array([0]), np.array([1]), np.array([2])], np.zeros(3), np.zeros(2), np.zeros(2), zero2, zero3,
         np.full(3, np.inf),
     )
-    sol = solve_hybrid(pr, 4)
+    sol = solve_devices(pr, 4)
     assert (sol.bounds, sol.replicas, sol.step_s) == ([0, 1, 2], [2, 1], pytest.approx(1.25))
 
 
@@ -228,7 +228,7 @@ def test_infeasible_error_names_the_memory_each_device_needs() -> None:
     pr = random_problem(rng, 6, 3, tight=False)
     pr.capacity = np.array([1e3, 9e2, 1e3])
     with pytest.raises(InfeasibleError) as info:
-        solve_hybrid(pr, [1, 2, 4])
+        solve_devices(pr, [1, 2, 4])
     text, needed = str(info.value), info.value.needed_bytes
     assert "fits on no split" in text and "Fix:" in text
     for d in range(3):
@@ -236,7 +236,7 @@ def test_infeasible_error_names_the_memory_each_device_needs() -> None:
     best_ratio = min(c[1] for c in configs(pr, [1, 2, 4], ("1f1b",)))
     assert max(x / c for x, c in zip(needed, pr.capacity)) == pytest.approx(best_ratio, rel=1e-6)
     pr.capacity = np.array(needed, dtype=float)  # exactly that much memory: now it plans
-    check_solution(pr, solve_hybrid(pr, [1, 2, 4]), [1, 2, 4])
+    check_solution(pr, solve_devices(pr, [1, 2, 4]), [1, 2, 4])
 
 
 def test_memory_never_exceeded_on_larger_problems() -> None:
@@ -244,10 +244,10 @@ def test_memory_never_exceeded_on_larger_problems() -> None:
     pr = random_problem(rng, 400, 6)
     pr.capacity = pr.capacity * 0.5
     try:
-        sol = solve_hybrid(pr, [2, 4, 8], budget=2e6)
+        sol = solve_devices(pr, [2, 4, 8], budget=2e6)
     except InfeasibleError as exc:
         pr.capacity = np.array(exc.needed_bytes, dtype=float)
-        sol = solve_hybrid(pr, [2, 4, 8], budget=2e6)
+        sol = solve_devices(pr, [2, 4, 8], budget=2e6)
     check_solution(pr, sol, [2, 4, 8])
 
 
@@ -255,7 +255,7 @@ def test_bad_arguments_raise_partition_error() -> None:
     pr = random_problem(np.random.default_rng(0), 4, 3, tight=False)
     for kwargs in ({"schedules": ("zb",)}, {"stages": 5}, {"micro_batches": 0}, {"replicate": False, "stages": 2}):
         with pytest.raises(PartitionError):
-            solve_hybrid(pr, **kwargs)
+            solve_devices(pr, **kwargs)
 
 
 CLUSTER = DeviceSet.from_dict({
@@ -280,9 +280,9 @@ def test_traced_models_equal_exhaustive_search(name: str, devices: int) -> None:
     assert len(order) <= 16
     names = [f"cuda:{i}" for i in range(devices)]
     cost = AnalyticCostModel(CLUSTER)
-    pr = hybrid_problem(graph, order, names, cost)
+    pr = device_problem(graph, order, names, cost)
     assert pr.batch == zoo.BATCH and pr.devices == devices
-    sol = solve_hybrid(pr)
+    sol = solve_devices(pr)
     assert sol.step_s == pytest.approx(exhaustive(pr, micro_batch_counts(devices, zoo.BATCH)), rel=1e-9)
     plan = plan_hybrid(graph, order, names, cost)
     # The plan is the solver's placement; its numbers are assemble's, typed (no notes).
@@ -316,14 +316,14 @@ def test_traced_model_too_big_names_each_device() -> None:
     assert all(s.memory_bytes <= s.capacity_bytes for s in plan.stages if s.capacity_bytes is not None)
 
 
-def two_host_problem(hosts: list[int]) -> HybridProblem:
+def two_host_problem(hosts: list[int]) -> SearchProblem:
     """Node 0 (1 s of whole-batch compute) sends 1 MB to node 1 (2 s); a device per entry of `hosts`, links
     1 ns per byte inside a host and 100 ns per byte between hosts, no latency, no weights."""
     D = len(hosts)
     link = np.zeros((D, D, 2))
     for i, j in itertools.product(range(D), range(D)):
         link[i, j, 1] = 0.0 if i == j else 1e-9 if hosts[i] == hosts[j] else 1e-7
-    return HybridProblem(
+    return SearchProblem(
         np.zeros((1, 2)), np.array([[1.0, 2.0]]), np.zeros(D, dtype=int), np.array([0]), [np.array([1])],
         np.array([1e6]), np.zeros(2), np.zeros(2), link, np.zeros((D, D + 1, 2)), np.full(D, np.inf),
     )
@@ -350,7 +350,7 @@ def test_the_solver_prices_senders_as_exhaustive_search_does() -> None:
     pr = two_host_problem([0, 0, 0, 1, 1])
     pr.batch_times = np.array([[3.0, 2.0]])
     ms = [1, 2, 4]
-    sol = solve_hybrid(pr, ms)
+    sol = solve_devices(pr, ms)
     assert sol.step_s == pytest.approx(exhaustive(pr, ms), rel=1e-9)
     check_solution(pr, sol, ms)
 
@@ -359,7 +359,7 @@ def test_the_solver_prices_senders_as_exhaustive_search_does() -> None:
 # over t ranks each.
 
 
-def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[HybridProblem, Degrees]:
+def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[SearchProblem, Degrees]:
     """tests/hybrid_worker.SmallCnn on `devices` processes of fixed speed holding `memory_bytes`, with the tensor
     degrees its fully connected layers take (devices.split.tensor_space)."""
     torch.manual_seed(0)
@@ -369,13 +369,13 @@ def split_case(memory_bytes: int, hidden: int = 256, devices: int = 4) -> tuple[
     graph = build_graph(gm, traced.flatten_inputs((x,), {}))
     order = [n.name for n in compute_nodes(gm)]
     cost, names = BetweenProcesses(fixed_speed(memory_bytes)), ["cpu"] * devices
-    problem = hybrid_problem(graph, order, names, cost)
+    problem = device_problem(graph, order, names, cost)
     space, _, _ = tensor_space(graph, order, names, cost, problem, find_shardable(gm, graph))
     assert space is not None and space.tensors == (1, 2, 4)
     return problem, space
 
 
-def split_configs(pr: HybridProblem, space: Degrees, ms: list[int]):
+def split_configs(pr: SearchProblem, space: Degrees, ms: list[int]):
     """Every (step, bounds, replicas, tensors, m) that fits, 1F1B: each stage r replicas of t devices, r <= m."""
     n, D = pr.n, pr.devices
     for m in ms:
@@ -394,7 +394,7 @@ def split_configs(pr: HybridProblem, space: Degrees, ms: list[int]):
 @pytest.mark.parametrize("memory_bytes, ms", [(10**9, [2, 4]), (1_300_000, [4]), (700_000, [2, 4])])
 def test_tensor_degrees_equal_exhaustive_search(memory_bytes: int, ms: list[int]) -> None:
     pr, space = split_case(memory_bytes)
-    sol = solve_hybrid(pr, ms, ("1f1b",), tensor=space)
+    sol = solve_devices(pr, ms, ("1f1b",), tensor=space)
     best = min(split_configs(pr, space, ms), key=lambda c: c[0])
     assert sol.step_s == pytest.approx(best[0], rel=1e-9)
     assert (sol.bounds, sol.replicas, sol.tensors, sol.micro_batches) == tuple(best[1:])
@@ -404,25 +404,25 @@ def test_tensor_degrees_equal_exhaustive_search(memory_bytes: int, ms: list[int]
 def test_a_stage_splits_its_layers_only_where_time_or_memory_demands_it() -> None:
     # Small fully connected layers: every stage whole, the solution the search without tensor degrees finds.
     pr, space = split_case(10**9, hidden=64)
-    whole, split = solve_hybrid(pr, [4], ("1f1b",)), solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    whole, split = solve_devices(pr, [4], ("1f1b",)), solve_devices(pr, [4], ("1f1b",), tensor=space)
     assert split.tensors == [1] and split.tensor == []
     assert (split.bounds, split.replicas, split.step_s) == (whole.bounds, whole.replicas, whole.step_s)
     # Large ones (2.1 M weights): 4 replicas all-reduce them over processes; 2 replicas of 2 ranks are faster.
     pr, space = split_case(10**9, hidden=1024)
-    whole, split = solve_hybrid(pr, [4], ("1f1b",)), solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+    whole, split = solve_devices(pr, [4], ("1f1b",)), solve_devices(pr, [4], ("1f1b",), tensor=space)
     assert whole.replicas == [4] and (split.replicas, split.tensors) == ([2], [2]) and split.step_s < whole.step_s
     # Memory: 630 kB per device holds the classifier's weights, gradients and Adam moments only split 4 ways.
     pr, space = split_case(700_000)
     with pytest.raises(InfeasibleError):
-        solve_hybrid(pr, [4], ("1f1b",))
-    split = solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+        solve_devices(pr, [4], ("1f1b",))
+    split = solve_devices(pr, [4], ("1f1b",), tensor=space)
     assert split.tensors == [4] and max(split.memory) <= pr.capacity.min()
 
 
 def test_nothing_fits_names_the_tensor_degrees_that_came_closest() -> None:
     pr, space = split_case(400_000)
     with pytest.raises(InfeasibleError, match=r"replicas \[1\], tensor \[4\]") as caught:
-        solve_hybrid(pr, [4], ("1f1b",), tensor=space)
+        solve_devices(pr, [4], ("1f1b",), tensor=space)
     assert len(caught.value.needed_bytes) == 4 and min(caught.value.needed_bytes) > 0.9 * 400_000
 
 

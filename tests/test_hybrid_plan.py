@@ -19,12 +19,12 @@ from partitioner.capture.shardable import find_shardable
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
-from partitioner.place.devices.problem import hybrid_problem
-from partitioner.place.devices.search import evaluate, solve_hybrid
+from partitioner.place.devices.problem import device_problem
+from partitioner.place.devices.search import evaluate, solve_devices
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.counts import micro_batch_counts
 from partitioner.place.search.graph_costs import at_batch, per_micro_batch
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import SearchSpace
 from tests.hybrid_worker import SmallCnn, cost as fixed_speed, planned
 from tests.test_distributed import results, torchrun
@@ -84,7 +84,7 @@ def test_micro_batch_compute_equals_the_graph_traced_at_that_batch(build, m: int
     module, graph, order = traced_at(model, BATCH)
     cost = h100s(DEVICES)
     cost.prepare(module)
-    problem = hybrid_problem(graph, order, [f"cuda:{i}" for i in range(DEVICES)], cost)
+    problem = device_problem(graph, order, [f"cuda:{i}" for i in range(DEVICES)], cost)
     small_module, small, small_order = traced_at(model, BATCH // m)
     reference = h100s(1)
     reference.prepare(small_module)
@@ -102,7 +102,7 @@ def test_uneven_micro_batches_are_the_mean_of_tensor_split_sizes() -> None:
     module, graph, order = traced_at(model, BATCH)
     cost = h100s(DEVICES)
     cost.prepare(module)
-    problem = hybrid_problem(graph, order, [f"cuda:{i}" for i in range(DEVICES)], cost, micro_batches=[5])
+    problem = device_problem(graph, order, [f"cuda:{i}" for i in range(DEVICES)], cost, micro_batches=[5])
     dev = torch.device("cuda:0")
     totals = {}
     for size in (6, 7):
@@ -120,11 +120,11 @@ def test_at_batch_cuts_batch_dimensions_only() -> None:
     assert attrs["shapes"] == [(32, 64, 8, 8), (64,)]  # the graph's own attributes are not written
 
 
-def two_node_problem(devices: int = 16) -> HybridProblem:
+def two_node_problem(devices: int = 16) -> SearchProblem:
     """Node 0: 15 s of batch work, no weights; node 1: 1 s of batch work and weights too costly to all-reduce;
     every micro-batch costs 1 ms of overhead on each node. The best layout is 15 replicas of node 0 + 1 of node 1."""
     D = devices
-    return HybridProblem(
+    return SearchProblem(
         fixed_times=np.array([[1e-3, 1e-3]]),
         batch_times=np.array([[15.0, 1.0]]),
         device_kind=np.zeros(D, dtype=np.int64),
@@ -157,12 +157,12 @@ def test_default_counts_find_fifteen_plus_one() -> None:
     counts = micro_batch_counts(16, 240)
     assert {15, 30, 45, 60} <= set(counts) and {1, 2, 4, 8, 16, 32, 64} <= set(counts)
     assert all(240 % c == 0 or any(c % r == 0 and c // r <= 4 for r in range(1, 17)) for c in counts)
-    sol = solve_hybrid(problem)
+    sol = solve_devices(problem)
     assert sol.replicas == [15, 1] and sol.micro_batches % 15 == 0
     m = sol.micro_batches
     expected = (m + 1) / m * max(math.ceil(m / 15) * (1e-3 + 15.0 / m), m * (1e-3 + 1.0 / m))
     assert sol.step_s == pytest.approx(expected)
-    powers = solve_hybrid(problem, [1, 2, 4, 8, 16, 32, 64])
+    powers = solve_devices(problem, [1, 2, 4, 8, 16, 32, 64])
     assert sol.step_s < powers.step_s
 
 

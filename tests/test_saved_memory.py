@@ -18,7 +18,7 @@ from examples.models import GPT, GPTConfig, InceptionNet
 from examples.resnet50 import resnet50
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
-from partitioner.place.devices.problem import hybrid_problem
+from partitioner.place.devices.problem import device_problem
 from tests import zoo
 from tests.test_hybrid import CLUSTER
 
@@ -78,7 +78,7 @@ def test_predicted_saved_bytes_are_what_autograd_saves(name: str) -> None:
 
 def test_one_formula_for_stages_and_the_hybrid_planner() -> None:
     # Per node, whole graph: sums to the whole model's kept bytes; over any stage, at least what that stage
-    # keeps by itself (a value saved only by a later stage counts where it is made); hybrid_problem uses it.
+    # keeps by itself (a value saved only by a later stage counts where it is made); device_problem uses it.
     torch.manual_seed(0)
     model, x = cases()["gpt"]()
     graph, order = traced_graph(model, x)
@@ -88,7 +88,7 @@ def test_one_formula_for_stages_and_the_hybrid_planner() -> None:
     for cut in range(1, len(order), 7):
         for stage in (order[:cut], order[cut:]):
             assert sum(per_node[n] for n in stage) >= recompute_costs(graph_nodes(graph, stage))["none"].kept_bytes
-    problem = hybrid_problem(graph, order, ["cuda:0", "cuda:1"], AnalyticCostModel(CLUSTER))
+    problem = device_problem(graph, order, ["cuda:0", "cuda:1"], AnalyticCostModel(CLUSTER))
     assert np.array_equal(problem.saved_bytes, np.array([float(per_node[n]) for n in order]))
 
 
@@ -105,7 +105,7 @@ def resnet50_on_v100s(micro_batches: list[int]) -> tuple[Any, list[str], Any]:
     with shapes_only(model):
         graph, order = traced_graph(model, x)
     cost = AnalyticCostModel(Cluster.parse("2x4xV100").device_set())
-    problem = hybrid_problem(graph, order, [f"cuda:{i}" for i in range(8)], cost, optimizer="sgd_momentum",
+    problem = device_problem(graph, order, [f"cuda:{i}" for i in range(8)], cost, optimizer="sgd_momentum",
                              micro_batches=micro_batches)
     return graph, order, problem
 

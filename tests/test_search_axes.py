@@ -25,14 +25,14 @@ from partitioner.capture.trace import trace
 from partitioner.place.cluster.plan import plan_on_cluster
 from partitioner.place.devices.plan import plan_devices
 from partitioner.place.search.axes import AxisSpec, NodeFacts, axis_names, each_choice, register, unregister
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import SearchSpace
 from runtime.plan import Plan
 
 APPLIED: list[tuple[Plan, Any, list[float]]] = []  # (plan, value, its stages' compute ms before)
 
 
-def _fused(problem: HybridProblem, value: Any, nodes: NodeFacts) -> HybridProblem:
+def _fused(problem: SearchProblem, value: Any, nodes: NodeFacts) -> SearchProblem:
     if value != "fused":
         return problem
     times = {k: v / 2 for k, v in problem.size_times.items()} if problem.size_times else None

@@ -28,7 +28,7 @@ from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.place.cluster.space import Axes
 from partitioner.place.search.blocks import block_ids
 from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import SearchSpace
 from partitioner.place.search.states import StateRule
 from partitioner.place.search.tensor_split import split_problem
@@ -50,7 +50,7 @@ def param_itemsize(graph: nx.DiGraph) -> int:
 
 
 def cluster_axes(
-    graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, plain: HybridProblem,
+    graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, plain: SearchProblem,
     share: np.ndarray, cuts: np.ndarray | None, degrees: Sequence[int], *, space: SearchSpace,
     shardable: Shardable | None, optimizer: str = "adam",
 ) -> tuple[Axes, dict[int, list[ShardGroup]]]:

@@ -27,7 +27,7 @@ from partitioner.place.cluster.space import (
 from partitioner.place.search.compare import SCHEDULES, kept_schedule
 from partitioner.place.search.degrees import TensorDegree
 from partitioner.place.search.graph_costs import affine
-from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.split_costs import SplitGrid, split_parts
 from partitioner.place.search.stage_costs import Grid, replica_in_flight, schedule_fill, stage_parts
 from partitioner.place.search.virtual_stages import interleaved_chunks, scaled_windows
@@ -66,7 +66,7 @@ def windows(cluster: Cluster, ranks: Sequence[Sequence[int]], capacity: float) -
 class Pricer:
     """Stage value matrices on one cut grid, cached by window, micro-batches and sharding (equal keys, equal costs)."""
 
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray, space: Axes | None = None,
+    def __init__(self, problem: SearchProblem, cuts: np.ndarray, space: Axes | None = None,
                  split: TensorDegree | None = None) -> None:
         self.problem, self.cuts, self.space = problem, cuts, space
         self.holds = split.holds_a_group(cuts) if split is not None else None
@@ -142,7 +142,7 @@ def dp(values: Sequence[np.ndarray]) -> tuple[float, list[int]]:
     return float(f[K - 1]), idx[::-1]
 
 
-def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate,
+def solve_candidate(space: Axes | SearchProblem, cluster: Cluster, candidate: Candidate,
                     schedules: Sequence[str] = SCHEDULES, virtual: int = 1) -> ClusterSolution:
     """The ClusterSolution of one candidate: its schedule as search.compare keeps one (interleaved 1F1B with `virtual`
     > 1 chunks per rank); each stage's sharding mode: cluster.space.cheapest_modes."""
@@ -161,7 +161,7 @@ def solve_candidate(space: Axes | HybridProblem, cluster: Cluster, candidate: Ca
                            virtual=virtual, stage_sharding=modes)
 
 
-def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray,
+def refine(space: Axes | SearchProblem, cluster: Cluster, best: Candidate, coarse: np.ndarray,
            mode: str, virtual: int = 1) -> Candidate:
     """Zoom in around the chosen cuts (every `finer`-th position within `stride` of each), for the chosen counts."""
     space = space_of(space)
@@ -186,7 +186,7 @@ def refine(space: Axes | HybridProblem, cluster: Cluster, best: Candidate, coars
 
 
 def evaluate_cluster(
-    space: Axes | HybridProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
+    space: Axes | SearchProblem, wins: Sequence[Window], bounds: Sequence[int], m: int, schedule: str,
     tensor: int = 1, sharding: str | Sequence[str] = "none", virtual: int = 1,
 ) -> tuple[float, list[float], list[float]]:
     """Objective (s), W per stage and bytes per replica of given cuts on given windows (as devices.search.evaluate;
@@ -207,7 +207,7 @@ def evaluate_cluster(
     return fill(m, p, wins[0][0], schedule, virtual) * max(work), work, memory
 
 
-def space_of(space: Axes | HybridProblem) -> Axes:
+def space_of(space: Axes | SearchProblem) -> Axes:
     """`space` itself, or a problem's Axes with every layer whole."""
     return space if isinstance(space, Axes) else Axes.whole(space)
 

@@ -19,7 +19,7 @@ from partitioner.place.cluster.space import Axes, Candidate, ClusterSolution, la
 from partitioner.place.cluster.stages import stage_units
 from partitioner.place.search.boundaries import boundary_bytes
 from partitioner.place.search.compare import priced_schedule
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.predict.schedule_sim import simulate_schedule
 from runtime.plan import Plan, StagePlan
 from runtime.schedule_ranks import rank_schedule
@@ -27,7 +27,7 @@ from runtime.schedule_ranks import rank_schedule
 __all__ = ["replica_step", "runtime_step_s", "second_look"]
 
 
-def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: ClusterSolution, share: np.ndarray,
+def second_look(space: Axes | SearchProblem, cluster: Cluster, solution: ClusterSolution, share: np.ndarray,
                 schedules: Sequence[str]) -> ClusterSolution:
     """The search's best candidates simulated in the order the runtime runs them, the fastest kept.
 
@@ -61,7 +61,7 @@ def second_look(space: Axes | HybridProblem, cluster: Cluster, solution: Cluster
     return found
 
 
-def runtime_step_s(space: Axes | HybridProblem, cluster: Cluster, candidate: Candidate, schedule: str,
+def runtime_step_s(space: Axes | SearchProblem, cluster: Cluster, candidate: Candidate, schedule: str,
                    share: np.ndarray) -> float:
     """Seconds of one step of a candidate as the runtime orders it (see second_look); inf over memory."""
     space = space_of(space)
@@ -115,7 +115,7 @@ def replica_step(schedule: str, m: int, d: int, forward: Sequence[float], backwa
                              allreduce_ms=lambda stage: reduce[stage]).makespan_ms
 
 
-def _boundary_bytes(problem: HybridProblem, bounds: Sequence[int]) -> list[float]:
+def _boundary_bytes(problem: SearchProblem, bounds: Sequence[int]) -> list[float]:
     """Bytes (whole batch) each stage receives from earlier ones, for cuts `bounds`."""
     cuts = np.asarray(bounds, dtype=np.int64)
     recv, _ = boundary_bytes(problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts)

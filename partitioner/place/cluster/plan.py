@@ -39,7 +39,7 @@ from partitioner.place.cluster.stages import price_stages
 from partitioner.place.search.axes import Choice, apply_choice, each_choice, search_choices
 from partitioner.place.search.graph_costs import per_micro_batch
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import ANY, SearchSpace
 from partitioner.place.search.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
@@ -106,7 +106,7 @@ def plan_on_cluster(
                               shardable=shardable)
     ms, cuts, nodes = prepared.micro_batches, prepared.cuts, prepared.nodes(graph, order, cost)
 
-    def run(choice: Choice, bound: float) -> tuple[tuple[ClusterSolution, HybridProblem, Axes], float]:
+    def run(choice: Choice, bound: float) -> tuple[tuple[ClusterSolution, SearchProblem, Axes], float]:
         problem, axes = prepared.priced(choice, nodes)
         solution = search_cluster(problem, cluster, micro_batches=ms, schedules=space.schedules, stages=stages,
                                   replicate=replicate, cuts=cuts, axes=axes, better_than=bound)
@@ -135,7 +135,7 @@ def _recompute(choice: Choice) -> RecomputeMode:
     return "full" if mode == "full" else "none"
 
 
-def _under_others(exc: InfeasibleError, precision: Precision | None, problem: HybridProblem, cluster: Cluster,
+def _under_others(exc: InfeasibleError, precision: Precision | None, problem: SearchProblem, cluster: Cluster,
                   space: Axes, ms: Sequence[int], schedules: Sequence[str], stages: int | None, replicate: bool,
                   cuts: np.ndarray | None) -> InfeasibleError:
     """`exc`, saying under which other training precisions (cost_model.precision: pure bf16, fp32) it would fit."""

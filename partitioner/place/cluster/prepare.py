@@ -26,7 +26,7 @@ from partitioner.place.search.axes import Choice, NodeFacts, priced
 from partitioner.place.search.blocks import block_cuts
 from partitioner.place.search.counts import cluster_counts, given_counts
 from partitioner.place.search.graph_costs import batch_size, forward_share, graph_values, node_times
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.recompute import node_segments
 from partitioner.place.search.space import SearchSpace
 
@@ -38,8 +38,8 @@ DEVICE = torch.device("cuda:0")  # every GPU of a cluster is priced as one
 def cluster_problem(
     graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel, micro_batches: Sequence[int],
     *, optimizer: str = "adam", headroom: float = 0.9,
-) -> HybridProblem:
-    """The node arrays of a HybridProblem (search/problem.py) for one GPU type (no per-device arrays: the
+) -> SearchProblem:
+    """The node arrays of a SearchProblem (search/problem.py) for one GPU type (no per-device arrays: the
     search prices links by rank), node times asked at each micro-batch size `micro_batches` make."""
     size = batch_size(graph)
     probes: set[int] = set()
@@ -56,7 +56,7 @@ def cluster_problem(
         states = optimizer_states(optimizer)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-    return HybridProblem(
+    return SearchProblem(
         fixed, batch, np.zeros(1, dtype=np.int64), np.array(producers, dtype=np.int64), consumers, np.array(sizes),
         params, saved, np.zeros((1, 1, 2)), np.zeros((1, 2, 2)), np.array([memory if memory > 0 else np.inf]), states,
         size, [str(device)], np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]),
@@ -70,7 +70,7 @@ class Prepared(NamedTuple):
 
     micro_batches: list[int]
     cuts: np.ndarray | None
-    plain: HybridProblem
+    plain: SearchProblem
     share: np.ndarray
     axes: Axes
     groups: dict[int, list[ShardGroup]]
@@ -80,7 +80,7 @@ class Prepared(NamedTuple):
         """The per-node facts a search axis prices with (search/axes.py), from those worked out here."""
         return NodeFacts(graph, order, DEVICE, cost, share=self.share, segment=self.segment)
 
-    def priced(self, choice: Choice, nodes: NodeFacts) -> tuple[HybridProblem, Axes]:
+    def priced(self, choice: Choice, nodes: NodeFacts) -> tuple[SearchProblem, Axes]:
         """The problem and the axes as `choice` runs them (search.axes.priced)."""
         return priced(self.plain, choice, nodes), self.axes.priced(lambda x: priced(x, choice, nodes))
 

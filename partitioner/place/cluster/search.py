@@ -45,7 +45,7 @@ from partitioner.place.cluster.space import (
 )
 from partitioner.place.search.compare import SCHEDULES, priced_schedule
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.progress import report as _report
 from partitioner.place.search.split_costs import lower_static_bytes
 from partitioner.place.search.stage_costs import cut_candidates
@@ -65,7 +65,7 @@ def _key(p: int, d: int, m: int, order: str, t: int, sharding: str) -> str:
 
 
 def search_cluster(
-    problem: HybridProblem,
+    problem: SearchProblem,
     cluster: Cluster,
     *,
     micro_batches: Sequence[int],

@@ -19,7 +19,7 @@ from typing import Callable, Hashable, Literal, NamedTuple, Sequence, get_args
 import numpy as np
 
 from partitioner.place.search.degrees import Degrees, TensorDegree
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.states import StateRule
 
 __all__ = [
@@ -57,14 +57,14 @@ class Axes:
     share: np.ndarray | None = None  # per node, the forward's part of its time
 
     @classmethod
-    def whole(cls, problem: HybridProblem) -> Axes:
+    def whole(cls, problem: SearchProblem) -> Axes:
         """Stages, replicas and micro-batches alone: every layer whole, replicas unsharded."""
         return cls(Degrees((TensorDegree(1, (problem,)),)))
 
     def degree(self, tensor: int) -> TensorDegree:
         return self.degrees.degree(tensor)
 
-    def priced(self, redo: Callable[[HybridProblem], HybridProblem]) -> Axes:
+    def priced(self, redo: Callable[[SearchProblem], SearchProblem]) -> Axes:
         """These axes with every degree's problem passed through `redo` (search.degrees.Degrees.priced)."""
         degrees = self.degrees.priced(redo)
         return self if degrees is self.degrees else dataclasses.replace(self, degrees=degrees)

@@ -16,7 +16,7 @@ import numpy as np
 
 from partitioner.place.devices.tensor import TensorPricer
 from partitioner.place.devices.windows import Classes, Windows
-from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.stage_costs import Grid, replica_in_flight, stage_parts
 
 __all__: list[str] = []
@@ -88,7 +88,7 @@ def dp(
 
 
 def run_pass(
-    problem: HybridProblem, grid: Grid, windows: Windows, classes: Classes, m: int, qmax: int, rmax: int, mode: str,
+    problem: SearchProblem, grid: Grid, windows: Windows, classes: Classes, m: int, qmax: int, rmax: int, mode: str,
     exact_stages: bool, limit: Callable[[int], float] | None = None, ratio: bool = False,
     tensor: TensorPricer | None = None,
 ) -> tuple[np.ndarray, Choice]:

@@ -17,13 +17,13 @@ import torch
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable
 from partitioner.errors import PartitionError
-from partitioner.place.devices.problem import hybrid_problem
-from partitioner.place.devices.search import solve_hybrid
-from partitioner.place.devices.solution import HybridSolution
+from partitioner.place.devices.problem import device_problem
+from partitioner.place.devices.search import solve_devices
+from partitioner.place.devices.solution import DeviceSolution
 from partitioner.place.devices.split import place_solution, tensor_space
 from partitioner.place.search.axes import Choice, NodeFacts, apply_choice, priced, search_choices
 from partitioner.place.search.degrees import Degrees
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import ANY, SearchSpace
 from runtime.plan import Plan
 
@@ -54,14 +54,14 @@ def plan_devices(
     Raises:
         InfeasibleError: no split fits; the message names the memory each device would need.
     """
-    problem = hybrid_problem(
+    problem = device_problem(
         graph, order, devices, cost, memory_bytes, optimizer, headroom, micro_batches=space.micro_batches
     )
     split = shardable if replicate else None
     degrees, groups, rings = tensor_space(graph, order, devices, cost, problem, split)
     nodes = NodeFacts(graph, order, torch.device(devices[0]), cost)
 
-    def run(choice: Choice, bound: float) -> tuple[tuple[HybridSolution, Degrees | None], float]:
+    def run(choice: Choice, bound: float) -> tuple[tuple[DeviceSolution, Degrees | None], float]:
         redo = lambda x: priced(x, choice, nodes)  # noqa: E731 - the problem as the choice runs it
         chosen = degrees.priced(redo) if degrees is not None else None
         solution = _solve(redo(problem), space.micro_batches, space.schedules, stages, replicate, chosen)
@@ -75,23 +75,23 @@ def plan_devices(
 
 
 def _solve(
-    problem: HybridProblem, micro_batches: int | Sequence[int] | None, schedules: Sequence[str], stages: int | None,
+    problem: SearchProblem, micro_batches: int | Sequence[int] | None, schedules: Sequence[str], stages: int | None,
     replicate: bool, space: Degrees | None,
-) -> HybridSolution:
+) -> DeviceSolution:
     """The device-list search's solution: with every stage whole, as it always was; where `space` lets stages split
     their layers, a search over tensor degrees too, kept where it splits one and is predicted faster (or where
     nothing fits whole). A plan that splits nothing is the one the search without tensor degrees makes."""
     try:
-        whole = solve_hybrid(problem, micro_batches, schedules, stages, replicate)
+        whole = solve_devices(problem, micro_batches, schedules, stages, replicate)
     except PartitionError:
         if space is None:
             raise
         # what fits only split; if nothing does, the error names the least memory over tensor degrees too
-        return solve_hybrid(problem, micro_batches, schedules, stages, replicate, tensor=space)
+        return solve_devices(problem, micro_batches, schedules, stages, replicate, tensor=space)
     if space is None:
         return whole
     try:
-        split = solve_hybrid(problem, micro_batches, schedules, stages, replicate, tensor=space)
+        split = solve_devices(problem, micro_batches, schedules, stages, replicate, tensor=space)
     except PartitionError:
         return whole
     return split if any(t > 1 for t in split.tensors) and split.step_s < whole.step_s else whole

@@ -18,13 +18,13 @@ from cost_model.memory import optimizer_states
 from partitioner.errors import PartitionError
 from partitioner.place.search.counts import micro_batch_counts
 from partitioner.place.search.graph_costs import affine, batch_size, graph_values, node_times
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.predict.counting import device_key
 
-__all__ = ["hybrid_problem"]
+__all__ = ["device_problem"]
 
 
-def hybrid_problem(
+def device_problem(
     graph: nx.DiGraph,
     order: Sequence[str],
     devices: Sequence[torch.device | str],
@@ -34,8 +34,8 @@ def hybrid_problem(
     headroom: float = 0.9,
     *,
     micro_batches: int | Sequence[int] | None = None,
-) -> HybridProblem:
-    """Gather a HybridProblem from a graph annotated for one step's whole batch.
+) -> SearchProblem:
+    """Gather a SearchProblem from a graph annotated for one step's whole batch.
 
     Node times are asked per kind of device (same rates) at each micro-batch size that the
     candidate counts (`micro_batches`, default search.counts.micro_batch_counts) make, with the
@@ -78,7 +78,7 @@ def hybrid_problem(
         states = optimizer_states(optimizer)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-    return HybridProblem(
+    return SearchProblem(
         fixed, batch, kind, np.array(producers, dtype=np.int64), consumers, np.array(sizes), params, saved,
         link, allreduce, capacity, states, size, [str(d) for d in devs],
         np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]), size_times or None,

@@ -1,6 +1,6 @@
 """The device-list search, the numbers: stages, replicas per stage, micro-batches and schedule for D devices.
 
-(place/search/graph_costs.py turns a graph and a cost model into these numbers, HybridProblem in search/problem.py;
+(place/search/graph_costs.py turns a graph and a cost model into these numbers, SearchProblem in search/problem.py;
 place/devices/plan.py turns the result into a Plan; search/stage_costs.py prices one stage.)
 
 Devices are an ordered list; a stage with r replicas takes the next r of them (ranks are
@@ -52,35 +52,35 @@ import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.devices.dp import run_pass, units, walk
-from partitioner.place.devices.solution import HybridSolution
+from partitioner.place.devices.solution import DeviceSolution
 from partitioner.place.devices.tensor import TensorPricer
 from partitioner.place.devices.windows import Classes, Windows, all_windows, receive_classes, restrict, stage_window
 from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
 from partitioner.place.search.counts import PER_DEVICE, micro_batch_counts
 from partitioner.place.search.degrees import Degrees
 from partitioner.place.search.infeasible import InfeasibleError, size_text
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
 
-__all__ = ["evaluate", "solve_hybrid"]
+__all__ = ["evaluate", "solve_devices"]
 
 WORK_BUDGET = 1e8  # DP work of the first pass over all micro-batch counts; sets how many cut candidates fit
 
 
-def _candidates(problem: HybridProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
+def _candidates(problem: SearchProblem, micro_batches: int | Sequence[int] | None) -> list[int]:
     return micro_batch_counts(problem.devices, problem.batch, micro_batches)
 
 
-def solve_hybrid(
-    problem: HybridProblem,
+def solve_devices(
+    problem: SearchProblem,
     micro_batches: int | Sequence[int] | None = None,
     schedules: Sequence[str] = SCHEDULES,
     stages: int | None = None,
     replicate: bool = True,
     budget: float = WORK_BUDGET,
     tensor: Degrees | None = None,
-) -> HybridSolution:
+) -> DeviceSolution:
     """The configuration with the smallest predicted step (see the module docstring).
 
     `tensor`: the degrees a stage may split its layers over (devices/tensor.py; None: every stage whole). A stage
@@ -168,11 +168,11 @@ def solve_hybrid(
     priced = {name: evaluate(problem, bounds, reps, m, name, split, tensor) for name in schedules}
     schedule = kept_schedule(schedules, lambda name: (priced[name][0], priced[name][2]), mode)
     step, work, memory = priced[schedule]
-    return HybridSolution(bounds, reps, m, schedule, step, work, memory, split or [])
+    return DeviceSolution(bounds, reps, m, schedule, step, work, memory, split or [])
 
 
 def evaluate(
-    problem: HybridProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str,
+    problem: SearchProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str,
     tensors: Sequence[int] | None = None, space: Degrees | None = None,
 ) -> tuple[float, list[float], list[float]]:
     """Predicted step seconds, W per stage and bytes per replica of a given configuration (`tensors`: each
@@ -199,7 +199,7 @@ def evaluate(
 
 
 def _infeasible(
-    problem: HybridProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: Grid,
+    problem: SearchProblem, ms: list[int], qmax: int, rmax: dict[int, int], stages: int | None, grid: Grid,
     windows: Windows, classes: Callable[[int], Classes], mode: str, tensor: TensorPricer | None = None,
 ) -> InfeasibleError:
     """The error naming the memory each device would need under the split that needs the least."""

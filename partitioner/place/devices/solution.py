@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["HybridSolution"]
+__all__ = ["DeviceSolution"]
 
 
 @dataclass
-class HybridSolution:
+class DeviceSolution:
     """A chosen configuration and its predicted costs."""
 
     bounds: list[int]  # [0, b1, ..., n]

@@ -24,10 +24,10 @@ import torch
 from cost_model.collectives import Ring
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.place.devices.solution import HybridSolution
+from partitioner.place.devices.solution import DeviceSolution
 from partitioner.place.search.degrees import Degrees, TensorDegree, split_groups
 from partitioner.place.search.graph_costs import affine, batch_size, per_micro_batch
-from partitioner.place.search.problem import HybridProblem, LinkCost
+from partitioner.place.search.problem import LinkCost, SearchProblem
 from partitioner.place.search.tensor_split import collective_seconds, split_graph, split_problem
 from partitioner.predict.assemble import assemble, finish
 from runtime.plan import Plan
@@ -56,7 +56,7 @@ def _slowest(rings: Sequence[Ring]) -> Ring:
 
 def tensor_space(
     graph: nx.DiGraph, order: Sequence[str], devices: Sequence[torch.device | str], cost: CostModel,
-    problem: HybridProblem, shardable: Shardable | None,
+    problem: SearchProblem, shardable: Shardable | None,
 ) -> tuple[Degrees | None, SplitGroups, dict[int, list[Ring]]]:
     """The degrees a stage of the device-list search may split over (module docstring), the groups each splits and
     its tensor rings (by the index of its problems); (None, {}, {}) where nothing can split."""
@@ -95,7 +95,7 @@ def configuration(replicas: Sequence[int], tensors: Sequence[int]) -> str:
 
 
 def place_solution(
-    graph: nx.DiGraph, order: Sequence[str], solution: HybridSolution, names: Sequence[str], cost: CostModel,
+    graph: nx.DiGraph, order: Sequence[str], solution: DeviceSolution, names: Sequence[str], cost: CostModel,
     capacity: np.ndarray, optimizer: str, space: Degrees | None = None, groups: SplitGroups | None = None,
     rings: dict[int, list[Ring]] | None = None,
 ) -> Plan:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from partitioner.place.search.problem import HybridProblem, LinkCost, Window
+from partitioner.place.search.problem import LinkCost, SearchProblem, Window
 
 __all__: list[str] = []
 
@@ -27,7 +27,7 @@ Windows = dict[tuple[int, int, int], Window]  # by (first device, replicas, repl
 Classes = dict[int, tuple[list[int], dict[int, int], dict[int, list[list[int]]]]]
 
 
-def stage_window(p: HybridProblem, w: int, r: int, before: int) -> Window:
+def stage_window(p: SearchProblem, w: int, r: int, before: int) -> Window:
     """What a stage's costs depend on when it runs on devices w .. w+r-1 after a stage of `before` replicas
     (on devices w - before .. w-1): equal keys, equal costs."""
     kinds = tuple(np.unique(p.device_kind[w : w + r]).tolist())
@@ -37,7 +37,7 @@ def stage_window(p: HybridProblem, w: int, r: int, before: int) -> Window:
     return r, kinds, recv, send, reduce, float(p.capacity[w : w + r].min())
 
 
-def all_windows(problem: HybridProblem, rmax: int) -> Windows:
+def all_windows(problem: SearchProblem, rmax: int) -> Windows:
     """Every stage window (w, r) after every replica count of the stage before (at most rmax, at most w)."""
     D, out = problem.devices, {}
     for w in range(D):

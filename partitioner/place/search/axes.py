@@ -33,7 +33,7 @@ from cost_model.interface import CostModel
 from partitioner.errors import PartitionError
 from partitioner.place.search.graph_costs import forward_share
 from partitioner.place.search.infeasible import InfeasibleError
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.recompute import node_segments, recomputing
 from partitioner.place.search.space import SearchSpace
 from runtime.plan import Plan
@@ -86,7 +86,7 @@ class AxisSpec:
 
     name: str
     values: Callable[[SearchSpace], tuple[Hashable, ...]]
-    price: Callable[[HybridProblem, Any, NodeFacts], HybridProblem]
+    price: Callable[[SearchProblem, Any, NodeFacts], SearchProblem]
     apply: Callable[[Plan, Any], None] | None = None
     doc: str = ""
 
@@ -131,7 +131,7 @@ def each_choice(space: SearchSpace) -> list[Choice]:
     return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
 
 
-def priced(problem: HybridProblem, choice: Choice, nodes: NodeFacts) -> HybridProblem:
+def priced(problem: SearchProblem, choice: Choice, nodes: NodeFacts) -> SearchProblem:
     """`problem` as `choice` runs it: each registered axis's price in turn (the same object where none changes it)."""
     for name, spec in _REGISTRY.items():
         if name in choice:
@@ -168,7 +168,7 @@ def search_choices(space: SearchSpace, run: Callable[[Choice, float], tuple[T, f
     return best[0], best[2]
 
 
-def _recompute_price(problem: HybridProblem, mode: Any, nodes: NodeFacts) -> HybridProblem:
+def _recompute_price(problem: SearchProblem, mode: Any, nodes: NodeFacts) -> SearchProblem:
     return recomputing(problem, nodes.share, nodes.segment) if mode == "full" else problem
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from partitioner.capture.shardable_groups import Shardable, ShardGroup
-from partitioner.place.search.problem import HybridProblem, LinkCost
+from partitioner.place.search.problem import LinkCost, SearchProblem
 
 __all__ = ["Degrees", "TensorDegree", "crossing", "split_groups"]
 
@@ -37,14 +37,14 @@ class TensorDegree:
     """One tensor degree t (module docstring); t = 1 is the model whole, with no group and no cut forbidden."""
 
     tensor: int
-    problems: tuple[HybridProblem, ...]  # as each of t ranks runs it, one per distinct tensor ring
+    problems: tuple[SearchProblem, ...]  # as each of t ranks runs it, one per distinct tensor ring
     forbidden: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # cuts inside a group
     spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))  # each group's first, last
     ring: dict[tuple[int, int], int] = field(default_factory=dict)  # device lists: (first device, replicas) -> problem
     reduce: dict[tuple[int, int], LinkCost] = field(default_factory=dict)  # ... -> data-parallel ring (None: one)
 
     @classmethod
-    def of(cls, tensor: int, problems: Sequence[HybridProblem], groups: Sequence[ShardGroup], order: Sequence[str],
+    def of(cls, tensor: int, problems: Sequence[SearchProblem], groups: Sequence[ShardGroup], order: Sequence[str],
            **per_position: Any) -> TensorDegree:
         """The degree that splits `groups` (positions in `order`), priced by `problems`."""
         position = {name: i for i, name in enumerate(order)}
@@ -53,7 +53,7 @@ class TensorDegree:
         return cls(tensor, tuple(problems), crossing(groups, order), spans, **per_position)
 
     @property
-    def problem(self) -> HybridProblem:
+    def problem(self) -> SearchProblem:
         """The problem of its first ring (a cluster's only one)."""
         return self.problems[0]
 
@@ -100,7 +100,7 @@ class Degrees:
     def degree(self, t: int) -> TensorDegree:
         return next(d for d in self.degrees if d.tensor == t)
 
-    def priced(self, redo: Callable[[HybridProblem], HybridProblem]) -> Degrees:
+    def priced(self, redo: Callable[[SearchProblem], SearchProblem]) -> Degrees:
         """These degrees with every problem passed through `redo` (a search axis's price: search/axes.py); the
         same object where `redo` changes none."""
         made = tuple(tuple(redo(p) for p in d.problems) for d in self.degrees)

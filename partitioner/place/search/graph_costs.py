@@ -1,4 +1,4 @@
-"""A traced graph and a cost model into the searches' numbers (HybridProblem), and a whole batch into micro-batches.
+"""A traced graph and a cost model into the searches' numbers (SearchProblem), and a whole batch into micro-batches.
 
 Node times are asked per kind of device at each micro-batch size the candidate counts make,
 with the node's shapes cut along the batch (`at_batch`); values, weights and saved activations
@@ -33,7 +33,7 @@ def affine(time: Callable[..., float], *args: Any) -> tuple[float, float]:
 def node_times(
     graph: nx.DiGraph, order: Sequence[str], kinds: Sequence[torch.device], cost: CostModel, probes: set[int]
 ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
-    """(fixed, whole-batch, {samples: times}) seconds per device kind and node (HybridProblem's arrays).
+    """(fixed, whole-batch, {samples: times}) seconds per device kind and node (SearchProblem's arrays).
 
     Node times are asked at each probed micro-batch size with the node's shapes cut along the
     batch (`at_batch`); whole batch and half of it give the fit overhead + batch part.
@@ -70,7 +70,7 @@ def fixed_and_batch(size_times: dict[int, np.ndarray], size: int) -> tuple[np.nd
 def graph_values(
     graph: nx.DiGraph, order: Sequence[str]
 ) -> tuple[list[int], list[np.ndarray], list[float], np.ndarray, np.ndarray]:
-    """(producers, consumers, value bytes, param bytes, saved bytes) of HybridProblem, by position in `order`."""
+    """(producers, consumers, value bytes, param bytes, saved bytes) of SearchProblem, by position in `order`."""
     position = {name: i for i, name in enumerate(order)}
     n = len(order)
     producers, consumers, sizes = [], [], []

@@ -1,7 +1,8 @@
-"""The numbers the hybrid searches take (HybridProblem): node times, values, links and capacities, no torch.
+"""The problem both searches price (SearchProblem): node times, values, links and capacities, no torch.
 
-partitioner/place/search/graph_costs.py makes one from a traced graph and a cost model; devices/search.py
-(device lists) and cluster/search.py (counts) search it.
+devices/problem.py (a device list: per-device links and rings) and cluster/prepare.py (a cluster: node
+arrays only, links priced by rank) make one from a traced graph and a cost model (search/graph_costs.py);
+devices/search.py and cluster/search.py search it. `Window` is what a stage's price depends on by where it runs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["HybridProblem", "LinkCost", "Window"]
+__all__ = ["SearchProblem", "LinkCost", "Window"]
 
 # A stage's window, what its costs depend on: (replicas, device kinds, receive link, send link, all-reduce
 # ring, smallest capacity); links and ring are (latency, seconds per byte), None where there is no
@@ -20,8 +21,8 @@ Window = tuple[int, tuple[int, ...], LinkCost, LinkCost, LinkCost, float]
 
 
 @dataclass
-class HybridProblem:
-    """The numbers the hybrid planner needs, with no torch or graph objects (times s, sizes bytes)."""
+class SearchProblem:
+    """The numbers both searches price, with no torch or graph objects (times s, sizes bytes)."""
 
     fixed_times: np.ndarray  # [kinds, n] per micro-batch, whatever its size (op overheads)
     batch_times: np.ndarray  # [kinds, n] of the whole batch, split evenly over the micro-batches

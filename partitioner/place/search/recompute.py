@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 from rules.segments import segments
 
 __all__ = ["node_segments", "recomputing"]
@@ -24,7 +24,7 @@ def node_segments(modules: Sequence[tuple[str, str]]) -> np.ndarray:
     return np.array([segment[name] for name, _ in modules], dtype=np.int64)
 
 
-def recomputing(problem: HybridProblem, share: np.ndarray, segment: np.ndarray | None = None) -> HybridProblem:
+def recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray | None = None) -> SearchProblem:
     """`problem` as full recomputation runs it: every node's forward once more in backward (its time x (1 +
     forward share)), and kept per micro-batch only the stage inputs (the receive bytes the search counts anyway)
     and, with `segment` (each node's recomputation segment, rules.segments), each checkpoint's input: a value a

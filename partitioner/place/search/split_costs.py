@@ -24,7 +24,7 @@ import numpy as np
 
 from cost_model.data_parallel import DataParallelCost
 from cost_model.training_memory import state_bytes
-from partitioner.place.search.problem import HybridProblem, Window
+from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
 from partitioner.place.search.states import StateRule
 
@@ -35,7 +35,7 @@ class SplitGrid(Grid):
     """A Grid with what sharding needs: the largest block's weights and the weights outside blocks, per cut range,
     and each micro-batch's forward part."""
 
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray, blocks: np.ndarray, share: np.ndarray) -> None:
+    def __init__(self, problem: SearchProblem, cuts: np.ndarray, blocks: np.ndarray, share: np.ndarray) -> None:
         super().__init__(problem, cuts)
         ids = np.asarray(blocks)
         inside = ids >= 0
@@ -53,7 +53,7 @@ class SplitGrid(Grid):
         return self._forward[m]
 
 
-def split_parts(p: HybridProblem, g: SplitGrid, window: Window, m: int, rows: slice, cols: slice, mode: str,
+def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: slice, cols: slice, mode: str,
                 rule: StateRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window,
     with the stage's replicas sharded by `mode` (module docstring)."""

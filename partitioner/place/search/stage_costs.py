@@ -14,7 +14,7 @@ import numpy as np
 
 from partitioner.errors import PartitionError
 from partitioner.place.search.boundaries import boundary_bytes
-from partitioner.place.search.problem import HybridProblem, LinkCost, Window
+from partitioner.place.search.problem import LinkCost, SearchProblem, Window
 from rules.schedules import in_flight, schedule_spec, searched_names
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
 class Grid:
     """Cumulative per-candidate-cut quantities for one set of cut candidates."""
 
-    def __init__(self, problem: HybridProblem, cuts: np.ndarray) -> None:
+    def __init__(self, problem: SearchProblem, cuts: np.ndarray) -> None:
         self.cuts = cuts
         self.recv, self.send = boundary_bytes(
             problem.producers, problem.consumers, problem.value_bytes, problem.n, cuts
@@ -42,7 +42,7 @@ class Grid:
         return out[..., self.cuts]
 
     def compute(self, m: int) -> np.ndarray:
-        """[kinds, cuts] cumulative seconds of one micro-batch of m (see HybridProblem.micro_batch_times)."""
+        """[kinds, cuts] cumulative seconds of one micro-batch of m (see SearchProblem.micro_batch_times)."""
         if m not in self._compute:
             self._compute[m] = self._prefix(self.problem.micro_batch_times(m))
         return self._compute[m]
@@ -63,7 +63,7 @@ def span(prefix: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
 
 
 def stage_parts(
-    p: HybridProblem, g: Grid, window: Window, m: int, rows: slice, cols: slice
+    p: SearchProblem, g: Grid, window: Window, m: int, rows: slice, cols: slice
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W, static memory and memory per micro-batch in flight of stages [cuts[rows], cuts[cols]) on a window."""
     r, kinds, recv_link, send_link, reduce, _ = window
@@ -105,7 +105,7 @@ def replica_in_flight(schedule: str, q: int, m: int, r: int) -> int:
 
 
 def cut_candidates(
-    problem: HybridProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1
+    problem: SearchProblem, size: int, around: Sequence[int] = (), width: int = 0, stride: int = 1
 ) -> np.ndarray:
     """About `size` candidates at equal node counts and equal times, plus every `stride`-th position within
     `width` of `around`."""

@@ -42,7 +42,7 @@ from cost_model.collectives import Ring, all_gather, all_reduce, reduce_scatter
 from cost_model.interface import CostModel
 from partitioner.capture.shardable_groups import ShardGroup
 from partitioner.place.search.graph_costs import at_batch, batch_size, fixed_and_batch, graph_values
-from partitioner.place.search.problem import HybridProblem
+from partitioner.place.search.problem import SearchProblem
 
 __all__ = ["collective_seconds", "split_attrs", "split_graph", "split_problem"]
 
@@ -123,9 +123,9 @@ def collective_seconds(graph: nx.DiGraph, group: ShardGroup, ring: Ring, size: f
     return times["forward"], times["backward"]
 
 
-def split_problem(problem: HybridProblem, graph: nx.DiGraph, order: Sequence[str], device: torch.device,
+def split_problem(problem: SearchProblem, graph: nx.DiGraph, order: Sequence[str], device: torch.device,
                   cost: CostModel, t: int, groups: Sequence[ShardGroup], ring: Ring,
-                  sequence: bool = False) -> HybridProblem:
+                  sequence: bool = False) -> SearchProblem:
     """`problem` (cluster.plan.cluster_problem of `graph`) as each of t tensor ranks runs it: the groups' nodes
     priced again on their split attributes (at every probed micro-batch size), their collectives added at their
     last node, weights and saved activations from the split graph; with `sequence` (sequence parallelism), every

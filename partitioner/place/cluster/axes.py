@@ -2,11 +2,12 @@
 
     tensor degrees   1, and each degree of the model's split groups (partitioner.capture.shardable) that
                      divides the GPUs and a host's (tensor ranks share its NVLink / NVSwitch), and twice
-                     a host (priced across hosts; kept only where that is faster)
-    sharding modes   "none", and with a training precision given, "zero1", "zero2", "zero3" (FSDP2 over
-                     a stage's replicas, rules/sharding.py): without one, plans are priced as before
-                     precision was an input (every state at the model's dtype, the all-reduce after the
-                     backward), where sharding has nothing to gain that prices would show fairly
+                     a host (priced across hosts; kept only where that is faster): cluster.space.tensor_degrees,
+                     of which the search space allows some (search.space.SearchSpace.tensor_degrees)
+    sharding modes   what the space allows (SearchSpace.sharding_modes): by default "none", and with a
+                     training precision given, "zero1", "zero2", "zero3" (FSDP2 over a stage's replicas,
+                     rules/sharding.py); without one, plans are priced as before precision was an input
+                     (every state at the model's dtype, the all-reduce after the backward)
 
 A degree t prices the groups it splits (search.degrees.split_groups: t among their degrees, no cut
 candidate inside) on a tensor group of t consecutive ranks from rank 0 (one host where t divides its GPUs).

@@ -139,9 +139,16 @@ def checkpoint(directory: str) -> int:
 
 
 def fault(kill_rank: int) -> int:
+    from cost_model.analytic import AnalyticCostModel
+    from cost_model.devices import DeviceSpec
+
     world = int(os.environ["WORLD_SIZE"])
     model, x, y = data("tiny_gpt")
-    pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="1f1b", timeout=30)
+    # a device of fixed speed: the same cuts on every run (profiled on a loaded machine, a stage could hold no
+    # module to die in, and the rank meant to be killed finished its steps)
+    fixed = DeviceSpec(name="fixed", flops_per_s=1e10, bytes_per_s=1e10, op_overhead_s=1e-6, memory_bytes=1 << 34)
+    pipe = partition(model, ["cpu"] * world, example_inputs=(x,), micro_batches=4, schedule="1f1b", timeout=30,
+                     cost_model=AnalyticCostModel(measure=lambda d: fixed))
     calls = [0]
 
     def maybe_die(module, args):  # type: ignore[no-untyped-def]

@@ -304,7 +304,8 @@ def test_cli_export_writes_csv_and_torchtitan_script(tmp_path: Path, capsys: pyt
     assert code == 0, out
     assert (tmp_path / "s.csv").read_text() == plan.to_torch_schedule().csv()
     assert "stage -> rank: 0:0, 1:1" in out and "split points: stage 1 at blocks.1.ln2" in out
-    assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in out and "torchtitan stage 1: layers.1-2, norm, lm_head" in out
+    assert "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1 x ep 1" in out
+    assert "torchtitan stage 1: layers.1-2, norm, lm_head" in out
     assert "note: layers.1 (blocks.1): the plan cuts it" in out
     job = torchtitan_job(plan, str(tmp_path / "s.csv"), module="llama3", config="llama3_debugmodel")
     launch, args = run_script(tmp_path / "job.sh", "--training.steps=3", CONFIG="llama3_debugmodel", NODE_RANK="0")

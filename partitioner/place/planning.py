@@ -208,7 +208,7 @@ def finish_plan(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, *, proce
             stage.ranks, changed = [stage.index], True
         if stage.reads_from != reads:
             stage.reads_from, changed = reads, True
-    split = plan.data_split == "slice" or any(s.tensor > 1 for s in plan.stages)
+    split = plan.data_split == "slice" or any(s.width > 1 for s in plan.stages)
     if not changed or (split and not plan.programs):
         return  # sliced replicas and split layers are lowered where they run (runtime.program.plan_programs)
     stage_ranks = [list(s.ranks) for s in plan.stages]

@@ -139,7 +139,7 @@ def recount(plan: Plan, graph: nx.DiGraph, cost: CostModel, modes: Sequence[Reco
         raise PartitionError(f"recompute modes {list(modes)} for {len(plan.stages)} stages: give one per stage, "
                              f"each one of {', '.join(RECOMPUTE_MODES)}")
     for stage, mode, (costs, held) in zip(plan.stages, modes, by_mode(plan, graph, cost)):
-        if mode == stage.recompute and (stage.tensor > 1 or stage.sharding != "none"):
+        if mode == stage.recompute and (stage.width > 1 or stage.sharding != "none"):
             continue  # counted by the cluster search on each tensor rank's share (place/split_stages.py)
         set_mode(stage, mode, costs)
         if stage.memory_bytes:

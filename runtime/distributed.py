@@ -41,7 +41,8 @@ from runtime.nccl_rules import NcclRulesComm
 from runtime.pipeline import StageGraph, for_mode
 from runtime.plan import Plan
 from runtime.program import Op, plan_programs
-from runtime.stage import Stage, tensor_stages
+from runtime.stage import Stage
+from runtime.stage_weights import tensor_stages
 from runtime.staleness import StaleReductions, check_staleness
 from runtime.steps import StepInputs, train_step_inputs, transaction, write_back
 from runtime.transport_p2p import P2PTransport

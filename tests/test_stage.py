@@ -9,7 +9,8 @@ import runtime.stage
 from partitioner.capture.graph import compute_nodes
 from partitioner.capture.trace import trace
 from runtime.plan import Plan, StagePlan
-from runtime.stage import build_stages, tensor_stages
+from runtime.stage import build_stages
+from runtime.stage_weights import tensor_stages
 from tests import zoo
 
 

@@ -34,7 +34,8 @@ from runtime.layer_split import RankSplit, axis_reductions, axis_rewrite, shard_
 from runtime.materialize import Materializer
 from runtime.pipeline import Pipeline, StageGraph
 from runtime.plan import Plan
-from runtime.stage import Rewrite, Stage, build_stages, stage_io, tensor_stages, weight_groups
+from runtime.stage import Rewrite, Stage, build_stages, stage_io
+from runtime.stage_weights import tensor_stages, weight_groups
 
 __all__ = ["build_pipeline", "on_devices", "traced_call"]
 

@@ -37,7 +37,8 @@ from runtime.interpreter import Routes
 from runtime.launch import stage_layout
 from runtime.plan import RECOMPUTE_MODES, Plan, RecomputeMode
 from runtime.recompute import kept_output_writes
-from runtime.stage import stage_io, weight_groups
+from runtime.stage import stage_io
+from runtime.stage_weights import weight_groups
 
 __all__ = [
     "choose", "choose_recompute", "device_capacity", "finish_plan", "fits_memory", "plan_traced", "prepared",

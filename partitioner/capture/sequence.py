@@ -164,6 +164,8 @@ def _evaluate(gm: torch.fx.GraphModule, nodes: set[torch.fx.Node], mask: torch.f
     for node in gm.graph.nodes:
         if node in nodes:
             env[node] = graph.node_copy(node, env.__getitem__)
+            if "device" in node.kwargs:  # a model on meta builds its mask on meta: build it on the CPU here
+                env[node].kwargs = {**env[node].kwargs, "device": torch.device("cpu")}
             if node.op == "placeholder":
                 val = node.meta["val"]
                 shape = [tokens if d in sequence_dims(val, found.symbol) else (_hint(s) or 1)

@@ -120,6 +120,8 @@ def search_cluster(
         for p, d in [(p, D // t // p) for p in range(1, min(D // t, n) + 1) if D % (t * p) == 0] if t > 1 else pairs:
             if (stages is not None and p != stages) or (not replicate and d != 1) or p > len(pricers[t].cuts) - 1:
                 continue
+            if d % space.expert:  # experts split over `expert` replicas of each stage
+                continue
             for sharding in space.modes_for(d):
                 least = lower_static_bytes(total_params / p, space.rule, sharding, d, 1) if space.rule else math.nan
                 if (states * total_params / p if math.isnan(least) else least) > capacity:  # states alone: too much

@@ -55,6 +55,7 @@ class Axes:
     rule: StateRule | None = None
     blocks: np.ndarray | None = None  # per node, its block (search.blocks.block_ids): the FSDP unit
     share: np.ndarray | None = None  # per node, the forward's part of its time
+    expert: int = 1  # replicas a stack of experts splits over: replica counts it does not divide are not tried
 
     @classmethod
     def whole(cls, problem: SearchProblem) -> Axes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import networkx as nx
 import numpy as np
@@ -29,15 +29,16 @@ from cost_model.collectives import ring_of
 from cost_model.interface import CostModel
 from cost_model.precision import Precision
 from cost_model.training_memory import state_bytes
-from partitioner.capture.shardable_groups import Shardable
+from partitioner.capture.shardable_groups import Shardable, ShardGroup
 from partitioner.place.cluster.axes import param_itemsize
 from partitioner.place.cluster.prepare import Prepared, prepare_search
 from partitioner.place.cluster.search import search_cluster
-from partitioner.place.cluster.space import ClusterSolution
+from partitioner.place.cluster.space import Axes, ClusterSolution
 from partitioner.place.search.axes import Choice, NodeFacts, search_choices
 from partitioner.place.search.degrees import Degrees
 from partitioner.place.search.experts_context import SplitFacts, split_problem
 from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.space import SearchSpace
 
 __all__ = ["Split", "coarse", "degree_options", "memory_kinds", "search_split"]
@@ -45,14 +46,23 @@ __all__ = ["Split", "coarse", "degree_options", "memory_kinds", "search_split"]
 
 @dataclass
 class Split:
-    """The cluster search's solution with its expert and context degrees; ranks are the real cluster's."""
+    """The cluster search's solution with its expert and context degrees, and what a Plan of it is made from."""
 
-    solution: ClusterSolution
+    solution: ClusterSolution  # its ranks on `view`: rank r there is ranks r x context .. of the real cluster
     expert: int
     context: int
     choice: Choice
     tried: dict[tuple[int, int], float]  # (expert, context) -> objective (s), inf where nothing fit
     kinds: list[dict[str, float]]  # per stage, bytes per GPU by kind (weights, grads, master, optimizer, activations)
+    view: Cluster  # coarse(cluster, context)
+    axes: Axes  # the winning search's axes, each degree's problem as one rank runs it (split_problem)
+    plain: SearchProblem  # the chosen tensor degree's problem before split_problem (the Plan's numbers are its)
+    groups: list[ShardGroup]  # the tensor groups the chosen degree splits
+
+    @property
+    def ranks(self) -> list[list[int]]:
+        """Each stage's replicas' first ranks on the real cluster."""
+        return [[r * self.context for r in replicas] for replicas in self.solution.ranks]
 
 
 def coarse(cluster: Cluster, context: int) -> Cluster:
@@ -95,7 +105,7 @@ def search_split(
     es, cs = degree_options(facts, cluster, expert=expert, context=context)
     held = param_itemsize(graph)
     scale = (space.precision.itemsize("grad") if space.precision is not None else held) / held
-    best: tuple[float, ClusterSolution, int, int, Choice] | None = None
+    best: tuple[float, ClusterSolution, int, int, Choice, Prepared, Cluster] | None = None
     tried: dict[tuple[int, int], float] = {}
     failure: InfeasibleError | None = None
     for c in cs:
@@ -105,45 +115,57 @@ def search_split(
         nodes = prepared.nodes(graph, order, cost)
         for e in es:
             try:
-                found, choice = search_choices(space, _one(prepared, nodes, view, cluster, facts, space, e, c,
-                                                           skew, scale))
+                found, choice = search_choices(space, _Pair(prepared, nodes, view, cluster, facts, space, e, c,
+                                                            skew, scale))
             except InfeasibleError as exc:
                 tried[e, c], failure = float("inf"), exc
                 continue
             tried[e, c] = found.step_s
             if best is None or found.step_s < best[0]:
-                best = (found.step_s, found, e, c, choice)
+                best = (found.step_s, found, e, c, choice, prepared, view)
     if best is None:
         raise failure if failure is not None else InfeasibleError("nothing fits", [])
-    _, found, e, c, choice = best
-    found.ranks = [[r * c for r in replicas] for replicas in found.ranks]
+    _, found, e, c, choice, prepared, view = best
     found.choice = choice
-    return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision))
+    nodes = prepared.nodes(graph, order, cost)
+    problem, axes = prepared.priced(choice, nodes)
+    chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale).axes(choice)
+    plain = axes.degree(found.tensor).problem
+    return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision), view,
+                 chosen, plain, prepared.groups.get(found.tensor, []))
 
 
-def _one(prepared: Prepared, nodes: NodeFacts, view: Cluster, cluster: Cluster, facts: SplitFacts,
-         space: SearchSpace, e: int, c: int, skew: float, scale: float,
-         ) -> Callable[[Choice, float], tuple[ClusterSolution, float]]:
-    """The cluster search of one (expert, context) degree pair on `view` (coarse(cluster, c)), for search_choices."""
-    tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
-    gather = {t: ring_of(cluster, [k * t for k in range(c)]) for t in tensors}  # a replica's context ranks
-    a2a = {t: all_to_all_affine(cluster, [k * t * c for k in range(e)]) for t in tensors}  # e consecutive replicas
+class _Pair:
+    """The cluster search of one (expert, context) degree pair on `view` (coarse(cluster, c)): a `run` for
+    search_choices, and the axes it prices under a choice."""
 
-    def run(choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
-        problem, axes = prepared.priced(choice, nodes)
+    def __init__(self, prepared: Prepared, nodes: NodeFacts, view: Cluster, cluster: Cluster, facts: SplitFacts,
+                 space: SearchSpace, e: int, c: int, skew: float, scale: float) -> None:
+        self.prepared, self.nodes, self.view, self.facts, self.space = prepared, nodes, view, facts, space
+        self.e, self.c, self.skew, self.scale, self.size = e, c, skew, scale, cluster.size
+        tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
+        self.gather = {t: ring_of(cluster, [k * t for k in range(c)]) for t in tensors}  # a replica's context ranks
+        self.a2a = {t: all_to_all_affine(cluster, [k * t * c for k in range(e)]) for t in tensors}  # e replicas
+
+    def axes(self, choice: Choice) -> Axes:
+        """The axes under `choice`, each tensor degree's problem as one rank of the groups runs it."""
+        _, axes = self.prepared.priced(choice, self.nodes)
+        e, c = self.e, self.c
         degrees = Degrees(tuple(dataclasses.replace(d, problems=tuple(
-            split_problem(p, facts, expert=e, context=c, tensor=d.tensor, all_to_all=a2a[d.tensor],
-                          gather=gather[d.tensor], skew=skew, grad_scale=scale) for p in d.problems))
-            for d in axes.degrees if d.tensor in a2a))
+            split_problem(p, self.facts, expert=e, context=c, tensor=d.tensor, all_to_all=self.a2a[d.tensor],
+                          gather=self.gather[d.tensor], skew=self.skew, grad_scale=self.scale) for p in d.problems))
+            for d in axes.degrees if d.tensor in self.a2a))
         if not degrees.degrees:
-            raise InfeasibleError(f"expert {e} x context {c} groups need more than {cluster.size} GPUs", [])
-        axes = dataclasses.replace(axes, degrees=degrees, expert=e)
-        found = search_cluster(degrees.degrees[0].problem, view, micro_batches=prepared.micro_batches,
-                               schedules=space.schedules, cuts=prepared.cuts, axes=axes, better_than=bound,
-                               orders=("replicas-together",) if e > 1 else ("replicas-together", "pipelines-together"))
-        return found, found.step_s
+            raise InfeasibleError(f"expert {e} x context {c} groups need more than {self.size} GPUs", [])
+        return dataclasses.replace(axes, degrees=degrees, expert=e)
 
-    return run
+    def __call__(self, choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
+        axes = self.axes(choice)
+        found = search_cluster(axes.degrees.degrees[0].problem, self.view, micro_batches=self.prepared.micro_batches,
+                               schedules=self.space.schedules, cuts=self.prepared.cuts, axes=axes, better_than=bound,
+                               orders=("replicas-together",) if self.e > 1 else
+                               ("replicas-together", "pipelines-together"))
+        return found, found.step_s
 
 
 def memory_kinds(solution: ClusterSolution, graph: nx.DiGraph, order: Sequence[str], facts: SplitFacts,

@@ -145,10 +145,11 @@ def _not_causal(gm: torch.fx.GraphModule, attention: torch.fx.Node, mask: Any, f
         return f"its mask reads the values of input {', '.join(read)} (padding, documents): not only positions"
     tokens = min(length or CHECK_TOKENS, CHECK_TOKENS)
     try:
-        value = _evaluate(gm, nodes, mask, found, tokens)
+        with torch.device("cpu"):  # a model planned on meta runs under meta as the default device
+            value = _evaluate(gm, nodes, mask, found, tokens)
     except Exception as exc:  # noqa: BLE001 - a mask we cannot build is not known to be causal
         return f"its mask could not be built at {tokens} tokens to check it ({type(exc).__name__}: {exc})"
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=value.device).tril()
     allowed = value if value.dtype == torch.bool else value > torch.finfo(value.dtype).min / 2
     if tuple(allowed.shape[-2:]) != (tokens, tokens) or not bool((allowed == causal).all()):
         return f"its mask is not the causal one at {tokens} tokens (a sliding window, a prefix, or bidirectional)"

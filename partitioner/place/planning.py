@@ -26,6 +26,8 @@ from partitioner.capture.shardable import find_shardable
 from partitioner.errors import PartitionError
 from partitioner.place.branches import plan_branches
 from partitioner.place.chain import plan_pipeline
+from partitioner.place.cluster.plan import cluster_of
+from partitioner.place.cluster.split_axes import found_splits
 from partitioner.place.devices.plan import plan_devices
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.space import SearchSpace
@@ -163,8 +165,9 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
     whole_graph = lambda: build_graph(gm, placing.example.flat)  # noqa: E731 - the whole batch's shapes, on demand
     if request.replicas == "auto":  # the hybrid planner wants the whole batch's shapes and chooses the layout
         whole = whole_graph()
+        splits = found_splits(gm, placing.model, whole, placing.order) if cluster_of(cost) is not None else None
         made = plan_hybrid(whole, placing.order, devices, cost, space=SearchSpace.of(request, schedule),
-                           shardable=find_shardable(gm, whole))  # replicas="auto" runs under torchrun
+                           shardable=find_shardable(gm, whole), splits=splits)  # replicas="auto" runs under torchrun
     elif request.placement == "pipeline":
         stage_devices = [devices[r[0]] for r in layout]
         made = plan_pipeline(graph, placing.order, stage_devices, cost, micro_batches,

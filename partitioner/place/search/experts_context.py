@@ -34,8 +34,12 @@ import numpy as np
 
 from partitioner.place.search.problem import SearchProblem
 
-__all__ = ["SplitFacts", "split_problem", "GEMM_FLOPS"]
+__all__ = ["GEMM_FLOPS", "LONG_SEQUENCE", "SplitFacts", "split_problem"]
 
+# Sequences shorter than this are not split: published runs split from their long-context stages on (Llama 3
+# 405B at 131,072 tokens, NeMo's Llama 2 at 128k; torchtitan from 32k), and a model at an ordinary length plans
+# exactly as it did before context parallelism was searched.
+LONG_SEQUENCE = 16384
 GEMM_FLOPS = 1e9  # whole-batch forward FLOPs above which a node is a GEMM the graph's rate is read from
 Affine = tuple[float, float]  # (latency s, seconds per byte)
 
@@ -54,6 +58,8 @@ class SplitFacts:
     attention_pos: np.ndarray  # positions of the causal attentions whose sequence splits
     kv_bytes: np.ndarray  # whole batch: their keys' and values' bytes (what an all-gather ends with)
     context_degrees: tuple[int, ...]
+    expert_paths: tuple[str, ...] = ()  # module path of each expert call (the plan's StagePlan.expert_layers)
+    attention_paths: tuple[str, ...] = ()  # module path of each split attention (StagePlan.context_attention)
 
     @property
     def has_experts(self) -> bool:
@@ -65,13 +71,14 @@ class SplitFacts:
 
     @classmethod
     def of(cls, graph: nx.DiGraph, order: Sequence[str], experts: Any = None, sequence: Any = None,
-           gm: Any = None) -> SplitFacts:
-        """From partitioner.capture.experts.Experts and capture.sequence.SequenceSplit (either None: none found)."""
+           gm: Any = None, long_sequence: int = LONG_SEQUENCE) -> SplitFacts:
+        """From partitioner.capture.experts.Experts and capture.sequence.SequenceSplit (either None: none found);
+        the sequence is split only from `long_sequence` tokens (shorter ones plan as they did)."""
         position = {name: i for i, name in enumerate(order)}
         first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
         batch = int(first["shapes"][0][0]) if first and first["shapes"] and first["shapes"][0] else 1
         flops = np.array([float(graph.nodes[x].get("flops", 0) or 0) for x in order])
-        pos, wbytes, sent, work = [], [], [], []
+        pos, wbytes, sent, work, paths = [], [], [], [], []
         for layer in (experts.layers if experts is not None else []):
             if layer.node not in position:
                 continue
@@ -81,12 +88,13 @@ class SplitFacts:
             itemsize = max(1, int(attrs.get("out_bytes", 0) or 0) // max(1, tokens * hidden)) if tokens else 2
             k = layer.top_k or 1
             pos.append(position[layer.node])
+            paths.append(layer.path)
             wbytes.append(float(layer.param_bytes))
             sent.append(float(tokens * k * hidden * itemsize))
             work.append(2.0 * layer.param_bytes / itemsize / layer.experts * tokens * k)
         e_deg = experts.degrees() if experts is not None and experts.layers else (1,)
-        apos, kv = [], []
-        split = sequence is not None and sequence.splits
+        apos, kv, heads = [], [], []
+        split = sequence is not None and sequence.splits and (sequence.length or 0) >= long_sequence
         nodes = {n.name: n for n in gm.graph.nodes} if gm is not None else {}
         for a in (sequence.attention if split else []):
             if a.node not in position:
@@ -94,10 +102,11 @@ class SplitFacts:
             node = nodes.get(a.node)
             args = [x for x in (node.args[1:3] if node is not None else []) if hasattr(x, "name")]
             apos.append(position[a.node])
+            heads.append(a.path)
             kv.append(sum(float(graph.nodes[x.name].get("out_bytes", 0) or 0) for x in args if x.name in graph))
         c_deg = sequence.degrees() if split else (1,)
         return cls(batch, flops, np.array(pos, dtype=np.int64), np.array(wbytes), np.array(sent), np.array(work),
-                   tuple(e_deg), np.array(apos, dtype=np.int64), np.array(kv), tuple(c_deg))
+                   tuple(e_deg), np.array(apos, dtype=np.int64), np.array(kv), tuple(c_deg), tuple(paths), tuple(heads))
 
     def rate(self, problem: SearchProblem) -> float:
         """The graph's own GEMM rate: forward + backward FLOPs (3 x forward) of its big nodes over their time."""
@@ -108,7 +117,7 @@ class SplitFacts:
 
 def _add(problem: SearchProblem, pos: np.ndarray, latency: np.ndarray, per_sample: np.ndarray) -> SearchProblem:
     """`problem` with latency[i] per micro-batch and per_sample[i] x samples added to node pos[i]'s time."""
-    if not len(pos):
+    if not len(pos) or not (np.any(latency) or np.any(per_sample)):
         return problem
     once, each = np.zeros(problem.n), np.zeros(problem.n)
     np.add.at(once, pos, latency)

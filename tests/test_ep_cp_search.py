@@ -1,0 +1,186 @@
+"""Expert and context degrees priced and searched (issue 39 item 4): the all-to-all against a hand count, the problem
+one rank of the groups runs, memory falling with the degrees, the search choosing them only where they pay."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cost_model.all_to_all import all_to_all_affine, all_to_all_time
+from cost_model.analytic import AnalyticCostModel
+from cost_model.cluster_shape import Cluster
+from cost_model.precision import MIXED
+from partitioner.arguments import cluster_devices
+from partitioner.capture.experts import find_experts
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.sequence import find_sequence_split
+from partitioner.capture.shardable import find_shardable
+from partitioner.capture.trace import trace
+from partitioner.place.cluster.split_axes import search_split, views
+from partitioner.place.replicated import plan_split
+from partitioner.place.search.experts_context import SplitFacts, split_problem
+from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.problem import SearchProblem
+from tests import zoo
+
+
+def test_all_to_all_is_priced_at_the_bus_bandwidth_inside_and_across_hosts() -> None:
+    cluster = Cluster.parse("2x8xH100")
+    intra, inter = cluster.fabric.intra, cluster.fabric.inter
+    b = 1e9
+    assert all_to_all_time(cluster, b, range(8)) == pytest.approx(intra.latency_s + 7 / 8 * b / intra.bandwidth)
+    assert all_to_all_time(cluster, b, range(16)) == pytest.approx(  # half of each rank's bytes leave over its NIC
+        inter.latency_s + max(7 / 16 * b / intra.bandwidth, 8 / 16 * b / inter.bandwidth))
+    assert all_to_all_time(cluster, b, [0]) == 0.0 and all_to_all_time(cluster, 0.0, range(8)) == 0.0
+    latency, slope = all_to_all_affine(cluster, range(16))
+    assert latency + slope * b == pytest.approx(all_to_all_time(cluster, b, range(16)))
+
+
+def _problem(batch: int = 8) -> SearchProblem:
+    """Three nodes: an attention (0), a stack of experts (1), a head (2); 1 s of work each for the whole batch."""
+    n = 3
+    return SearchProblem(
+        np.zeros((1, n)), np.ones((1, n)), np.zeros(1, dtype=np.int64), np.array([-1, 0, 1, 2]),
+        [np.array([0]), np.array([1]), np.array([2]), np.array([3])], np.full(4, 100.0),
+        np.array([10.0, 1000.0, 20.0]), np.array([40.0, 40.0, 40.0]), np.zeros((1, 1, 2)), np.zeros((1, 2, 2)),
+        np.array([np.inf]), 2, batch, ["cuda:0"], np.full(n, 8.0))
+
+
+def _facts(batch: int = 8) -> SplitFacts:
+    return SplitFacts(batch, np.array([0.0, 1e6, 0.0]), np.array([1]), np.array([800.0]), np.array([64.0]),
+                      np.array([0.0]), (1, 2, 4), np.array([0]), np.array([32.0]), (1, 2, 4),
+                      ("experts",), ("attention",))
+
+
+def test_the_problem_one_rank_runs_against_a_hand_count() -> None:
+    plain, facts = _problem(), _facts()
+    a2a, ring = (1e-3, 1e-4), (2e-3, 1e-5)
+    m = 4
+    whole = plain.micro_batch_times(m)[0]
+    ep = split_problem(plain, facts, expert=4, all_to_all=a2a)
+    assert ep.param_bytes.tolist() == [10.0, 1000.0 - 800.0 * 3 / 4, 20.0]  # the stack's 800 bytes / 4
+    four = 4 * (a2a[0] + a2a[1] * 64.0 / m)  # dispatch and combine, forward and backward, of 64 / m bytes
+    assert ep.micro_batch_times(m)[0].tolist() == pytest.approx([whole[0], whole[1] + four, whole[2]])
+    skewed = split_problem(plain, facts, expert=4, all_to_all=a2a, skew=1.5)
+    assert skewed.micro_batch_times(m)[0][1] == pytest.approx(whole[1] * 1.5 + 4 * (a2a[0] + a2a[1] * 96.0 / m))
+    cp = split_problem(plain, facts, context=2, gather=ring)
+    gathered = ring[0] + ring[1] * 32.0 / m  # all-gather K/V forward, reduce-scatter backward: a ring's worth
+    grads = [(ring[0] + ring[1] * p) / m for p in plain.param_bytes]  # gradients summed once a step
+    assert cp.micro_batch_times(m)[0].tolist() == pytest.approx(
+        [whole[0] / 2 + gathered + grads[0], whole[1] / 2 + grads[1], whole[2] / 2 + grads[2]])
+    assert cp.saved_bytes.tolist() == [20.0] * 3 and cp.value_bytes.tolist() == plain.value_bytes.tolist()
+    assert split_problem(plain, facts) is plain  # nothing split: the problem as it was
+    with pytest.raises(ValueError, match="skew"):
+        split_problem(plain, facts, expert=2, skew=0.5)
+
+
+def test_memory_per_gpu_falls_with_the_degrees() -> None:
+    plain, facts = _problem(), _facts()
+    held = [split_problem(plain, facts, expert=e).param_bytes.sum() for e in (1, 2, 4)]
+    saved = [split_problem(plain, facts, context=c).saved_bytes.sum() for c in (1, 2, 4)]
+    assert held[0] > held[1] > held[2] and saved[0] > saved[1] > saved[2]
+
+
+class _BigExperts(nn.Module):
+    """A plain MoE whose experts hold almost all of its weights (tests.zoo's PlainExperts, wider)."""
+
+    def __init__(self, layers: int = 2, width: int = 32, experts: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.moes = nn.ModuleList(zoo.PlainMoE(width, experts) for _ in range(layers))
+        for moe in self.moes:
+            moe.experts = zoo.PlainExperts(experts, width, 512)
+        self.head = nn.Linear(width, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
+def _traced(model: nn.Module, x: torch.Tensor, long_sequence: int = 1 << 30) -> tuple:
+    torch.manual_seed(0)
+    traced = trace(model, (x,))
+    gm = traced.graph_module
+    graph = build_graph(gm, [x])
+    order = [n.name for n in compute_nodes(gm)]
+    sequence = find_sequence_split(gm)
+    facts = SplitFacts.of(graph, order, find_experts(gm, model), sequence, gm, long_sequence=long_sequence)
+    return graph, order, facts, find_shardable(gm, graph), gm
+
+
+def _cost(cluster: Cluster, gm: torch.fx.GraphModule) -> AnalyticCostModel:
+    cost = AnalyticCostModel(cluster_devices(cluster)[2])
+    cost.prepare(gm)
+    return cost
+
+
+def test_the_search_splits_experts_where_they_fit_no_other_way_and_the_plan_checks() -> None:
+    torch.manual_seed(0)
+    model, x = _BigExperts(), torch.randint(0, 64, (8, 16))
+    graph, order, facts, shardable, gm = _traced(model, x)
+    assert facts.has_experts and not facts.has_context and facts.expert_degrees == (1, 2, 4, 8)
+    cluster = Cluster.parse("1x4xH100")
+    cost = _cost(cluster, gm)
+    capacity = float(cost.spec("cuda:0").memory_bytes)
+    whole = search_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, expert=1,
+                         headroom=1e3)  # memory no limit: what the model needs with every expert on every rank
+    need = max(whole.solution.memory)
+    split = search_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, expert=4,
+                         headroom=1e3)
+    assert max(split.solution.memory) < need  # expert states / 4
+    assert split.kinds[0]["weights"] < whole.kinds[0]["weights"]
+    room = 0.5 * (need + max(split.solution.memory)) / capacity  # between the two: only a split fits
+    with pytest.raises(InfeasibleError):
+        search_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, expert=1,
+                     headroom=room)
+    plan, chosen = plan_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, headroom=room)
+    assert chosen.expert > 1 and chosen.tried[1, 1] == math.inf
+    plan.check()
+    held = [s for s in plan.stages if s.expert_layers]
+    assert held and all(s.expert == chosen.expert and s.replicas % s.expert == 0 for s in held)
+    assert plan.data_split == "slice" and sorted(r for s in plan.stages for r in s.all_ranks) == list(range(4))
+
+
+def test_a_dense_model_gets_no_expert_or_context_degree() -> None:
+    model, x = zoo.PlainMoEModel(), torch.randint(0, 64, (8, 16))
+    dense = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 64))
+    graph, order, facts, shardable, gm = _traced(dense, x)
+    assert not facts.has_experts and not facts.has_context
+    cluster = Cluster.parse("1x4xH100")
+    found = search_split(graph, order, cluster, _cost(cluster, gm), facts, precision=MIXED, shardable=shardable)
+    assert (found.expert, found.context) == (1, 1) and list(found.tried) == [(1, 1)]
+    assert find_experts(trace(model, (x,)).graph_module, model).layers  # the MoE of the zoo is found (above: not)
+
+
+def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None:
+    pytest.importorskip("transformers")
+    case = zoo.hf_case("llama")
+    case.config.use_cache = False
+    case.config.max_position_embeddings = 256
+    torch.manual_seed(0)
+    model, x = case.build(), torch.randint(0, 128, (2, 256))
+    graph, order, facts, shardable, gm = _traced(model, x, long_sequence=256)
+    assert facts.has_context and len(facts.attention_pos) == 2 and (facts.kv_bytes > 0).all()
+    short = SplitFacts.of(graph, order, None, find_sequence_split(gm), gm, long_sequence=512)
+    assert not short.has_context  # shorter than the long-sequence mark: whole, as before
+    cluster = Cluster.parse("1x4xH100")
+    cost = _cost(cluster, gm)
+    whole = search_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, context=1,
+                         headroom=1e3)
+    plan, split = plan_split(graph, order, cluster, cost, facts, precision=MIXED, shardable=shardable, context=2,
+                             headroom=1e3)
+    saved = [x.axes.degree(1).problem.saved_bytes.sum() for x in (whole, split)]
+    assert saved[1] == pytest.approx(saved[0] / 2)  # activations / 2 on each context rank
+    plan.check()
+    assert all(s.context == 2 for s in plan.stages) and plan.data_split == "slice"
+    assert [a for s in plan.stages for a in s.context_attention] == [f"model.layers.{k}.self_attn" for k in range(2)]
+    assert [(v.hosts, v.gpus_per_host, ts) for v, ts in views(cluster, 2)] == [(1, 2, None)]
+    assert [(v.hosts, v.gpus_per_host, ts) for v, ts in views(Cluster.parse("32x8xH100"), 4)] == [
+        (32, 2, None), (8, 8, (4, 8))]  # inside a host, or TP 4 / 8 inside one with the context ranks on others

@@ -185,7 +185,8 @@ class _Pair:
             for d in axes.degrees if d.tensor in self.a2a))
         if not degrees.degrees:
             raise InfeasibleError(f"expert {e} x context {c} groups need more than {self.size} GPUs", [])
-        return dataclasses.replace(axes, degrees=degrees, expert=e)
+        rule = dataclasses.replace(axes.rule, shard_degree=c) if axes.rule is not None and c > 1 else axes.rule
+        return dataclasses.replace(axes, degrees=degrees, expert=e, rule=rule)  # FSDP2 shards over d x c ranks
 
     def __call__(self, choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
         axes = self.axes(choice)
@@ -217,8 +218,8 @@ def memory_kinds(solution: ClusterSolution, graph: nx.DiGraph, order: Sequence[s
         elements = float(params[a:b].sum()) / itemsize / solution.tensor
         kinds: dict[str, float] = {}
         if precision is not None:
-            w, m, g, o = state_bytes(elements, precision, mode=mode, degree=solution.replicas, micro_batches=1,
-                                     root=0.0, unit=0.0)[:4]
+            w, m, g, o = state_bytes(elements, precision, mode=mode, degree=solution.replicas * context,
+                                     micro_batches=1, root=0.0, unit=0.0)[:4]
             kinds = {"weights": float(w), "master": float(m), "grads": float(g), "optimizer": float(o)}
         total = float(solution.memory[s])
         kinds["activations"] = max(0.0, total - sum(kinds.values()))

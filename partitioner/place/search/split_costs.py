@@ -81,7 +81,8 @@ def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: sl
     work = work + dp.per_step(params, unit, forward, backward)
     idx = np.arange(len(g.cuts))
     work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
-    kinds_bytes = state_bytes(params, precision, mode=mode, degree=r, micro_batches=per_replica, root=root,
+    rs = r * rule.shard_degree  # sharded over the replicas and each one's context ranks (rule.shard_degree)
+    kinds_bytes = state_bytes(params, precision, mode=mode, degree=rs, micro_batches=per_replica, root=root,
                               unit=unit)
     static = sum(kinds_bytes) + 2 * (recv + send)
     if g.largest is not None:
@@ -95,6 +96,6 @@ def lower_static_bytes(param_bytes: float, rule: StateRule, mode: str, degree: i
     if rule.legacy(mode):
         return float("nan")  # the caller's own bound
     params = param_bytes / rule.itemsize
-    kinds = state_bytes(params, rule.states, mode=mode, degree=degree, micro_batches=micro_batches, root=0.0,
-                        unit=0.0, second=0.0)
+    kinds = state_bytes(params, rule.states, mode=mode, degree=degree * rule.shard_degree,
+                        micro_batches=micro_batches, root=0.0, unit=0.0, second=0.0)
     return float(sum(kinds))

@@ -22,6 +22,7 @@ class StateRule:
     precision: Precision | None
     itemsize: int
     optimizer: str = "adam"  # without a precision: the optimizer counted (with one: the precision's)
+    shard_degree: int = 1  # ranks of each replica its sharded states split over too (context ranks: FSDP2's mesh)
 
     @property
     def states(self) -> Precision:

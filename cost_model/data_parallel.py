@@ -12,6 +12,10 @@ seconds on the stage, AR/AG/RS the group's collectives and exposed(c, h, f) = ma
     zero2   max(AG(P c) - F, AG(U c))                           max(RS(P g) - B, RS(U g))
     zero3   max(AG(P c) - F, AG(U c)) + max(AG(P c) - B, AG(U c))     as zero2
 
+  gradient sync "every" (FULL_SHARD as trainers run it: rules.sharding.stage_sync, zero2 and zero3 only):
+    zero2   max(AG(P c) - F, AG(U c)) + max(RS(P g) - B, 0)     RS(U g)
+    zero3   max(AG(P c) - F, AG(U c)) + max(AG(P c) + RS(P g) - B, AG(U c))     RS(U g)
+
 - none: DDP's bucketed all-reduce runs beside the last micro-batch's backward, bucket by bucket
   (DDP_BUCKET_BYTES); what the backward cannot hide, and at least the last bucket, shows.
 - zero1 gathers the weights once, at the step's first forward (unit by unit, the next prefetched
@@ -19,6 +23,9 @@ seconds on the stage, AR/AG/RS the group's collectives and exposed(c, h, f) = ma
 - zero2 gathers every micro-batch's forward and keeps the weights to its backward; zero3 frees
   them after each unit's forward and gathers again for its backward: a pipeline schedule pays
   both per micro-batch, which is what makes ZeRO-3 costly under many micro-batches.
+- "every" reduce-scatters after each micro-batch's backward, on the link its backward's gathers use (one
+  NIC, one stream of collectives): m reduce-scatters a step, each hidden behind its backward where it can
+  be; the last one's last unit (the root's) is exposed once a step.
 - overlap=False prices the all-reduce after the backward, whole (AR(P g) once a step): how plans
   were priced before training precision was an input (their numbers stay as they were).
 Every argument broadcasts (numpy arrays of every cut at once); with one replica everything is 0.
@@ -32,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from cost_model.collectives import DDP_BUCKET_BYTES, Ring, all_gather, all_reduce, exposed, reduce_scatter
-from rules.sharding import mode_rule
+from rules.sharding import mode_rule, stage_sync
 
 __all__ = ["DataParallelCost"]
 
@@ -47,6 +54,8 @@ class DataParallelCost:
         ring: (latency, seconds per byte) of an all-reduce over the group (collectives.ring_of).
         compute_bytes, grad_bytes: c and g, bytes per element of the weights forward reads and of a gradient.
         overlap: price DDP's and FSDP2's overlap with compute (False: the all-reduce after the backward).
+        gradient_sync: "last" (reduced once a step, accumulated whole) or "every" (reduce-scattered per
+            micro-batch); what the mode runs of it is rules.sharding.stage_sync's.
     """
 
     mode: str
@@ -55,9 +64,11 @@ class DataParallelCost:
     compute_bytes: float
     grad_bytes: float
     overlap: bool = True
+    gradient_sync: str = "last"
 
     def __post_init__(self) -> None:
         mode_rule(self.mode)  # an unknown mode is a ValueError naming the known ones
+        object.__setattr__(self, "gradient_sync", stage_sync(self.mode, self.gradient_sync))
         if self.degree < 1:
             raise ValueError(f"degree={self.degree}; a stage has one replica or more")
 
@@ -74,13 +85,21 @@ class DataParallelCost:
             return none, none
         c = self.compute_bytes
         whole, piece = all_gather(self.ring, params * c), all_gather(self.ring, unit * c)
-        return exposed(whole, forward, piece), exposed(whole, backward, piece) if self.mode == "zero3" else none
+        before = exposed(whole, forward, piece)
+        if self.gradient_sync == "every":  # this micro-batch's reduce-scatter beside the backward's gathers
+            scatter = reduce_scatter(self.ring, params * self.grad_bytes)
+            if self.mode == "zero3":
+                return before, exposed(whole + scatter, backward, piece)
+            return before, exposed(scatter, backward, 0.0 * scatter)
+        return before, exposed(whole, backward, piece) if self.mode == "zero3" else none
 
     def per_step(self, params: Any, unit: Any, forward: Any, backward: Any) -> Any:
         """Seconds once a step: the gradients' reduction (and zero1's one gather), what overlap leaves."""
         if self.degree == 1:
             return 0.0 * np.asarray(params) if isinstance(params, np.ndarray) else 0.0
         g, c = self.grad_bytes, self.compute_bytes
+        if self.gradient_sync == "every":  # the last micro-batch's last unit, after its backward
+            return reduce_scatter(self.ring, unit * g)
         if self.mode == "none":
             whole = all_reduce(self.ring, params * g)
             if not self.overlap:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 from cost_model.ops import classify
 from rules.segments import segment_key, segments
 
-__all__ = ["ModeCost", "graph_nodes", "op_name", "recompute_costs", "saved_bytes_per_node", "segment_key"]
+__all__ = ["ModeCost", "graph_nodes", "op_name", "recompute_costs", "saved_by", "saved_bytes_per_node", "segment_key"]
 
 # Names (module classes or functions, lower case) by what their backward keeps.
 _PRODUCTS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "bilinear", "conv1d", "conv2d",
@@ -128,6 +128,17 @@ def saved_bytes_per_node(nodes: Sequence[Mapping[str, Any]], device_type: str = 
     out = {str(n["name"]): more for n, more in zip(nodes, extra)}
     for root in set().union(*saved):
         out[root] += int(own[root].get("out_bytes", 0) or 0)
+    return out
+
+
+def saved_by(nodes: Sequence[Mapping[str, Any]], device_type: str = "cpu") -> dict[str, list[str]]:
+    """Each saved tensor (the node that made it, as `saved_bytes_per_node` counts it) -> the nodes whose backward
+    keeps it, in order: the same rule (`_saved`), read the other way (cost_model/fused_kernels.py asks it)."""
+    _, saved, _ = _kept(nodes, device_type)
+    out: dict[str, list[str]] = {}
+    for n, roots in zip(nodes, saved):
+        for root in sorted(roots):
+            out.setdefault(root, []).append(str(n["name"]))
     return out
 
 

@@ -41,6 +41,7 @@ from partitioner.request import (
     TensorChoice,
 )
 from partitioner.show.visualizer import DrawablePlan
+from rules.kernels import KernelSet
 from runtime.distributed import DistributedPipeline
 from runtime.launch import distributed
 from runtime.materialize import Init
@@ -75,6 +76,7 @@ def plan(
     sharding: ShardingChoice = "auto",
     tensor: TensorChoice = "auto",
     cross_batch: CrossBatchChoice = "refuse",
+    kernels: KernelSet = "eager",
 ) -> DrawablePlan:
     """Plan `model` onto `devices` and return the Plan; nothing is moved and nothing is built.
 
@@ -85,7 +87,9 @@ def plan(
     a JSON/YAML file or a cost_model.Cluster (any size); every GPU is a torchrun rank
     (rank r on host r // GPUs per host: `plan.gpus_per_host`, its GPU the local cuda:{r % that}), priced by the analytic
     model at the dtypes of the model and inputs. Run it with `partition(model, devices, plan=...)`.
-    `calibration`, `precision`, `sharding`, `tensor` and `cross_batch`: as for `partition`.
+    `calibration`, `precision`, `sharding`, `tensor` and `cross_batch`: as for `partition`. `kernels`: the kernel
+    set the plan is priced for: "eager" (this project's runtime) or "fused" (for a plan exported to an engine
+    that runs flash attention, fused SwiGLU and norms: fewer activations kept, fewer memory passes).
 
     Raises:
         PartitionError: bad arguments, a model that cannot be traced, or a plan that cannot fit.
@@ -95,7 +99,7 @@ def plan(
         example_kwargs=example_kwargs, schedule=schedule, placement=placement, replicas=replicas,
         virtual_stages=virtual_stages, cost_model=cost_model, processes=processes, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, recompute=recompute, update=update, calibration=calibration,
-        precision=precision, sharding=sharding, tensor=tensor, cross_batch=cross_batch)
+        precision=precision, sharding=sharding, tensor=tensor, cross_batch=cross_batch, kernels=kernels)
     if isinstance(made, PartitionError):
         raise made
     return made
@@ -138,6 +142,7 @@ def _plans(
     sharding: ShardingChoice = "auto",
     tensor: TensorChoice = "auto",
     cross_batch: CrossBatchChoice = "refuse",
+    kernels: KernelSet = "eager",
 ) -> Iterator[tuple[int, DrawablePlan | PartitionError]]:
     """plan()'s request checked now; its plans for `counts` made as they are asked for (make.plan.plan_counts)."""
     devices, processes, cost_model, per_host = plan_target(devices, cluster, processes, cost_model)
@@ -147,7 +152,7 @@ def _plans(
         virtual_stages=virtual_stages, recompute=recompute, update=update, input_split_spec=input_split_spec,
         split_points=split_points, split_spec=split_spec, cost_model=cost_model, calibration=calibration,
         gpus_per_host=per_host, cluster=cluster is not None, precision=_precision(precision), sharding=sharding,
-        tensor=tensor, cross_batch=cross_batch)
+        tensor=tensor, cross_batch=cross_batch, kernels=kernels)
     args, kwargs = example_call(model, example_inputs, example_kwargs)
     check_model_options(model, request)
     return _drawable(plan_counts(model, args, kwargs, request, counts))

@@ -26,6 +26,7 @@ from cost_model.analytic import CostModel
 from cost_model.calibration_store import CalibrationArg
 from cost_model.precision import Precision
 from partitioner.errors import PartitionError
+from rules.kernels import KERNEL_SETS, KernelSet
 from rules.schedules import either, schedule_names, searched_names
 from rules.sharding import SHARDING_MODES, ShardingMode, sharding_problem
 from runtime.materialize import Init
@@ -89,7 +90,8 @@ class PlanRequest:
     `gpus_per_host`: a described cluster's (0: the devices present). `cluster`: the devices are a
     described cluster's ranks (plan(cluster=...)): priced from shapes, never run here. `precision`: the
     dtypes training keeps each state in (cost_model.precision.Precision.of reads names and optimizers);
-    None: every state at the model's dtype.
+    None: every state at the model's dtype. `kernels`: the kernel set the searches price (rules/kernels.py):
+    "eager" (this runtime's) or "fused" (the engines a plan is exported to).
     The other fields mean what partition()'s keywords of the same names mean.
     """
 
@@ -113,6 +115,7 @@ class PlanRequest:
     sharding: ShardingChoice = "auto"
     tensor: TensorChoice = "auto"
     cross_batch: CrossBatchChoice = "refuse"
+    kernels: KernelSet = "eager"
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -129,6 +132,9 @@ class PlanRequest:
         if not modes or any(not isinstance(m, str) or m not in RECOMPUTE_CHOICES for m in modes):
             raise PartitionError(f"recompute={self.recompute!r}; use one of {', '.join(map(repr, RECOMPUTE_CHOICES))}"
                                  ", or a list of those with one per stage")
+        if self.kernels not in KERNEL_SETS:
+            raise PartitionError(f"kernels={self.kernels!r}; use 'eager' (this runtime's kernels) or 'fused' (flash "
+                                 "attention, fused SwiGLU and norms: the engines a plan is exported to)")
         if self.update not in UPDATES:
             raise PartitionError(f"update={self.update!r}; use one of {', '.join(map(repr, UPDATES))}")
         if self.update != "sync" and self.schedule != "1f1b":

@@ -22,7 +22,11 @@ reduce-scatter a step: an all-reduce's volume, as ZeRO-1 moves), zero2 = reshard
 False, zero3 = True. Gradient sync "last" (torch.distributed.pipelining's rule: no reduction until
 the last micro-batch's backward) makes FSDP2 accumulate every block's gradients unsharded between
 micro-batches, so with more than one micro-batch it holds the full gradients there; "every"
-reduce-scatters each micro-batch (gradients at 1/d, m reduce-scatters a step).
+reduce-scatters each micro-batch (gradients at 1/d, m reduce-scatters a step). Trainers call "every" under
+zero3 FULL_SHARD; "last" under zero3 is accumulating whole gradients and reducing once a step, a different
+mode priced apart (cost_model/data_parallel.py, cost_model/training_memory.py). A plan names each stage's
+(StagePlan.gradient_sync); the searches choose it (search/axes.py's "gradients" axis; `stage_sync` says what
+a stage of each mode runs).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 __all__ = ["GRADIENT_SYNCS", "SHARDING_MODES", "GradientSync", "ModeRule", "ShardingMode", "accumulates_unsharded",
-           "mode_rule", "reduces", "sharding_problem"]  # fmt: skip
+           "mode_rule", "reduces", "sharding_problem", "stage_sync"]  # fmt: skip
 
 ShardingMode = Literal["none", "zero1", "zero2", "zero3"]
 GradientSync = Literal["last", "every"]
@@ -89,6 +93,20 @@ def sharding_problem(mode: object, *, precision: bool) -> str | None:
         return (f"sharding={mode!r} needs the training precision its sharded states are counted at: give "
                 "precision= (e.g. 'mixed'), or use sharding='none'")
     return None
+
+
+def stage_sync(mode: str, gradient_sync: str) -> GradientSync:
+    """The gradient sync a stage sharded by `mode` runs when a plan asks for `gradient_sync`: "every" (FULL_SHARD:
+    reduce-scatter after each micro-batch's backward, only the shard kept) where the mode reduce-scatters per
+    micro-batch at all (zero2, zero3), else "last" (zero1 reduces once a step by definition; "none" is DDP's).
+
+    Raises:
+        ValueError: an unknown mode or gradient sync.
+    """
+    mode_rule(mode)
+    if gradient_sync not in GRADIENT_SYNCS:
+        raise ValueError(f"gradient_sync {gradient_sync!r} is not one of {list(GRADIENT_SYNCS)}")
+    return "every" if gradient_sync == "every" and mode in ("zero2", "zero3") else "last"
 
 
 def reduces(mode: str, gradient_sync: str, last: bool) -> bool:

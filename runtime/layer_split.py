@@ -116,7 +116,7 @@ def split_groups(plan: Plan, device_type: str, timeout_s: float, *, checked: boo
 
 
 def sharding_config(plan: Plan, stage: StagePlan) -> ShardingConfig:
-    """FSDP2's settings for `stage`: its mode, and the plan's precision as FSDP2's mixed-precision policy
+    """FSDP2's settings for `stage`: its mode, gradient sync and the plan's precision as FSDP2's mixed-precision policy
     (compute dtype: the gathered weights; grad dtype: the reduction), None where it is the weights' own."""
     precision = plan.precision or {}
 
@@ -126,7 +126,8 @@ def sharding_config(plan: Plan, stage: StagePlan) -> ShardingConfig:
 
     compute, param, grad = dtype("compute"), dtype("param"), dtype("grad")
     return ShardingConfig(stage.sharding, compute if compute != param else None,
-                          grad if grad not in (None, compute if compute is not None else param) else None)
+                          grad if grad not in (None, compute if compute is not None else param) else None,
+                          gradient_sync=stage.gradient_sync)
 
 
 class ShardedRun(nn.Module):

@@ -10,8 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping, Sequence, get_args
 
+from rules.kernels import KERNEL_SETS, KernelSet
 from rules.schedules import schedule_names
-from rules.sharding import ShardingMode
+from rules.sharding import GradientSync, ShardingMode
 from runtime.ops import Op, Program
 from runtime.plan_axes import axis_problems, rank_problems
 from runtime.program_check import program_problems
@@ -80,6 +81,9 @@ class StagePlan:
     tensor: int = 1  # ranks per replica, its layers split across them (1: none)
     tensor_groups: list[TensorParallelGroup] = field(default_factory=list)  # what those ranks split
     sharding: ShardingMode = "none"  # FSDP2 over the replicas (rules.sharding)
+    # When a sharded stage reduces its gradients: "last" accumulates them whole and reduce-scatters once a step,
+    # "every" reduce-scatters after each micro-batch's backward and keeps the shard (FSDP's FULL_SHARD).
+    gradient_sync: GradientSync = "last"
     expert: int = 1  # replicas each layer's experts are split over (1: every replica holds every expert)
     expert_layers: list[str] = field(default_factory=list)  # module paths of the stacks of experts split
     context: int = 1  # ranks per replica its sequence is split over (1: whole)
@@ -143,6 +147,9 @@ class Plan:
     # its nodes otherwise; the plan binds to it by these ([Note: binding a plan by structure], partitioner/make/
     # bind.py). Empty: bind by node names only (plans saved before).
     node_keys: list[tuple[str, str]] = field(default_factory=list)
+    # The kernel set the plan is priced for (cost_model/fused_kernels.py): "eager" (this project's runtime: each
+    # operation its own kernel) or "fused" (engines it is exported to: flash attention, fused SwiGLU and norms).
+    kernels: KernelSet = "eager"
 
     @property
     def devices(self) -> list[str]:
@@ -265,6 +272,8 @@ class Plan:
             problems += program_problems(self.programs, [s.ranks for s in self.stages], self.devices,
                                          self.pieces, self.data_split == "deal" and  # sliced: m x replicas
                                          all(s.width == 1 for s in self.stages))
+        if self.kernels not in KERNEL_SETS:
+            problems.append(f"kernels={self.kernels!r}; use one of {', '.join(map(repr, KERNEL_SETS))}")
         if self.precision is not None and not set(self.precision) <= _PRECISION_KEYS:
             problems.append(f"precision names {sorted(set(self.precision) - _PRECISION_KEYS)}; it holds "
                             f"{', '.join(sorted(_PRECISION_KEYS))}")
@@ -301,6 +310,9 @@ class Plan:
             + (f"update {self.update}; " if self.update != "sync" else "")
             + (f"staleness {self.staleness}; " if self.staleness else "")
             + (f"recompute {', '.join(s.recompute for s in self.stages)}; " if self.recomputes else "")
+            + (f"kernels {self.kernels}; " if self.kernels != "eager" else "")
+            + ("gradients reduce-scattered every micro-batch; " if any(s.gradient_sync == "every" for s in self.stages)
+               else "")
             + _axis_words(self.stages)
             + f"bottleneck {self.bottleneck_ms:.3f} ms per micro-batch"
             + (" (a stage's time over its replicas)" if replicated else "")
@@ -312,9 +324,10 @@ class Plan:
         return self.summary()
 
 
-_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none", "expert": 1,
+_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none", "gradient_sync": "last",
+                                   "expert": 1,
                                    "expert_layers": [], "context": 1, "context_attention": []}
-_PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": []}
+_PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": [], "kernels": "eager"}
 _PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from rules.sharding import SHARDING_MODES
+from rules.sharding import GRADIENT_SYNCS, SHARDING_MODES
 from runtime.tensor_parallel_spec import TensorParallelGroup
 
 __all__ = ["axis_problems", "rank_problems"]
@@ -37,6 +37,9 @@ class _Stage(Protocol):  # runtime.plan.StagePlan, read only
 
     @property
     def sharding(self) -> str: ...
+
+    @property
+    def gradient_sync(self) -> str: ...
 
     @property
     def expert(self) -> int: ...
@@ -83,6 +86,11 @@ def axis_problems(k: int, s: _Stage, data_split: str) -> list[str]:
     elif s.sharding != "none" and data_split != "slice":
         problems.append(f"stages[{k}].sharding={s.sharding!r} shards over replicas that run every micro-batch in "
                         "lockstep: set the plan's data_split='slice'")
+    if s.gradient_sync not in GRADIENT_SYNCS:
+        problems.append(f"stages[{k}].gradient_sync={s.gradient_sync!r}; use one of {', '.join(GRADIENT_SYNCS)}")
+    elif s.gradient_sync == "every" and s.sharding not in ("zero2", "zero3"):
+        problems.append(f"stages[{k}].gradient_sync='every' (reduce-scatter per micro-batch) needs sharding 'zero2' "
+                        f"or 'zero3', not {s.sharding!r}; use gradient_sync='last'")
     if not _degree(s.expert):
         problems.append(f"stages[{k}].expert={s.expert!r}; use an integer >= 1 (1: every replica holds every expert)")
     elif s.expert == 1 and s.expert_layers:

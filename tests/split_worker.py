@@ -10,11 +10,13 @@ A CASE is MODEL:SCHEDULE:LAYOUT[:SHARDING[:RECOMPUTE]]: MODEL of MODELS, or "hf-
 2 tensor ranks), "tp2dp2" (one stage split over 2 ranks, 2 replicas dealt micro-batches, or sliced where SHARDING is
 given), "pp2dp2" (2 stages x 2 replicas, micro-batches sliced over the replicas) or "dp2tp2" (Krizhevsky's "one
 weird trick": stage 0 on 2 replicas dealt micro-batches, stage 1 split over 2). SHARDING zero1, zero2 or zero3
-shards the replicas' weights with FSDP2; RECOMPUTE "full" or "selective" recomputes every stage as well ("a/b": one
-mode per stage; "none": not); MODE "eval" runs the partitioned and the plain model in eval mode (a model traced in
-training whose forward reads self.training runs its other graph: "modes" scales by 1.5 in training only); "mixed"
-trains in mixed precision (FSDP2 computes in bf16 over fp32 master weights): one step, the loss and every gradient
-(against the largest) within 3e-2 of the fp32 plain model's. Rank 0
+shards the replicas' weights with FSDP2 ("zero3+every": the plan's gradient_sync "every", FULL_SHARD:
+gradients reduce-scattered after each micro-batch, only the shard kept); RECOMPUTE "full" or "selective"
+recomputes every stage as well ("a/b": one mode per stage; "none": not); MODE "eval" runs the partitioned and
+the plain model in eval mode (a model traced in training whose forward reads self.training runs its other graph:
+"modes" scales by 1.5 in training only); "mixed" trains in mixed precision (FSDP2 computes in bf16 over fp32
+master weights): one step, the loss and every gradient (against the largest) within 3e-2 of the fp32 plain
+model's. Rank 0
 plans the stages with partitioner.plan (then every rank reads its plan), the split fields are set by hand (the
 groups partitioner.capture.shardable finds within each stage). `equivalence` compares the loss, every gradient
 this rank holds and (sharded cases) the weights after 3 Adam steps with the plain model; `memory` (sharded cases)
@@ -168,6 +170,7 @@ def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sh
                recompute: str = "none") -> Plan:
     """Rank 0 plans the stages (partitioner.plan, one process), every rank gets the same plan with the split set."""
     pipeline = layout in ("tp2pp2", "pp2dp2", "dp2tp2")  # else one stage
+    sharding, _, sync = sharding.partition("+")  # "zero3+every": gradients reduce-scattered per micro-batch
     micro_batches = 4
     made: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -191,6 +194,7 @@ def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sh
         else:
             stage.ranks = [2 * stage.index, 2 * stage.index + 1]
             stage.sharding = sharding  # type: ignore[assignment]
+            stage.gradient_sync = sync or "last"  # type: ignore[assignment]
             modes = recompute.split("/")  # one mode for every stage, or one per stage
             stage.recompute = modes[stage.index % len(modes)]  # type: ignore[assignment]
         if layout.startswith("tp2") or (layout == "dp2tp2" and stage.index == 1):
@@ -398,6 +402,7 @@ def predicted(pipe: Any, case: str, x: torch.Tensor) -> tuple[int, int]:
     units = [sum(q.numel() for q in u.parameters() if isinstance(q, DTensor)) for u in stage.module.stage.units]
     mode = plan_.stages[s].sharding
     want = training_memory(sharded, FP32, mode=mode, degree=2, micro_batches=pieces // 2,
+                           gradient_sync=plan_.stages[s].gradient_sync,
                            activation_bytes=held_.activations + held_.buffers, units=units, in_flight=flight[s],
                            buffer_bytes=sum(b.nbytes for b in stage.module.buffers()))
     whole = training_memory(sum(q.numel() for q in weights if not isinstance(q, DTensor)), FP32)

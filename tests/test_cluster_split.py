@@ -99,8 +99,14 @@ def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
     graph = build_graph(gm, [x])
     order, shardable = [n.name for n in compute_nodes(gm)], find_shardable(gm, graph)
     capacity = 41.5e6
-    pin: dict[str, Any] = {"precision": MIXED, "micro_batches": 16, "stages": 2, "schedules": ("1f1b",)}
-    plan, found = planned(graph, order, shardable, headroom=capacity / CLUSTER.gpu.memory_bytes, **pin)
+    # gradients accumulated whole (sync "last"); reduce-scattered every micro-batch (FULL_SHARD), zero2 fits the
+    # first stage as well, and gathers once a micro-batch where zero3 gathers twice: the search takes it
+    pin: dict[str, Any] = {"precision": MIXED, "micro_batches": 16, "stages": 2, "schedules": ("1f1b",),
+                           "gradient_sync": ("last",)}
+    headroom = capacity / CLUSTER.gpu.memory_bytes
+    full_shard, _ = planned(graph, order, shardable, headroom=headroom, **{**pin, "gradient_sync": None})
+    assert [(s.sharding, s.gradient_sync) for s in full_shard.stages] == [("zero2", "every"), ("zero1", "last")]
+    plan, found = planned(graph, order, shardable, headroom=headroom, **pin)
     modes = [s.sharding for s in plan.stages]
     assert modes == found.modes == ["zero3", "zero1"] and found.sharding == "zero3" and plan.data_split == "slice"
     plan.check()

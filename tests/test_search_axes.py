@@ -1,6 +1,6 @@
 """Search axes (partitioner.place.search.axes): a toy registered here reaches the space, the price and the plan.
 
-The toy, "kernels", is a kernel set: "fused" runs every node in half the time. It is defined and
+The toy, "turbo", is a made-up kernel set: "fused" runs every node in half the time. It is defined and
 registered in this file only; nothing in the package names it. Both searches (the cluster's and the
 device list's) try it, keep it where it prices lower, and hand its value to its `apply`, which halves
 the plan's compute times.
@@ -16,6 +16,7 @@ import torch
 
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster
+from cost_model.precision import MIXED
 from examples.models import make_gpt
 from partitioner import plan
 from partitioner.arguments import cluster_devices
@@ -48,7 +49,7 @@ def _apply(made: Plan, value: Any) -> None:
             stage.compute_ms = stage.forward_ms + stage.backward_ms
 
 
-KERNELS = AxisSpec("kernels", lambda space: ("eager", "fused"), _fused, _apply, doc="fused: every node twice as fast")
+KERNELS = AxisSpec("turbo", lambda space: ("eager", "fused"), _fused, _apply, doc="fused: every node twice as fast")
 
 
 @pytest.fixture
@@ -71,18 +72,26 @@ def gpt() -> tuple[Any, list[str], Any, torch.nn.Module, torch.Tensor]:
     return graph, [n.name for n in compute_nodes(gm)], find_shardable(gm, graph), model, x
 
 
-def test_recomputation_is_the_built_in_axis() -> None:
-    assert axis_names() == ("recompute",)
-    assert each_choice(SearchSpace(recompute="auto")) == [{"recompute": "none"}, {"recompute": "full"}]
+def test_recomputation_gradients_and_kernels_are_the_built_in_axes() -> None:
+    assert axis_names() == ("kernels", "recompute", "gradients")  # the kernel set first: recomputation keeps its count
+    eager = {"kernels": "eager"}
+    assert each_choice(SearchSpace(recompute="auto")) == [{"recompute": "none", "gradients": "last", **eager},
+                                                          {"recompute": "full", "gradients": "last", **eager}]
+    assert each_choice(SearchSpace(precision=MIXED, sharding=("zero3",), kernels="fused")) == [
+        {"recompute": "none", "gradients": "last", "kernels": "fused"},
+        {"recompute": "none", "gradients": "every", "kernels": "fused"}]
+    zero1 = SearchSpace(precision=MIXED, sharding=("zero1",))
+    assert each_choice(zero1) == [{"recompute": "none", "gradients": "last", **eager}]
     with pytest.raises(ValueError, match="'recompute' is registered already"):
         register(AxisSpec("recompute", lambda space: ("none",), lambda problem, value, nodes: problem))
 
 
 def test_a_toy_axis_reaches_the_space(kernels: AxisSpec) -> None:
-    assert axis_names() == ("recompute", "kernels")
+    assert axis_names() == ("kernels", "recompute", "gradients", "turbo")
+    last = {"gradients": "last", "kernels": "eager"}
     assert each_choice(SearchSpace(recompute="auto")) == [
-        {"recompute": "none", "kernels": "eager"}, {"recompute": "none", "kernels": "fused"},
-        {"recompute": "full", "kernels": "eager"}, {"recompute": "full", "kernels": "fused"}]
+        {"recompute": "none", **last, "turbo": "eager"}, {"recompute": "none", **last, "turbo": "fused"},
+        {"recompute": "full", **last, "turbo": "eager"}, {"recompute": "full", **last, "turbo": "fused"}]
 
 
 def test_a_toy_axis_is_priced_by_the_cluster_search(gpt: Any, kernels: AxisSpec) -> None:
@@ -91,13 +100,14 @@ def test_a_toy_axis_is_priced_by_the_cluster_search(gpt: Any, kernels: AxisSpec)
     cost = AnalyticCostModel(cluster_devices(cluster)[2])
     space = SearchSpace(micro_batches=8)
     made, found = plan_on_cluster(graph, order, cluster, cost, space=space, shardable=shardable)
-    assert found.choice == {"recompute": "none", "kernels": "fused"}
+    assert found.choice == {"recompute": "none", "gradients": "last", "kernels": "eager", "turbo": "fused"}
     unregister(KERNELS.name)
     try:
         _, eager = plan_on_cluster(graph, order, cluster, cost, space=space, shardable=shardable)
     finally:
         register(KERNELS)
-    assert eager.choice == {"recompute": "none"} and found.step_s < eager.step_s
+    assert eager.choice == {"recompute": "none", "gradients": "last", "kernels": "eager"}
+    assert found.step_s < eager.step_s
     assert [(p, v) for p, v, _ in APPLIED] == [(made, "fused")]  # the plan the search returned
 
 

@@ -38,6 +38,7 @@ from partitioner.predict.replica_fold import rank_span
 from partitioner.request import SHARDING_CHOICES
 from partitioner.show.hosts import text_rows
 from partitioner.show.visualizer import simulated_timeline
+from rules.kernels import KERNEL_SETS
 from runtime.plan import Plan, human_bytes, micro_batch_words
 
 __all__ = ["DTYPES", "ClusterPlan", "Dtype", "Throughput", "add_cluster_arguments", "cast_example", "cluster_report",
@@ -73,6 +74,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                       help="with --replicas auto, how stage replicas shard their states: auto (the planner chooses, "
                       "with a --precision), none (never, as Megatron-LM's SC'21 runs), or zero1, zero2, zero3 for "
                       "every stage (default auto)")
+    plan.add_argument("--kernels", choices=KERNEL_SETS, default="eager",
+                      help="the kernel set the plan is priced for: eager (this project's runtime) or fused (flash "
+                      "attention, fused SwiGLU and norms: engines a plan is exported to; default eager)")
     plan.add_argument("--tensor", metavar="auto|T", default="auto",
                       help="with --replicas auto, the tensor-parallel degree of every stage: auto (the planner "
                       "chooses), 1 (no layer split) or a degree such as 8 (default auto)")
@@ -127,12 +131,13 @@ def parse_tensor(text: str) -> int | Literal["auto"]:
 
 
 def plan_keywords(args: argparse.Namespace) -> dict[str, Any]:
-    """plan()'s replicas (and processes: one per replica), precision, sharding and tensor, from `plan` without
+    """plan()'s replicas (and processes: one per replica), precision, sharding, tensor and kernels, from `plan` without
     --cluster."""
     replicas = parse_replicas(getattr(args, "replicas", None))
     return {"replicas": replicas, "processes": True if replicas is not None else None,
             "precision": parse_precision(getattr(args, "precision", None), cluster=False),
-            "sharding": getattr(args, "sharding", "auto"), "tensor": parse_tensor(getattr(args, "tensor", "auto"))}
+            "sharding": getattr(args, "sharding", "auto"), "tensor": parse_tensor(getattr(args, "tensor", "auto")),
+            "kernels": getattr(args, "kernels", "eager")}
 
 
 def _cluster(text: str) -> Cluster:
@@ -222,7 +227,7 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
                               example_kwargs=example.kwargs, micro_batches=tries, schedule=args.schedule,
                               replicas=replicas, cost_model=cost, recompute=args.recompute or "none",
                               update=args.update, precision=precision, sharding=args.sharding,
-                              tensor=tensor)  # fmt: skip
+                              tensor=tensor, kernels=args.kernels)  # fmt: skip
             for m in tries:
                 bar.update(task, description=f"planning {example.batch} samples in {m} micro-batches on "
                            f"{cluster.shape}")

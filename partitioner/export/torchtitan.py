@@ -12,6 +12,7 @@ checkpointing subcommands of `torchtitan/distributed/activation_checkpoint.py`:
     batch        pipeline_parallel_microbatch_size x micro-batches per pipeline = local_batch_size;
                  global_batch_size = every replica's samples (no pipeline: gradient accumulation over them)
     recompute    activation-checkpoint:none | selective | full, last (tyro reads no option after it)
+    kernels      the plan's kernel set: "fused" is compile.enable (torch.compile's fused kernels), "eager" not
 """
 
 from __future__ import annotations
@@ -185,11 +186,15 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
                  f"the plan's {plan.schedule} actions per pipeline rank (python -m partitioner export)"),
         ]
     opts += _dtypes(plan)
+    if plan.kernels == "fused":
+        opts.append((["--compile.enable"], "fused kernels, as the plan is priced (kernels fused: torch.compile fuses "
+                     "norms, SwiGLU and the other pointwise chains; attention runs SDPA's flash kernel)"))
     opts.append((["--training.disable_cuda_graphs"],
-                 "eager kernels, as the plan is priced (torchtitan 0.3.0 refuses CUDA graphs with a pipeline)"))
+                 f"{plan.kernels} kernels, as the plan is priced (torchtitan 0.3.0 refuses CUDA graphs with a "
+                 "pipeline)"))
     checkpointing, why = _checkpointing(plan)
     notes = [*parts.moved, *([why] if why else []), *axis_notes, *_layout_notes(plan, sched, replicas, cp * tp)]
-    if pp == 1 and count > 1 and replicas > 1:
+    if pp == 1 and count > 1 and replicas > 1 and any(s.gradient_sync == "last" for s in plan.stages):
         notes.append(f"gradients: torchtitan reduces them after each of its {count} accumulation steps; the plan "
                      "reduces once a step, after the last micro-batch")
     memory = ", ".join(f"stage {s.index} {human_bytes(s.memory_bytes)}" for s in plan.stages if s.memory_bytes)
@@ -200,7 +205,7 @@ def torchtitan_job(plan: Plan, csv_path: str | os.PathLike[str] = "schedule.csv"
         f"Plan: {len(plan.stages)} stages x {replicas} replicas ({shard if sharded else 'unsharded'})"
         f"{f' x context {cp}' if cp > 1 else ''} x tensor {tp}{f', experts over {ep} replicas' if ep > 1 else ''} on "
         f"{world} ranks ({hosts} x {nproc} GPUs), schedule {plan.schedule}, {split}; predicted step "
-        f"{plan.predicted_step_ms:.3f} ms.",
+        f"{plan.predicted_step_ms:.3f} ms; kernels {plan.kernels}.",
         f"Predicted memory per GPU: {memory or 'not predicted'}.",
     ]
     return TorchtitanJob(opts, checkpointing, world, hosts, nproc, parts, sched if pp > 1 else None, notes, header,

@@ -147,6 +147,8 @@ def page_data(plan: runtime_plan.Plan, timeline: Any = None, measured: Any = Non
         "title": _title(plan),
         "plan": {"micro_batches": plan.micro_batches, "pieces": plan.pieces, "data_split": plan.data_split,
                  "micro_batch_words": micro_batch_words(plan), "schedule": plan.schedule, "placement": plan.placement,
+                 "kernels": plan.kernels,
+                 "gradient_sync": sorted({s.gradient_sync for s in plan.stages if s.sharding != "none"}),
                  "predicted_step_ms": plan.predicted_step_ms, "bottleneck_ms": plan.bottleneck_ms,
                  "allreduce_ms": sum(s.allreduce_ms for s in plan.stages), "alternatives": dict(plan.alternatives)},
         "stages": stages,

@@ -51,6 +51,9 @@ class Fixed:
         order: which ranks share hosts (cluster.space.RankOrder): Megatron-LM puts a stage's replicas
             together ("replicas-together"), Llama 3's [TP, CP, PP, DP] puts a pipeline together.
         sequence_parallel: layers outside the split groups run on 1/t of the sequence (search/tensor_split.py).
+        gradient_sync: when sharded stages reduce gradients: "last" (accumulated whole, reduced once a step),
+            "every" (reduce-scattered per micro-batch: FSDP's FULL_SHARD under zero3); None: the cheaper that fits.
+        kernels: the kernel set priced, "eager" or "fused" (rules/kernels.py).
     """
 
     tensor: int = 1
@@ -62,6 +65,8 @@ class Fixed:
     recompute: Literal["none", "full"] = "none"
     order: RankOrder = "replicas-together"
     sequence_parallel: bool = False
+    gradient_sync: str | None = None
+    kernels: str = "eager"
 
 
 def price_fixed(
@@ -90,7 +95,9 @@ def price_fixed(
         raise PartitionError(f"schedule={fixed.schedule!r}, recompute={fixed.recompute!r}: use one of "
                              f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none' or 'full'")
     space = SearchSpace(micro_batches=m, schedules=(fixed.schedule,), recompute=fixed.recompute, precision=precision,
-                        tensor=(t,), sharding=(fixed.sharding,), sequence_parallel=fixed.sequence_parallel)
+                        tensor=(t,), sharding=(fixed.sharding,), sequence_parallel=fixed.sequence_parallel,
+                        gradient_sync=(fixed.gradient_sync,) if fixed.gradient_sync is not None else None,
+                        kernels=fixed.kernels)
     prepared = prepare_search(graph, order, cluster, cost, space, optimizer=space.optimizer(optimizer),
                               headroom=headroom, shardable=shardable)
     nodes = prepared.nodes(graph, order, cost)

@@ -125,7 +125,7 @@ def plan_on_cluster(
                          groups=prepared.groups.get(solution.tensor, []))
     if space.precision is not None:
         made.precision = space.precision.to_dict()
-    apply_choice(made, choice)
+    apply_choice(made, choice, nodes)
     return made, solution
 
 
@@ -232,7 +232,8 @@ def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution:
     price_stages(plan, graph, solution.bounds, micro_batches=solution.micro_batches, groups=groups,
                  tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.modes,
                  rings=[ring_of(cluster, stage.ranks) for stage in plan.stages],
-                 param_bytes=space.degree(t).problem.param_bytes, blocks=blocks, optimizer=optimizer)
+                 param_bytes=space.degree(t).problem.param_bytes, blocks=blocks, optimizer=optimizer,
+                 gradient_sync=space.degree(t).problem.gradient_sync)
     for stage, mode in zip(plan.stages, solution.modes):
         inside = set(stage.nodes)
         stage.tensor, stage.sharding = t, mode  # type: ignore[assignment]

@@ -32,6 +32,7 @@ from partitioner.capture.shardable_groups import ShardGroup
 from partitioner.place.search.graph_costs import batch_size
 from partitioner.place.search.states import StateRule
 from partitioner.place.search.tensor_split import collective_seconds
+from rules.sharding import stage_sync
 from runtime.plan import Plan
 
 __all__ = ["price_stages", "stage_units"]
@@ -51,7 +52,7 @@ def stage_units(param_bytes: np.ndarray, blocks: np.ndarray, a: int, b: int) -> 
 def price_stages(
     plan: Plan, graph: nx.DiGraph, bounds: Sequence[int], *, micro_batches: int, groups: Sequence[ShardGroup],
     tensor_ring: Ring, rule: StateRule, sharding: str | Sequence[str], rings: Sequence[Ring], param_bytes: np.ndarray,
-    blocks: np.ndarray, optimizer: str,
+    blocks: np.ndarray, optimizer: str, gradient_sync: str = "last",
 ) -> None:
     """Give each stage of an assembled one-pipeline `plan` its split, sharded numbers (module docstring).
 
@@ -64,6 +65,8 @@ def price_stages(
         rings: each stage's data-parallel all-reduce (its replicas' first ranks).
         param_bytes, blocks: per node, its weights on one tensor rank and its block (search.blocks.block_ids).
         optimizer: what assemble counted the states with ((2 + its states) x param_bytes).
+        gradient_sync: "last" or "every" for the sharded stages (rules.sharding.stage_sync: what each mode runs);
+            each stage's `gradient_sync` is set to what it runs.
     """
     batch = batch_size(graph)
     size = batch / micro_batches if batch else 1.0
@@ -81,8 +84,10 @@ def price_stages(
         stage.backward_ms += 1e3 * backward
         unit, root = (x / rule.itemsize for x in stage_units(param_bytes, blocks, a, b))
         params = stage.param_bytes / rule.itemsize
+        sync = stage_sync(mode, gradient_sync) if d > 1 else "last"
+        stage.gradient_sync = sync
         dp = DataParallelCost(mode, d, rings[stage.index], precision.itemsize("compute"),
-                              precision.itemsize("grad"), overlap=rule.precision is not None)
+                              precision.itemsize("grad"), overlap=rule.precision is not None, gradient_sync=sync)
         unit = min(unit, params)
         f_s, b_s = stage.forward_ms / 1e3, stage.backward_ms / 1e3
         before, after = dp.gathers(params, unit, f_s, b_s)
@@ -92,7 +97,7 @@ def price_stages(
         stage.allreduce_ms = 1e3 * float(dp.per_step(params, unit, f_s, b_s))
         stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d
         kinds = state_bytes(params, precision, mode=mode, degree=d, micro_batches=max(1, plan.micro_batches),
-                            root=root, unit=unit)
+                            gradient_sync=sync, root=root, unit=unit)
         if stage.memory_bytes:
             stage.memory_bytes += int(sum(kinds)) - legacy * stage.param_bytes
         stage.param_bytes = int(params * precision.itemsize("compute"))

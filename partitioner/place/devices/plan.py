@@ -70,7 +70,7 @@ def plan_devices(
     (sol, chosen), choice = search_choices(space, run)
     names = problem.names or [str(d) for d in devices]
     plan = place_solution(graph, order, sol, names, cost, problem.capacity, optimizer, chosen, groups, rings)
-    apply_choice(plan, choice)
+    apply_choice(plan, choice, nodes)
     return plan
 
 

@@ -7,11 +7,15 @@ problem as that combination runs it (`priced`), keep the best objective (`search
 tie, so each axis's first value wins ties) and give the Plan the chosen values (`apply_choice`):
 
     register(AxisSpec(
-        "kernels",
-        values=lambda space: ("eager", "fused"),       # what the space allows, in order (first kept at a tie)
+        "turbo",
+        values=lambda space: ("off", "on"),            # what the space allows, in order (first kept at a tie)
         price=lambda problem, value, nodes: ...,        # the problem as the value runs (unchanged: the same object)
         apply=lambda plan, value: ...,                  # what the chosen value sets in the Plan (None: nothing)
     ))
+
+Built in: "recompute" (full recomputation or none), "gradients" (sharded stages' gradients reduced once a
+step or after every micro-batch: rules.sharding, SearchSpace.gradient_syncs) and "kernels" (the kernel set the
+request names, priced: search/kernels.py).
 
 The axes a search prices otherwise (tensor degree, sharding, stages, replicas, micro-batches, schedule,
 rank order) are its own: they choose where nodes and ranks go, not what a node costs.
@@ -20,6 +24,7 @@ rank order) are its own: they choose where nodes and ranks go, not what a node c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -33,9 +38,11 @@ from cost_model.interface import CostModel
 from partitioner.errors import PartitionError
 from partitioner.place.search.graph_costs import forward_share
 from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.kernels import FusedFacts, fused_facts, fused_plan, fused_problem
 from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.recompute import node_segments, recomputing
 from partitioner.place.search.space import SearchSpace
+from rules.sharding import stage_sync
 from runtime.plan import Plan
 
 __all__ = [
@@ -55,6 +62,14 @@ class NodeFacts:
                  share: np.ndarray | None = None, segment: np.ndarray | None = None) -> None:
         self._graph, self._order, self._device, self._cost = graph, list(order), device, cost
         self._share, self._segment = share, segment
+        self._fused: FusedFacts | None = None
+
+    @property
+    def fused(self) -> FusedFacts:
+        """What the fused kernel set changes of each node (search/kernels.py)."""
+        if self._fused is None:
+            self._fused = fused_facts(self._graph, self._order, self._device, self._cost)
+        return self._fused
 
     @property
     def share(self) -> np.ndarray:
@@ -82,6 +97,8 @@ class AxisSpec:
         apply: `apply(plan, value)`, what the chosen value sets in the Plan; None: nothing (the plan's
             builder counts it already, as assemble counts recomputation).
         doc: a few words for help texts.
+        adjust: `adjust(plan, value, nodes)`, what the chosen value changes in the Plan's numbers that its
+            builder did not count (after `apply`; the searches give it the facts they priced with).
     """
 
     name: str
@@ -89,6 +106,7 @@ class AxisSpec:
     price: Callable[[SearchProblem, Any, NodeFacts], SearchProblem]
     apply: Callable[[Plan, Any], None] | None = None
     doc: str = ""
+    adjust: Callable[[Plan, Any, NodeFacts], None] | None = None
 
 
 _REGISTRY: dict[str, AxisSpec] = {}
@@ -139,11 +157,13 @@ def priced(problem: SearchProblem, choice: Choice, nodes: NodeFacts) -> SearchPr
     return problem
 
 
-def apply_choice(plan: Plan, choice: Choice) -> None:
-    """Give `plan` what each axis's chosen value sets in it."""
+def apply_choice(plan: Plan, choice: Choice, nodes: NodeFacts | None = None) -> None:
+    """Give `plan` what each axis's chosen value sets in it (and, with `nodes`, changes in its numbers)."""
     for name, spec in _REGISTRY.items():
         if name in choice and spec.apply is not None:
             spec.apply(plan, choice[name])
+        if name in choice and spec.adjust is not None and nodes is not None:
+            spec.adjust(plan, choice[name], nodes)
 
 
 def search_choices(space: SearchSpace, run: Callable[[Choice, float], tuple[T, float]]) -> tuple[T, Choice]:
@@ -168,9 +188,36 @@ def search_choices(space: SearchSpace, run: Callable[[Choice, float], tuple[T, f
     return best[0], best[2]
 
 
+def _kernels_price(problem: SearchProblem, kernels: Any, nodes: NodeFacts) -> SearchProblem:
+    return problem if kernels == "eager" else fused_problem(problem, nodes.fused)
+
+
+def _kernels_adjust(plan: Plan, kernels: Any, nodes: NodeFacts) -> None:
+    if kernels == "fused":
+        fused_plan(plan, nodes.fused)
+
+
+register(AxisSpec("kernels", lambda space: (space.kernels,), _kernels_price, adjust=_kernels_adjust,
+                  doc="the kernel set priced: 'eager' (this runtime) or 'fused' (engines plans are exported to)"))
+
+
 def _recompute_price(problem: SearchProblem, mode: Any, nodes: NodeFacts) -> SearchProblem:
     return recomputing(problem, nodes.share, nodes.segment) if mode == "full" else problem
 
 
 register(AxisSpec("recompute", lambda space: space.recompute_modes, _recompute_price,
                   doc="full activation recomputation for every stage, or none (per-stage modes: planning)"))
+
+
+def _gradients_price(problem: SearchProblem, sync: Any, nodes: NodeFacts) -> SearchProblem:
+    return problem if sync == problem.gradient_sync else dataclasses.replace(problem, gradient_sync=str(sync))
+
+
+def _gradients_apply(plan: Plan, sync: Any) -> None:
+    for stage in plan.stages:  # what each stage's mode runs of it (cluster/stages.py set the same where it priced)
+        stage.gradient_sync = stage_sync(stage.sharding, str(sync)) if stage.replicas > 1 else "last"
+
+
+register(AxisSpec("gradients", lambda space: space.gradient_syncs(), _gradients_price, _gradients_apply,
+                  doc="sharded stages' gradients: accumulated whole and reduced once a step ('last'), or "
+                      "reduce-scattered after each micro-batch ('every', FULL_SHARD)"))

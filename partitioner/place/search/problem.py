@@ -40,6 +40,7 @@ class SearchProblem:
     names: list[str] | None = None  # device names for messages
     out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
     size_times: dict[int, np.ndarray] | None = None  # samples -> [kinds, n] one micro-batch of that many samples
+    gradient_sync: str = "last"  # sharded stages' gradients: reduced once a step or every micro-batch (rules.sharding)
 
     def micro_batch_times(self, m: int) -> np.ndarray:
         """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes

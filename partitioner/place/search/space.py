@@ -11,9 +11,14 @@
                                                                      that one ((1,): no layer split)
     sharding="auto" | mode           sharding None | (mode,)         every mode worth pricing / that one
     (not a request option)           sequence_parallel               priced only: a configuration given whole
+    kernels="eager" | "fused"        kernels                         the kernel set priced (rules/kernels.py)
+    gradient_sync="auto" | sync      gradient_sync None | (sync,)    sharded stages' gradients reduced once a
+                                                                     step ("last"), per micro-batch ("every"),
+                                                                     both tried where zero2/zero3 may be chosen
 
 `SearchSpace.of(request, schedule)` is the only place the request's `auto` choices are read; the searches
-ask the space what it allows (`tensor_degrees`, `sharding_modes`, `recompute_modes`, `cluster_only`).
+ask the space what it allows (`tensor_degrees`, `sharding_modes`, `recompute_modes`, `gradient_syncs`,
+`cluster_only`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from partitioner.errors import PartitionError
 from partitioner.place.search.compare import SCHEDULES
 from partitioner.place.search.counts import given_counts
 from partitioner.request import PlanRequest
-from rules.sharding import SHARDING_MODES, sharding_problem
+from rules.kernels import KERNEL_SETS
+from rules.sharding import GRADIENT_SYNCS, SHARDING_MODES, sharding_problem
 
 __all__ = ["ANY", "SearchSpace", "SearchedRecompute"]
 
@@ -50,9 +56,11 @@ class SearchSpace:
     tensor: tuple[int, ...] | None = None
     sharding: tuple[str, ...] | None = None
     sequence_parallel: bool = False
+    gradient_sync: tuple[str, ...] | None = None
+    kernels: str = "eager"
 
     def __post_init__(self) -> None:
-        for name in ("micro_batches", "tensor", "sharding"):  # lists as users pass them
+        for name in ("micro_batches", "tensor", "sharding", "gradient_sync"):  # lists as users pass them
             value = getattr(self, name)
             if isinstance(value, (list, set)):
                 object.__setattr__(self, name, tuple(value))
@@ -67,6 +75,12 @@ class SearchSpace:
         if self.tensor is not None and any(isinstance(t, bool) or not isinstance(t, int) or t < 1
                                            for t in self.tensor):
             raise PartitionError(f"tensor degrees {list(self.tensor)}: give positive integers (1: no layer split)")
+        unknown = [x for x in self.gradient_sync or () if x not in GRADIENT_SYNCS]
+        if unknown or self.gradient_sync == ():
+            raise PartitionError(f"gradient_sync={self.gradient_sync!r}; allow one or more of {list(GRADIENT_SYNCS)} "
+                                 "(None: both where a stage may shard under zero2 or zero3)")
+        if self.kernels not in KERNEL_SETS:
+            raise PartitionError(f"kernels={self.kernels!r}; use one of {', '.join(map(repr, KERNEL_SETS))}")
         for mode in self.sharding or ():
             problem = sharding_problem(mode, precision=self.precision is not None)
             if problem is not None:
@@ -81,7 +95,8 @@ class SearchSpace:
                    recompute=recompute,
                    precision=request.precision,
                    tensor=None if request.tensor == "auto" else (request.tensor,),
-                   sharding=None if request.sharding == "auto" else (request.sharding,))
+                   sharding=None if request.sharding == "auto" else (request.sharding,),
+                   kernels=request.kernels)
 
     def but(self, **changes: object) -> SearchSpace:
         """This space with some choices changed (checked again)."""
@@ -131,6 +146,13 @@ class SearchSpace:
         if self.sharding is not None:
             return tuple(self.sharding)
         return tuple(SHARDING_MODES) if self.precision is not None else ("none",)
+
+    def gradient_syncs(self) -> tuple[str, ...]:
+        """When sharded stages reduce gradients, the values the "gradients" axis tries (search/axes.py): those allowed;
+        by default "last" and "every" where zero2 or zero3 may be chosen, else "last" alone (nothing to choose)."""
+        if self.gradient_sync is not None:
+            return tuple(self.gradient_sync)
+        return ("last", "every") if {"zero2", "zero3"} & set(self.sharding_modes()) else ("last",)
 
 
 ANY = SearchSpace()  # the searches choose every axis, with their default micro-batch counts and schedules

@@ -7,7 +7,8 @@ Here, for a sharding mode and a Precision (StateRule), over the same Grid:
     W       = ceil(m / r) (T + per_micro_batch) + per_step
               T: one micro-batch's compute and messages, as stage_costs; per_micro_batch and per_step:
               the group's collectives by mode, overlapped (cost_model/data_parallel.py), on P = weights
-              / itemsize elements, U the largest block's (cost_model's FSDP unit, search/blocks.py)
+              / itemsize elements, U the largest block's (cost_model's FSDP unit, search/blocks.py), the
+              gradients reduced as the problem's gradient_sync says (rules.sharding.stage_sync)
     static  = weights + master + gradients + optimizer (cost_model.training_memory.state_bytes: each
               state at its own dtype, / d where the mode shards it) + buffers as stage_costs
     flight  = as stage_costs (saved activations, received and sent values per micro-batch held)
@@ -27,6 +28,7 @@ from cost_model.training_memory import state_bytes
 from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
 from partitioner.place.search.states import StateRule
+from rules.sharding import stage_sync
 
 __all__ = ["SplitGrid", "lower_static_bytes", "split_parts"]
 
@@ -74,16 +76,17 @@ def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: sl
     unit = np.minimum(g.unit[rows, cols] / rule.itemsize, params)
     root = span(g.root, rows, cols) / rule.itemsize
     backward = comp - forward
+    sync = stage_sync(mode, p.gradient_sync)
     dp = DataParallelCost(mode, r, tuple(ring) if ring is not None else (0.0, 0.0),  # type: ignore[arg-type]
-                          precision.itemsize("compute"), precision.itemsize("grad"))
+                          precision.itemsize("compute"), precision.itemsize("grad"), gradient_sync=sync)
     per_replica = math.ceil(m / r)
     work = per_replica * (t + dp.per_micro_batch(params, unit, forward, backward))
     work = work + dp.per_step(params, unit, forward, backward)
     idx = np.arange(len(g.cuts))
     work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
     rs = r * rule.shard_degree  # sharded over the replicas and each one's context ranks (rule.shard_degree)
-    kinds_bytes = state_bytes(params, precision, mode=mode, degree=rs, micro_batches=per_replica, root=root,
-                              unit=unit)
+    kinds_bytes = state_bytes(params, precision, mode=mode, degree=rs, micro_batches=per_replica, gradient_sync=sync,
+                              root=root, unit=unit)
     static = sum(kinds_bytes) + 2 * (recv + send)
     if g.largest is not None:
         static = static + 3 * g.largest[rows, cols] / m

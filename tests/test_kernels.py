@@ -1,0 +1,110 @@
+"""The kernel set as a plan input (rules/kernels.py, cost_model/fused_kernels.py, search/kernels.py): what the fused
+set keeps, counted by hand on published layer shapes; the plan that names it; the torchtitan export that runs it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import partitioner
+from benchmarks.published_models import Llama, LlamaShape, MegatronGPT, MegatronShape
+from cost_model.fused_kernels import fused_away, fused_saved
+from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
+from partitioner.capture.graph import build_graph, compute_nodes
+from partitioner.capture.trace import trace
+from partitioner.errors import PartitionError
+from partitioner.export.torchtitan import torchtitan_job
+from partitioner.place.search.space import SearchSpace
+from runtime.plan import Plan
+
+B, S = 2, 64  # samples, tokens
+
+
+def _nodes(model: torch.nn.Module) -> tuple[list[dict[str, Any]], list[str]]:
+    with torch.device("meta"):
+        model = model.to(torch.bfloat16)
+    x = torch.zeros(B, S, dtype=torch.long, device="meta")
+    gm = trace(model, (x,), {}).graph_module
+    graph = build_graph(gm, [x])
+    order = [n.name for n in compute_nodes(gm)]
+    return graph_nodes(graph, order), order
+
+
+def _layer(order: list[str], nodes: list[dict[str, Any]], k: int) -> list[str]:
+    return [n for n, node in zip(order, nodes) if str(node.get("module", "")).startswith(f"layers.{k}")
+            or n.startswith(f"layers_{k}_")]
+
+
+def test_fused_llama_layer_drops_the_silu_output_and_the_attention_copy() -> None:
+    h, ffn = 256, 832
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=2, width=h, ffn=ffn, heads=4, kv_heads=1, vocab=100, seq=S))
+    nodes, order = _nodes(model)
+    eager, fused = saved_bytes_per_node(nodes, "cuda"), fused_saved(nodes, "cuda")
+    dropped = {n: eager[n] - fused[n] for n in order if eager[n] != fused[n]}
+    # SwiGLU's silu(gate) (b s ffn bf16: recomputed from the kept gate) and the attention output made contiguous
+    # for o (b s h bf16: flash writes the layout o reads), in each layer; nothing else
+    assert sorted(dropped.values()) == sorted([2 * B * S * h] * 2 + [2 * B * S * ffn] * 2)
+    assert all(("silu" in n) or ("reshape" in n) for n in dropped)
+    assert {n for n in fused_away(nodes) if "silu" in n} == {n for n in dropped if "silu" in n}
+
+
+def test_fused_gpt_layer_keeps_a_log_sum_exp_instead_of_the_scores() -> None:
+    h, a = 256, 4
+    with torch.device("meta"):
+        model = MegatronGPT(MegatronShape(layers=2, width=h, heads=a, vocab=100, seq=S, dropout=0.1))
+    nodes, order = _nodes(model)
+    eager, fused = saved_bytes_per_node(nodes, "cuda"), fused_saved(nodes, "cuda")
+    softmax = [n for n in order if n.startswith("softmax")]
+    dropout = [n for n in order if "attention_dropout" in n]
+    assert len(softmax) == len(dropout) == 2
+    assert [eager[n] for n in softmax] == [2 * B * a * S * S] * 2  # the probabilities, bf16
+    assert [fused[n] for n in softmax] == [4 * B * a * S] * 2  # one fp32 statistic per row
+    # eager: its byte mask and its bf16 output (what probs @ v keeps); flash draws the mask again from the seed
+    assert [eager[n] for n in dropout] == [3 * B * a * S * S] * 2 and [fused[n] for n in dropout] == [0, 0]
+    layer = _layer(order, nodes, 1)
+    # Korthikanti et al.'s 34 bytes per s b h element (flash attention: no 5 a s / h term), plus the statistics
+    assert sum(fused[n] for n in layer) == 34 * B * S * h + 4 * B * a * S
+
+
+def test_the_kernel_set_is_checked_where_it_is_asked_for() -> None:
+    with pytest.raises(PartitionError, match="kernels='compiled'"):
+        SearchSpace(kernels="compiled")
+    with pytest.raises(ValueError, match="kernels='compiled'"):
+        Plan(stages=[], kernels="compiled").check()  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=4, width=256, ffn=832, heads=4, kv_heads=1, vocab=100, seq=256))
+    tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
+    out = {}
+    for kernels in ("eager", "fused"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[kernels] = partitioner.plan(model, cluster="1x4xH100", example_inputs=(tokens,), micro_batches=8,
+                                            replicas="auto", precision="mixed", sharding="zero3", tensor=1,
+                                            kernels=kernels)  # type: ignore[arg-type]
+    return out
+
+
+def test_a_fused_plan_names_its_kernels_and_keeps_fewer_activations(plans: dict[str, Plan]) -> None:
+    eager, fused = plans["eager"], plans["fused"]
+    assert (eager.kernels, fused.kernels) == ("eager", "fused")
+    assert sum(s.activation_bytes for s in fused.stages) < sum(s.activation_bytes for s in eager.stages)
+    assert fused.predicted_step_ms <= eager.predicted_step_ms
+    assert "kernels fused;" in fused.summary() and "kernels" not in eager.summary().splitlines()[-1]
+    assert json.loads(fused.to_json())["kernels"] == "fused" and "kernels" not in json.loads(eager.to_json())
+    assert Plan.from_json(fused.to_json()).kernels == "fused"
+
+
+def test_the_torchtitan_export_compiles_a_fused_plan(plans: dict[str, Plan]) -> None:
+    fused = torchtitan_job(plans["fused"], module="llama3", config="llama3_debugmodel")
+    eager = torchtitan_job(plans["eager"], module="llama3", config="llama3_debugmodel")
+    assert "--compile.enable" in fused.args() and "--compile.enable" not in eager.args()
+    assert "kernels fused" in fused.script()

@@ -3,6 +3,7 @@ one rank of the groups runs, memory falling with the degrees, the search choosin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -184,3 +185,15 @@ def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None
     assert [(v.hosts, v.gpus_per_host, ts) for v, ts in views(cluster, 2)] == [(1, 2, None)]
     assert [(v.hosts, v.gpus_per_host, ts) for v, ts in views(Cluster.parse("32x8xH100"), 4)] == [
         (32, 2, None), (8, 8, (4, 8))]  # inside a host, or TP 4 / 8 inside one with the context ranks on others
+
+
+def test_a_replicas_context_ranks_shard_its_states_too() -> None:
+    from partitioner.place.search.split_costs import lower_static_bytes
+    from partitioner.place.search.states import StateRule
+
+    rule = StateRule(MIXED, 2)
+    alone = lower_static_bytes(1e9, rule, "zero3", 4, 1)
+    over_context = lower_static_bytes(1e9, dataclasses.replace(rule, shard_degree=2), "zero3", 4, 1)
+    assert over_context == pytest.approx(alone / 2)  # zero3: every state / (4 replicas x 2 context ranks)
+    assert lower_static_bytes(1e9, dataclasses.replace(rule, shard_degree=2), "zero3", 8, 1) == pytest.approx(
+        over_context / 2)

@@ -15,8 +15,8 @@ llm-foundry's NumParams), Llama for "llama" rows. The CLI imports this file's `r
 (`benchmarks/measured_plan.py:run_sc21_1_7B`, dots and dashes as underscores).
 
 What plan() cannot be told yet goes to `caveats`: the stage count and interleaving with replicas (plan() searches
-those; `fixed` carries them), context parallelism, float8, the kernel set (issue 37 item 2: `kernels`), and every
-value the source does not state (`assumed`, each with the reason it was chosen).
+those; `fixed` carries them), context parallelism, float8, and every value the source does not state (`assumed`,
+each with the reason it was chosen).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class PlanArguments:
                 "--cluster", cluster_file or self.shape, "--global-batch", str(self.batch), "--dtype", dtype]
         chosen = self.forced if forced else self.free
         flags = {"micro_batches": "--micro-batches", "precision": "--precision", "replicas": "--replicas",
-                 "tensor": "--tensor", "sharding": "--sharding", "schedule": "--schedule", "recompute": "--recompute"}
+                 "tensor": "--tensor", "sharding": "--sharding", "schedule": "--schedule", "recompute": "--recompute",
+                 "kernels": "--kernels"}
         for name, flag in flags.items():
             if name in chosen:
                 argv += [flag, str(chosen[name])]
@@ -199,10 +200,7 @@ def plan_arguments(run: Run) -> PlanArguments:
         assumed.append(f"precision = {run.precision}: not stated; bf16 mixed precision, as Megatron-LM runs GPT "
                        "at this scale")
     dtype = torch.float16 if run.precision.startswith("fp16") else torch.bfloat16
-    caveats = [f"the source measured {run.kernels.kernels} kernels ({run.kernels.attention}): price with "
-               f"kernels={run.kernels.kernels!r} where the cost model takes it (issue 37 item 2)"]
-    if run.source.key == "llm-foundry":
-        caveats.append("MegatronGPT writes attention scores; the run used flash attention (see kernels)")
+    caveats: list[str] = []
     if p.pipeline > 1:
         caveats.append(f"plan() with replicas='auto' chooses the stage count itself: {p.pipeline} stages"
                        + (f" of {v} interleaved chunks" if v > 1 else "") + " are in `fixed` only")
@@ -219,13 +217,15 @@ def plan_arguments(run: Run) -> PlanArguments:
     forced: dict[str, Any] = {
         "precision": run.precision, "micro_batches": run.global_batch // mbs, "replicas": "auto",
         "tensor": p.tensor, "sharding": sharding, "recompute": recompute,
-        "schedule": "1f1b" if p.pipeline > 1 else "gpipe",
+        "schedule": "1f1b",  # one stage: gradient accumulation, each micro-batch's backward after its forward
+        "kernels": run.kernels.kernels,
     }
     free = {"precision": run.precision, "replicas": "auto", "schedule": "auto", "recompute": "auto",
-            "sharding": "auto", "tensor": "auto"}
+            "sharding": "auto", "tensor": "auto", "kernels": run.kernels.kernels}
     fixed = {"tensor": p.tensor, "stages": p.pipeline, "micro_batch_size": mbs, "sharding": sharding,
              "schedule": "1f1b", "virtual_stages": v, "recompute": recompute,
-             "order": _ORDER.get(run.source.key, "replicas-together"), "sequence_parallel": bool(sp)}
+             "order": _ORDER.get(run.source.key, "replicas-together"), "sequence_parallel": bool(sp),
+             "gradient_sync": None, "kernels": run.kernels.kernels}
     return PlanArguments(run.key, _builder(run, dtype), dtype, run.global_batch, run.seq, _cluster(run), forced, free,
                          fixed, p.context, run.kernels.kernels, extra, tuple(assumed), tuple(caveats))
 

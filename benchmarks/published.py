@@ -109,7 +109,8 @@ def _megatron(name: str, layers: int, width: int, heads: int, t: int, p: int, gp
 
 
 LLAMA_FABRIC = {"inter": {"kind": "roce", "gbit_per_s": 400 * 0.9}}  # 400 Gb/s RoCE x NCCL's 0.9 (gpus.json fabrics)
-LLAMA = Fixed(8, 16, 1, sharding="zero1", virtual_stages=8, order="pipelines-together", sequence_parallel=True)
+LLAMA = Fixed(8, 16, 1, sharding="zero1", virtual_stages=8, order="pipelines-together", sequence_parallel=True,
+              kernels="fused")  # the engine that trained it saved flash attention's statistics (issue 37)
 ROWS = [
     _megatron("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None),
     _megatron("3.6B", 30, 3072, 32, 2, 1, 64, 512, 138, 16, None),

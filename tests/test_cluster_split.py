@@ -99,8 +99,8 @@ def test_each_stage_takes_the_fastest_sharding_mode_that_fits_it() -> None:
     graph = build_graph(gm, [x])
     order, shardable = [n.name for n in compute_nodes(gm)], find_shardable(gm, graph)
     capacity = 41.5e6
-    # gradients accumulated whole (sync "last"); reduce-scattered every micro-batch (FULL_SHARD), zero2 fits the
-    # first stage as well, and gathers once a micro-batch where zero3 gathers twice: the search takes it
+    # gradients accumulated whole (sync "last"); reduce-scattered every micro-batch (FULL_SHARD, the default), zero2
+    # fits the first stage as well, and gathers once a micro-batch where zero3 gathers twice: the search takes it
     pin: dict[str, Any] = {"precision": MIXED, "micro_batches": 16, "stages": 2, "schedules": ("1f1b",),
                            "gradient_sync": ("last",)}
     headroom = capacity / CLUSTER.gpu.memory_bytes

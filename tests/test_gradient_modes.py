@@ -51,7 +51,8 @@ def test_what_each_mode_runs_of_a_gradient_sync() -> None:
     assert DataParallelCost("zero1", 4, RING, 2.0, 4.0, gradient_sync="every").gradient_sync == "last"
     with pytest.raises(PartitionError, match="gradient_sync"):
         SearchSpace(precision=MIXED, gradient_sync=("sometimes",))
-    assert SearchSpace(precision=MIXED).gradient_syncs() == ("last", "every")
+    assert SearchSpace(precision=MIXED).gradient_syncs() == ("every",)  # FULL_SHARD; zero1 accumulates whole
+    assert SearchSpace(precision=MIXED, gradient_sync=("last", "every")).gradient_syncs() == ("last", "every")
     assert SearchSpace(precision=MIXED, sharding=("zero1",)).gradient_syncs() == ("last",)
     assert SearchSpace().gradient_syncs() == ("last",)  # nothing sharded without a precision
 

@@ -142,15 +142,16 @@ def test_plan_arguments_by_hand() -> None:
     sc21 = plan_arguments(SC21_1_7B)
     assert sc21.cluster == {"hosts": 4, "gpus_per_host": 8, "gpu": "A100-SXM4-80GB"}
     assert sc21.forced == {"precision": "fp16/fp32/fp32/fp32:adam", "micro_batches": 32, "replicas": "auto",
-                           "tensor": 1, "sharding": "none", "recompute": "full", "schedule": "gpipe"}
+                           "tensor": 1, "sharding": "none", "recompute": "full", "schedule": "1f1b",
+                           "kernels": "eager"}
     assert sc21.fixed == {"tensor": 1, "stages": 1, "micro_batch_size": 16, "sharding": "none", "schedule": "1f1b",
                           "virtual_stages": 1, "recompute": "full", "order": "replicas-together",
-                          "sequence_parallel": False}
+                          "sequence_parallel": False, "gradient_sync": None, "kernels": "eager"}
     assert sc21.dtype == torch.float16 and sc21.example_inputs()[0].shape == (512, 2048)
     assert sc21.cli()[4:] == [
         "benchmarks/measured_plan.py:run_sc21_1_7B", "--cluster", "4x8xA100-SXM4-80GB", "--global-batch", "512",
         "--dtype", "fp16", "--micro-batches", "32", "--precision", "fp16/fp32/fp32/fp32:adam", "--replicas", "auto",
-        "--tensor", "1", "--sharding", "none", "--schedule", "gpipe", "--recompute", "full"]
+        "--tensor", "1", "--sharding", "none", "--schedule", "1f1b", "--recompute", "full", "--kernels", "eager"]
 
     foundry = plan_arguments(FOUNDRY_7B)  # FULL_SHARD with checkpointing, 12 a micro-batch, 4 accumulated
     assert foundry.forced["micro_batches"] == 32 and foundry.forced["sharding"] == "zero3"

@@ -78,8 +78,9 @@ def test_recomputation_gradients_and_kernels_are_the_built_in_axes() -> None:
     assert each_choice(SearchSpace(recompute="auto")) == [{"recompute": "none", "gradients": "last", **eager},
                                                           {"recompute": "full", "gradients": "last", **eager}]
     assert each_choice(SearchSpace(precision=MIXED, sharding=("zero3",), kernels="fused")) == [
-        {"recompute": "none", "gradients": "last", "kernels": "fused"},
         {"recompute": "none", "gradients": "every", "kernels": "fused"}]
+    assert each_choice(SearchSpace(precision=MIXED, sharding=("zero3",), gradient_sync=("last", "every"))) == [
+        {"recompute": "none", "gradients": "last", **eager}, {"recompute": "none", "gradients": "every", **eager}]
     zero1 = SearchSpace(precision=MIXED, sharding=("zero1",))
     assert each_choice(zero1) == [{"recompute": "none", "gradients": "last", **eager}]
     with pytest.raises(ValueError, match="'recompute' is registered already"):

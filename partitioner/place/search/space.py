@@ -12,9 +12,9 @@
     sharding="auto" | mode           sharding None | (mode,)         every mode worth pricing / that one
     (not a request option)           sequence_parallel               priced only: a configuration given whole
     kernels="eager" | "fused"        kernels                         the kernel set priced (rules/kernels.py)
-    gradient_sync="auto" | sync      gradient_sync None | (sync,)    sharded stages' gradients reduced once a
-                                                                     step ("last"), per micro-batch ("every"),
-                                                                     both tried where zero2/zero3 may be chosen
+    (not a request option)           gradient_sync None | syncs      sharded stages' gradients reduced once a
+                                                                     step ("last"), per micro-batch ("every");
+                                                                     None: "every" where zero2/zero3 may be chosen
 
 `SearchSpace.of(request, schedule)` is the only place the request's `auto` choices are read; the searches
 ask the space what it allows (`tensor_degrees`, `sharding_modes`, `recompute_modes`, `gradient_syncs`,
@@ -149,10 +149,13 @@ class SearchSpace:
 
     def gradient_syncs(self) -> tuple[str, ...]:
         """When sharded stages reduce gradients, the values the "gradients" axis tries (search/axes.py): those allowed;
-        by default "last" and "every" where zero2 or zero3 may be chosen, else "last" alone (nothing to choose)."""
+        by default "every" where zero2 or zero3 may be chosen (FULL_SHARD as trainers run it; each stage still
+        chooses zero1, which accumulates whole gradients, where that is faster), else "last" (nothing to choose).
+        Zero3 accumulating whole gradients is priced where asked for (("last",), or ("last", "every") to compare:
+        each value one more run of the search, which the default spares the planning time of large clusters)."""
         if self.gradient_sync is not None:
             return tuple(self.gradient_sync)
-        return ("last", "every") if {"zero2", "zero3"} & set(self.sharding_modes()) else ("last",)
+        return ("every",) if {"zero2", "zero3"} & set(self.sharding_modes()) else ("last",)
 
 
 ANY = SearchSpace()  # the searches choose every axis, with their default micro-batch counts and schedules

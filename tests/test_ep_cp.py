@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.test_distributed import results, torchrun
 
 WORKER = str(Path(__file__).resolve().parent / "ep_cp_worker.py")
@@ -25,31 +27,60 @@ def run(ranks: int, *args: str, cases: int) -> list[str]:
     return lines
 
 
-def test_experts_split_two_ways_with_a_pipeline_and_with_data_parallel_replicas() -> None:
+# The cases of the three equivalence tests below, run in one launch (4 ranks importing torch and transformers cost
+# ~15 s a launch on CI's 2 cores); each test checks its own cases' lines
+EXPERTS = ["mixtral:1f1b:pp2ep2", "qwen3_moe:gpipe:dp4ep2", "gpt_oss:1f1b:pp2ep2", "moe:1f1b:pp2ep2"]
+EXPERTS_SHARDED = ["mixtral:1f1b:pp2ep2:zero3:full", "qwen3_moe:gpipe:dp4ep2:zero1", "moe:1f1b:pp2ep2:none:full",
+                   "qwen3_moe:1f1b:pp2ep2:zero2:selective"]
+SEQUENCES = ["llama256:1f1b:pp2cp2", "llama256:gpipe:dp2cp2", "llama256:1f1b:pp2cp2:zero3:full",
+             "llama256:gpipe:dp2cp2:zero2:selective", "mixtral64:1f1b:dp2cp2ep2"]
+
+
+@pytest.fixture(scope="module")
+def equivalence() -> dict[str, list[str]]:
+    """Each case's RESULT lines (one per rank) from one 4-rank launch of every equivalence case."""
+    proc = torchrun(4, "equivalence", *EXPERTS, *EXPERTS_SHARDED, *SEQUENCES, worker=WORKER, timeout=1200)
+    by_case: dict[str, list[str]] = {}
+    for line in results(proc.stdout):
+        found = re.search(r"case=(\S+)", line)
+        by_case.setdefault(found.group(1) if found else "?", []).append(line)
+    by_case["?returncode"] = [str(proc.returncode), proc.stdout[-4000:]]
+    return by_case
+
+
+def check(equivalence: dict[str, list[str]], cases: list[str]) -> list[str]:
+    code, tail = equivalence["?returncode"]
+    lines = [line for case in cases for line in equivalence.get(case, [])]
+    assert code == "0" and len(lines) == 4 * len(cases), tail
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+    return lines
+
+
+@pytest.mark.timeout(1300)
+def test_experts_split_two_ways_with_a_pipeline_and_with_data_parallel_replicas(
+        equivalence: dict[str, list[str]]) -> None:
     # pp2ep2: 2 stages (one MoE layer each) x 2 replicas, each stage's experts split over its 2 replicas (each
     # expert on one rank); dp4ep2: one stage on 4 replicas, experts split over pairs (each expert on 2 replicas,
     # their gradients summed over those). Mixtral and Qwen3-MoE (torch.export: a stack of experts is one node),
     # GPT-OSS (biases, its own gate), a plain PyTorch MoE (torch.fx: the stack is a leaf module)
-    cases = ["mixtral:1f1b:pp2ep2", "qwen3_moe:gpipe:dp4ep2", "gpt_oss:1f1b:pp2ep2", "moe:1f1b:pp2ep2"]
-    lines = run(4, "equivalence", *cases, cases=len(cases))
+    lines = check(equivalence, EXPERTS)
     assert all(int(re.search(r"dispatches=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
 
 
-def test_experts_split_with_sharding_and_recomputation() -> None:
+@pytest.mark.timeout(1300)
+def test_experts_split_with_sharding_and_recomputation(equivalence: dict[str, list[str]]) -> None:
     # FSDP2 shards the rest of each stage over its replicas (the experts are left to the dispatch); full and
     # selective recomputation run the all-to-alls again inside backward, on every rank of the group alike
-    cases = ["mixtral:1f1b:pp2ep2:zero3:full", "qwen3_moe:gpipe:dp4ep2:zero1", "moe:1f1b:pp2ep2:none:full",
-             "qwen3_moe:1f1b:pp2ep2:zero2:selective"]
-    run(4, "equivalence", *cases, cases=len(cases))
+    check(equivalence, EXPERTS_SHARDED)
 
 
-def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_replicas() -> None:
+@pytest.mark.timeout(1300)
+def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_replicas(
+        equivalence: dict[str, list[str]]) -> None:
     # Hugging Face Llama at 256 tokens: pp2cp2 (2 stages, each one replica whose sequence is split over 2 ranks;
     # positions, RoPE tables and the causal mask cross the stage boundary), dp2cp2 (2 replicas x 2 context ranks);
     # each with FSDP2 over the replicas and context ranks and recomputation; and Mixtral with both axes at once
-    cases = ["llama256:1f1b:pp2cp2", "llama256:gpipe:dp2cp2", "llama256:1f1b:pp2cp2:zero3:full",
-             "llama256:gpipe:dp2cp2:zero2:selective", "mixtral64:1f1b:dp2cp2ep2"]
-    lines = run(4, "equivalence", *cases, cases=len(cases))
+    lines = check(equivalence, SEQUENCES)
     assert all(int(re.search(r"attention=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
 
 

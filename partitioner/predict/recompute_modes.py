@@ -20,18 +20,30 @@ from partitioner.predict.counting import device_key
 from partitioner.predict.program_run import in_flight
 from runtime.plan import Plan, RecomputeMode, StagePlan
 
-__all__ = ["by_mode", "mode_costs", "placed_memory", "replica_devices", "set_mode"]
+__all__ = ["by_mode", "held_micro_batches", "mode_costs", "placed_memory", "replica_devices", "set_mode"]
 
 
 def by_mode(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[tuple[dict[str, ModeCost], dict[str, int]]]:
     """Per stage: each mode's ModeCost, and the activation bytes it holds at its peak (received values included)."""
     devices = {prog.rank: torch.device(prog.device) for prog in plan.programs}
-    flights = in_flight(plan.programs, len(plan.stages)) if plan.programs else [plan.micro_batches] * len(plan.stages)
+    flights = in_flight(plan.programs, len(plan.stages)) if plan.programs else held_micro_batches(plan)
     found = []
     for stage, flight in zip(plan.stages, flights):
         costs = mode_costs(graph, stage.nodes, replica_devices(cost, stage, devices), cost)
         found.append((costs, {m: placed_memory(graph, plan, stage, c, flight).activations for m, c in costs.items()}))
     return found
+
+
+def held_micro_batches(plan: Plan) -> list[int]:
+    """Micro-batches each stage's replica holds at once where the plan has no programs to count them from (a cluster
+    plan that splits or shards): its own share of the step's (`Plan.pieces` over its replicas, not every replica's),
+    all of them under GPipe, at most the stages from it to the last under 1F1B."""
+    p = len(plan.stages)
+    out = []
+    for stage in plan.stages:
+        mine = max(1, plan.pieces // stage.replicas)
+        out.append(min(mine, p - stage.index) if plan.schedule == "1f1b" else mine)
+    return out
 
 
 def placed_memory(graph: nx.DiGraph, plan: Plan, stage: StagePlan, costs: ModeCost, flight: int,

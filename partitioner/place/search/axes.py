@@ -68,7 +68,7 @@ class NodeFacts:
     def fused(self) -> FusedFacts:
         """What the fused kernel set changes of each node (search/kernels.py)."""
         if self._fused is None:
-            self._fused = fused_facts(self._graph, self._order, self._device, self._cost)
+            self._fused = fused_facts(self._graph, self._order, self._device, self._cost, self.segment)
         return self._fused
 
     @property

@@ -7,9 +7,10 @@ it runs inside another's kernel. Here that is applied to what a search prices an
                      score matrix); fixed, batch and size times x 0 for the nodes run inside another's kernel
                      (x 1 for the rest). Priced before recomputation (search/axes.py registers it first), so a
                      recomputing stage's working set is the fused one
-    Plan             kernels = "fused"; each stage's activation bytes x its fused / eager saved bytes (not
-                     where it recomputes: it keeps its segments' inputs, the same either way) and its peak
-                     with them; its forward and backward x (1 - the forward time share of the nodes run
+    Plan             kernels = "fused"; each stage's activation bytes x its fused / eager saved bytes (where it
+                     recomputes, less the largest difference of one segment's, per micro-batch: it keeps its
+                     segments' inputs, the same either way, and recomputes one segment at a time) and its
+                     peak with them; its forward and backward x (1 - the forward time share of the nodes run
                      inside another's kernel); the predicted step x the bottleneck stage's change
 
 "eager" changes nothing (the problem itself is returned: the searches reuse what they priced).
@@ -44,6 +45,7 @@ class FusedFacts:
     away: np.ndarray  # bool
     out_eager: np.ndarray  # each node's output bytes, eager and fused (no score matrix: fused_outputs)
     out_fused: np.ndarray
+    segment: np.ndarray | None = None  # each node's recomputation segment (search/recompute.py), where known
 
     @property
     def saved_ratio(self) -> np.ndarray:
@@ -54,7 +56,8 @@ class FusedFacts:
         return np.where(self.out_eager > 0, self.out_fused / np.maximum(self.out_eager, 1.0), 1.0)
 
 
-def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel) -> FusedFacts:
+def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, cost: CostModel,
+                segment: np.ndarray | None = None) -> FusedFacts:
     """The facts of `order` (the whole graph's compute nodes) the fused kernel set changes."""
     nodes = graph_nodes(graph, order)
     eager, fused, away = saved_bytes_per_node(nodes, device.type), fused_saved(nodes, device.type), fused_away(nodes)
@@ -63,7 +66,7 @@ def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, c
     return FusedFacts(list(order), np.array([float(eager[n]) for n in order]),
                       np.array([float(fused[n]) for n in order]), np.array(times), np.array([n in away for n in order]),
                       np.array([float(graph.nodes[n].get("out_bytes", 0) or 0) for n in order]),
-                      np.array([float(outputs[n]) for n in order]))
+                      np.array([float(outputs[n]) for n in order]), segment)
 
 
 def fused_problem(problem: SearchProblem, facts: FusedFacts) -> SearchProblem:
@@ -87,11 +90,15 @@ def fused_plan(plan: Plan, facts: FusedFacts) -> None:
         if not idx:
             continue
         eager, fused = float(facts.eager[idx].sum()), float(facts.fused[idx].sum())
+        held = stage.activation_bytes
         if stage.recompute == "none" and eager > 0:
             held = int(stage.activation_bytes * fused / eager)
-            if stage.memory_bytes:
-                stage.memory_bytes -= stage.activation_bytes - held
-            stage.activation_bytes = held
+        elif stage.recompute == "full" and facts.segment is not None:  # one segment recomputed at a time
+            less = np.bincount(facts.segment[idx], weights=facts.eager[idx] - facts.fused[idx])
+            held = max(0, stage.activation_bytes - int(less.max() / max(1, plan.pieces)))
+        if stage.memory_bytes:
+            stage.memory_bytes -= stage.activation_bytes - held
+        stage.activation_bytes = held
         total = float(facts.forward[idx].sum())
         kept = 1.0 - (float(facts.forward[idx][facts.away[idx]].sum()) / total if total > 0 else 0.0)
         stage.forward_ms, stage.backward_ms = stage.forward_ms * kept, stage.backward_ms * kept

@@ -1,9 +1,10 @@
 """A stage's predicted memory per rank by kind (weights, master, gradients, optimizer, activations), read off the plan.
 
-    with plan.precision (P = param_bytes / the compute dtype's bytes, d replicas, mode = sharding,
-    m micro-batches per replica; cost_model.training_memory's table):
+    with plan.precision (P = param_bytes / the compute dtype's bytes, d = replicas x context ranks (FSDP2's mesh
+    holds both), mode = sharding, m micro-batches per replica; cost_model.training_memory's table):
         master, optimizer   P p (mixed) / d where sharded;  S s / d where sharded
-        gradients           P g unsharded, or accumulated unsharded (sync "last", m > 1); else P p / d
+        gradients           P g unsharded, or accumulated unsharded (the stage's gradient_sync "last", m > 1);
+                            else P p / d (reduce-scattered every micro-batch, FULL_SHARD)
         weights             P c (P p unmixed); zero3: what the rest of memory_bytes leaves beside
                             activation_bytes (its gathered blocks, the transient gradients)
         activations         the rest: activations in flight and the messages held
@@ -38,12 +39,14 @@ def memory_kinds(plan: Plan, stage: StagePlan) -> dict[str, int]:
         precision = Precision.from_dict(plan.precision)
         params = stage.param_bytes / precision.itemsize("compute")
         per_replica = max(1, plan.pieces // stage.replicas)  # the micro-batches each replica runs (Plan.pieces)
-        weights, master, _, optimizer = state_bytes(params, precision, mode=stage.sharding, degree=stage.replicas,
-                                                    micro_batches=per_replica, root=0.0, unit=0.0, second=0.0)
-        if stage.sharding == "none" or accumulates_unsharded(stage.sharding, "last", per_replica):
+        degree = stage.replicas * (stage.context if isinstance(stage.context, int) else 1)  # ranks sharding states
+        weights, master, _, optimizer = state_bytes(params, precision, mode=stage.sharding, degree=degree,
+                                                    micro_batches=per_replica, gradient_sync=stage.gradient_sync,
+                                                    root=0.0, unit=0.0, second=0.0)
+        if stage.sharding == "none" or accumulates_unsharded(stage.sharding, stage.gradient_sync, per_replica):
             gradients = params * precision.itemsize("grad")
         else:
-            gradients = -(-params // stage.replicas) * precision.itemsize("param")
+            gradients = -(-params // degree) * precision.itemsize("param")
         if stage.sharding == "zero3":
             weights = max(0.0, total - master - gradients - optimizer - stage.activation_bytes)
         else:

@@ -31,6 +31,9 @@ from the table instead (see [Note: GPU rates from the table]).
 # 2.5 x forward (it recomputes the scores: five products to two). Memory-bound work runs at the
 # table's bandwidth scaled the same way (the measured copy rate, or DEFAULT_BANDWIDTH_EFFICIENCY of
 # the peak). Other devices keep their measured fp32 rate (x 8 for half precision off the CPU).
+# A `matmul` dtype given (FP8 training: Transformer Engine's fp8_autocast, DeepSeek-V3's FP8 GEMMs) prices
+# every matrix product of a table GPU at that precision's peak and efficiency, forward and backward (both
+# run FP8 there); fused attention and memory-bound work keep the node's own dtype, as those recipes run them.
 
 from __future__ import annotations
 
@@ -145,6 +148,8 @@ class AnalyticCostModel:
         gpus: the GPU table (default: `cost_model/gpus.json`; `GpuTable.load(extra=...)` adds types).
         tf32: whether fp32 matrix products and convolutions run on TF32; None reads torch's
             switches when each node is priced (`devices.tf32_enabled`).
+        matmul: the dtype matrix products run in where it is not the node's (cost_model.precision.Precision.matmul:
+            "float8_e4m3fn" for FP8 training); None: the node's own (see the Note).
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class AnalyticCostModel:
         measure: Callable[[torch.device], DeviceSpec] = measure_device,
         gpus: GpuTable | None = None,
         tf32: bool | None = None,
+        matmul: str | None = None,
     ) -> None:
         self.device_set = specs if isinstance(specs, DeviceSet) else None
         given = specs.devices if isinstance(specs, DeviceSet) else dict(specs or {})
@@ -162,6 +168,7 @@ class AnalyticCostModel:
         self._autocast: dict[str, Any] = {}
         self._gpus = gpus if gpus is not None else GpuTable.load()
         self._tf32 = tf32
+        self._matmul = matmul or None
         self._rates: dict[str, _GpuRates | None] = {}
         self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
         self._causal: set[str] = set()  # fused attention nodes called with is_causal=True
@@ -318,7 +325,7 @@ class AnalyticCostModel:
             if rates is not None and cls == "gemm" and _ATTENTION in str(node.get("target", "")):
                 return self._attention(node, name, flops, rates, self._precision(dtype, family), cost, overhead)
             if rates is not None:
-                precision = self._precision(dtype, family)
+                precision = self._precision(self._matmul if self._matmul and cls == "gemm" else dtype, family)
                 rate = rates.gpu.peak(precision) * rates.at(precision) * shape_efficiency
             else:
                 rate = spec.flops_per_s * shape_efficiency

@@ -35,9 +35,10 @@ __all__ = [
     "precision_of",
 ]
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 _DTYPES = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
-           "float16": "fp16", "half": "fp16", "fp16": "fp16"}  # fmt: skip
+           "float16": "fp16", "half": "fp16", "fp16": "fp16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+           "fp8": "fp8"}  # fmt: skip
 _DROPPED = {"nvidia", "tesla", "geforce", "gpu"}
 Extra = str | os.PathLike[str] | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 
@@ -51,7 +52,8 @@ class UnknownGpuError(ValueError):
 
 
 def precision_of(dtype: Any) -> str:
-    """'fp32', 'tf32', 'bf16' or 'fp16' for a dtype ('bfloat16', torch.float16, 'fp32', ...); others read as 'fp32'."""
+    """'fp32', 'tf32', 'bf16', 'fp16' or 'fp8' for a dtype ('bfloat16', torch.float16, 'float8_e4m3fn', ...); others
+    read as 'fp32'."""
     return _DTYPES.get(str(dtype).removeprefix("torch.").lower(), "fp32")
 
 
@@ -78,10 +80,15 @@ class GpuType:
     gemm: tuple[tuple[str, float], ...] = ()  # (precision, fraction of its peak large products reach), measured
     attention: tuple[float, float] | None = None  # fused attention (forward, backward) fraction of the peak
     kernels: str = ""  # where gemm and attention come from
+    fp8_flops: float = 0.0  # FP8 tensor cores' dense peak; 0 where the table gives none (fp16's rate is used)
 
     def peak(self, precision: Any) -> float:
-        """Dense peak flop/s for a precision or dtype ('tf32', 'bfloat16', torch.float16, ...)."""
-        return float(getattr(self, f"{precision_of(precision)}_flops"))
+        """Dense peak flop/s for a precision or dtype ('tf32', 'bfloat16', torch.float16, ...); fp8 on a GPU the
+        table gives no FP8 rate for runs at its fp16 rate (no FP8 tensor cores to run faster on)."""
+        key = precision_of(precision)
+        if key == "fp8" and not self.fp8_flops:
+            key = "fp16"
+        return float(getattr(self, f"{key}_flops"))
 
     def gemm_efficiency(self, precision: Any) -> float | None:
         """The measured fraction of `precision`'s peak that large matrix products reach; None where not measured."""
@@ -172,6 +179,7 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         gemm=tuple((str(k), float(v)) for k, v in gemm.items()),
         attention=(float(attention["forward"]), float(attention["backward"])) if attention else None,
         kernels=str(data.get("kernels", "")),
+        fp8_flops=scaled("tflops.fp8", 1e12, 0.0),
     )
 
 

@@ -130,6 +130,11 @@ class Precision:
         state: the optimizer's states.
         optimizer: an OPTIMIZERS name (`with_optimizer` reads one from an optimizer object).
         name: a label for tables and messages (default: made from the dtypes).
+        matmul: the dtype matrix products run in where it is not `compute` ("" : compute's). FP8 training
+            ("float8_e4m3fn": Transformer Engine's fp8_autocast, DeepSeek-V3's FP8 GEMMs) runs every product's
+            forward and backward at the GPU's FP8 rate (cost_model.analytic: AnalyticCostModel(matmul=...)) and
+            keeps each weight's FP8 copy and its transpose for the step (`matmul_copy_bytes`: Hopper's FP8
+            tensor cores read both operands K-major, so backward needs the transposed copy).
     """
 
     compute: str = "bfloat16"
@@ -138,10 +143,13 @@ class Precision:
     state: str = "float32"
     optimizer: str = "adam"
     name: str = ""
+    matmul: str = ""
 
     def __post_init__(self) -> None:
         for field in ("compute", "param", "grad", "state"):
             object.__setattr__(self, field, dtype_name(getattr(self, field)))
+        if self.matmul:
+            object.__setattr__(self, "matmul", dtype_name(self.matmul))
         object.__setattr__(self, "optimizer", _optimizer_key(self.optimizer))
 
     @property
@@ -157,6 +165,12 @@ class Precision:
         short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}
         return f"{'/'.join(short.get(p, p) for p in parts)} {self.optimizer}"
 
+    @property
+    def matmul_copy_bytes(self) -> int:
+        """Bytes per parameter of the weights' copies for products in another dtype: the copy and its transpose
+        (Transformer Engine caches both for a step's micro-batches); 0 where products run at `compute`."""
+        return 2 * DTYPE_BYTES[self.matmul] if self.matmul and self.matmul != self.compute else 0
+
     def itemsize(self, field: str) -> int:
         """Bytes of one element of `field` ("compute", "param", "grad" or "state")."""
         return DTYPE_BYTES[getattr(self, field)]
@@ -171,7 +185,7 @@ class Precision:
 
     def bytes_per_param(self) -> BytesPerParam:
         """Bytes per parameter in each state (Adafactor's factored state counts 0 here: it depends on shapes)."""
-        weights = float(self.itemsize("compute") if self.mixed else self.itemsize("param"))
+        weights = float(self.itemsize("compute") if self.mixed else self.itemsize("param")) + self.matmul_copy_bytes
         return BytesPerParam(weights=weights, master=float(self.itemsize("param")) if self.mixed else 0.0,
                              gradients=float(self.itemsize("grad")),
                              optimizer=self.state_elements_per_param() * self.itemsize("state"))

@@ -154,9 +154,10 @@ def state_bytes(
     rule = mode_rule(mode, gradient_sync)
     c, p, g, s = (precision.itemsize(f) for f in ("compute", "param", "grad", "state"))
     states = state_elements if state_elements is not None else precision.state_elements_per_param() * params
+    copies = precision.matmul_copy_bytes  # FP8 weights and their transpose, held as the compute copy is
     if not rule.sharded:
-        return (params * (c if precision.mixed else p), params * p if precision.mixed else 0 * params, params * g,
-                states * s)
+        return (params * ((c if precision.mixed else p) + copies), params * p if precision.mixed else 0 * params,
+                params * g, states * s)
     root = root if root is not None else params
     second = second if second is not None else unit
     gathered = root + unit + second if rule.reshard_after_forward else params
@@ -166,7 +167,7 @@ def state_bytes(
         gradients = params * g + np.maximum(root, unit) * g  # a unit's shards replace its freed accumulators
     else:
         gradients = (root + unit) * g + shard * p
-    return gathered * c, shard * p, gradients, _ceil(states, degree) * s
+    return gathered * (c + copies), shard * p, gradients, _ceil(states, degree) * s
 
 
 def _ceil(n: Any, d: int) -> Any:

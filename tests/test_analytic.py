@@ -322,6 +322,23 @@ def test_cuda_devices_not_in_the_table_keep_the_measured_rate() -> None:
         2 * N**3 / (8e13 * shape))
 
 
+def test_fp8_products_run_at_the_fp8_peak_and_attention_keeps_its_dtype() -> None:
+    # matmul="float8_e4m3fn" (Precision.matmul: FP8 training): a bf16 product runs at the H100's dense FP8 peak
+    # (1979 TFLOP/s) x its FP8 efficiency (0.783, DeepGEMM) where it ran at 989.4 x 0.801, forward and backward;
+    # fused attention is not a product of the recipe's FP8 set and keeps the bf16 rate.
+    bf16, fp8 = AnalyticCostModel(H100, measure=never), AnalyticCostModel(H100, measure=never, matmul="float8_e4m3fn")
+    node = big_linear("bfloat16")
+    ratio = 1979 * 0.783 / (989.4 * 0.801)
+    assert compute_s(bf16, node) / compute_s(fp8, node) == pytest.approx(ratio)
+    overhead = 4 * bf16.spec(ABSENT).op_overhead_s
+    assert (bf16.backward_time(node, ABSENT) - overhead) / (fp8.backward_time(node, ABSENT) - overhead) == \
+        pytest.approx(ratio)
+    flops = 4.0 * 8 * 128 * 8192**2 * 128
+    attend = {"name": "sdpa", "op": "call_function", "target": "scaled_dot_product_attention", "flops": flops,
+              "shapes": [(8, 128, 8192, 128)], "dtypes": ["bfloat16"], "out_bytes": 8 * 128 * 8192 * 128 * 2}
+    assert fp8.forward_time(attend, ABSENT) == bf16.forward_time(attend, ABSENT)
+
+
 def test_fused_attention_runs_at_the_tables_attention_efficiency_and_skips_masked_blocks() -> None:
     # H100's fused attention at 0.35 of the bf16 peak forward and backward (gpus.json: FlashAttention-3's
     # paper, about 35% for FlashAttention-2); causal: half the counted FLOPs; backward 2.5 x the forward's

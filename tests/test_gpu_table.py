@@ -149,14 +149,14 @@ def test_bad_extension_lists_every_problem(tmp_path: Any) -> None:
     bad = [
         {"name": "", "tflops": {"fp32": 1}, "memory_gib": 1, "memory_gb_per_s": 1},
         {"name": "X", "tflops": {"int8": 5}, "memory_gib": "lots", "memory_gb_per_s": -1, "colour": "red"},
-        {"name": "Y", "tflops": {"fp32": 1, "fp8": 2}, "memory_gib": 1, "memory_gb_per_s": 1, "aliases": "Y"},
+        {"name": "Y", "tflops": {"fp32": 1, "fp4": 2}, "memory_gib": 1, "memory_gb_per_s": 1, "aliases": "Y"},
         "Z",
     ]
     with pytest.raises(GpuTableError) as info:
         GpuTable.load(extra=bad)
     message = str(info.value)
     for part in ("needs a 'name'", "at least 'fp32'", "memory_gib='lots'", "memory_gb_per_s=-1", "colour",
-                 "fp8", "aliases must be a list", "'Z' is not an object"):
+                 "fp4", "aliases must be a list", "'Z' is not an object"):
         assert part in message, part
     two = [{**ENTRY}, {**ENTRY}]
     with pytest.raises(GpuTableError, match="appear twice"):
@@ -189,5 +189,10 @@ def test_precisions_from_dtypes() -> None:
         "fp32", "bf16", "fp16", "fp16", "tf32"]
     assert precision_of(torch.float64) == "fp32" and precision_of("int8") == "fp32"
     h100 = gpu_type("H100")
-    assert [h100.peak(p) for p in PRECISIONS] == [66.9e12, 494.7e12, 989.4e12, 989.4e12]
+    assert [h100.peak(p) for p in PRECISIONS] == [66.9e12, 494.7e12, 989.4e12, 989.4e12, 1979e12]
     assert h100.peak(torch.bfloat16) == 989.4e12
+    assert precision_of(torch.float8_e4m3fn) == precision_of("float8_e5m2") == "fp8"
+    # the datasheet's dense FP8 figure (half the sparse 3,958) where the GPU has FP8 tensor cores; an A100 has
+    # none: an FP8 product runs no faster than fp16 there
+    assert gpu_type("A100-SXM4-80GB").peak("fp8") == gpu_type("A100-SXM4-80GB").peak("fp16") == 312e12
+    assert h100.gemm_efficiency("fp8") == 0.783  # DeepGEMM: 1550 of 1979 TFLOP/s

@@ -82,6 +82,21 @@ def test_precision_is_data() -> None:
         Precision(compute="int3")
 
 
+def test_fp8_products_keep_the_weights_fp8_copy_and_its_transpose() -> None:
+    fp8 = Precision(matmul="fp8")
+    assert fp8.matmul == "float8_e4m3fn" and fp8.matmul_copy_bytes == 2 and MIXED.matmul_copy_bytes == 0
+    per = fp8.bytes_per_param()
+    assert (per.weights, per.master, per.gradients, per.optimizer) == (4, 4, 4, 8)  # bf16 + 2 x fp8 copies
+    assert Precision.from_dict(fp8.to_dict()) == fp8
+    P, d = 1_000_000, 8
+    assert training_memory(P, fp8).weights == training_memory(P, MIXED).weights + 2 * P
+    units = [100_000] * 9
+    z3, z3_fp8 = (training_memory(P, p, mode="zero3", degree=d, micro_batches=1, units=units) for p in (MIXED, fp8))
+    assert z3_fp8.weights == 2 * z3.weights  # the gathered units' copies: 2 + 2 bytes where 2 were
+    with pytest.raises(ValueError, match="is not one of"):
+        Precision(matmul="fp7")
+
+
 def test_memory_by_kind_divided_by_the_sharding_degree() -> None:
     P, d = 1_000_000, 8
     none = training_memory(P, MIXED)

@@ -79,6 +79,20 @@ def test_the_problem_one_rank_runs_against_a_hand_count() -> None:
         split_problem(plain, facts, expert=2, skew=0.5)
 
 
+def test_uncounted_experts_run_at_the_products_rate_not_attentions() -> None:
+    # nodes: an attention (2e9 forward FLOPs, 1 s), a product (2e9, 0.25 s), a stack of experts whose FLOPs the
+    # tracer did not count (1e9 forward); the stack runs at the product's rate, 3 x 2e9 / 0.25 s, not at the
+    # blend with attention's (which runs at its own, lower, efficiency and stays bf16 where products run FP8)
+    plain = dataclasses.replace(_problem(), batch_times=np.array([[1.0, 0.0, 0.25]]))
+    flops = np.array([2e9, 0.0, 2e9])
+    facts = dataclasses.replace(_facts(), flops=flops, expert_flops=np.array([1e9]),
+                                attends=np.array([True, False, False]))
+    assert facts.rate(plain) == pytest.approx(3 * 2e9 / 0.25)
+    blended = dataclasses.replace(facts, attends=None)
+    assert blended.rate(plain) == pytest.approx(3 * 4e9 / 1.25)
+    assert split_problem(plain, facts).batch_times[0][1] == pytest.approx(3 * 1e9 / (3 * 2e9 / 0.25))
+
+
 def test_memory_per_gpu_falls_with_the_degrees() -> None:
     plain, facts = _problem(), _facts()
     held = [split_problem(plain, facts, expert=e).param_bytes.sum() for e in (1, 2, 4)]

@@ -20,7 +20,8 @@ Expert degree e (runtime/expert_parallel.py, dropless): each stack's weights / e
     (cost_model.all_to_all, on the group's ranks), and the experts' work on the busiest rank: the mean
     (uniform routing) times `skew`. A stack traced as one node whose FLOPs the tracer could not count
     (torch's grouped GEMMs on meta) is priced at 2 x one expert's weights per token-slot at the graph's
-    own GEMM rate (its matmuls' FLOPs over their time).
+    own GEMM rate (its matrix products' FLOPs over their time; fused attention, which runs at its own lower
+    efficiency and in BF16 where products run FP8, is not a product here).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class SplitFacts:
     context_degrees: tuple[int, ...]
     expert_paths: tuple[str, ...] = ()  # module path of each expert call (the plan's StagePlan.expert_layers)
     attention_paths: tuple[str, ...] = ()  # module path of each split attention (StagePlan.context_attention)
+    attends: np.ndarray | None = None  # [n] True at fused attention nodes (left out of the GEMM rate)
 
     @property
     def has_experts(self) -> bool:
@@ -78,6 +80,8 @@ class SplitFacts:
         first = next((a for _, a in graph.nodes(data=True) if a["op"] == "placeholder" and a.get("shapes")), None)
         batch = int(first["shapes"][0][0]) if first and first["shapes"] and first["shapes"][0] else 1
         flops = np.array([float(graph.nodes[x].get("flops", 0) or 0) for x in order])
+        attends = np.array(["scaled_dot_product_attention" in str(graph.nodes[x].get("target", "")) for x in order],
+                           dtype=bool)
         pos, wbytes, sent, work, paths = [], [], [], [], []
         for layer in (experts.layers if experts is not None else []):
             if layer.node not in position:
@@ -106,11 +110,15 @@ class SplitFacts:
             kv.append(sum(float(graph.nodes[x.name].get("out_bytes", 0) or 0) for x in args if x.name in graph))
         c_deg = sequence.degrees() if split else (1,)
         return cls(batch, flops, np.array(pos, dtype=np.int64), np.array(wbytes), np.array(sent), np.array(work),
-                   tuple(e_deg), np.array(apos, dtype=np.int64), np.array(kv), tuple(c_deg), tuple(paths), tuple(heads))
+                   tuple(e_deg), np.array(apos, dtype=np.int64), np.array(kv), tuple(c_deg), tuple(paths), tuple(heads),
+                   attends)
 
     def rate(self, problem: SearchProblem) -> float:
-        """The graph's own GEMM rate: forward + backward FLOPs (3 x forward) of its big nodes over their time."""
+        """The graph's own GEMM rate: forward + backward FLOPs (3 x forward) of its big products (not attention)
+        over their time."""
         big = self.flops >= GEMM_FLOPS
+        if self.attends is not None and np.any(big & ~self.attends):
+            big &= ~self.attends
         seconds = float(problem.batch_times[0][big].sum())
         return 3.0 * float(self.flops[big].sum()) / seconds if seconds > 0 else float("inf")
 

@@ -68,6 +68,7 @@ class StagePlan:
     backward_ms: float = 0.0
     comm_ms: float = 0.0
     allreduce_ms: float = 0.0  # the gradient all-reduce over the replicas, once per step
+    optimizer_ms: float = 0.0  # the optimizer step over the weights one rank steps, once per step (0: not priced)
     param_bytes: int = 0  # one rank's weights at the compute dtype (split groups: its 1/tensor share)
     activation_bytes: int = 0  # activations held for backward across all micro-batches in flight
     memory_bytes: int = 0  # predicted peak on each device of the stage (0: not predicted)
@@ -324,7 +325,8 @@ class Plan:
         return self.summary()
 
 
-_STAGE_DEFAULTS: dict[str, Any] = {"tensor": 1, "tensor_groups": [], "sharding": "none", "gradient_sync": "last",
+_STAGE_DEFAULTS: dict[str, Any] = {"optimizer_ms": 0.0,
+                                   "tensor": 1, "tensor_groups": [], "sharding": "none", "gradient_sync": "last",
                                    "expert": 1,
                                    "expert_layers": [], "context": 1, "context_attention": []}
 _PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": [], "kernels": "eager"}

@@ -13,7 +13,8 @@ drawn is what runs. A rank runs its ops in order:
     RECV    marks where the message arrives; the compute that reads it waits for it;
     AR      starts when every rank of the group posted it and their all-reduce stream is
             free; asynchronous, it overlaps later compute;
-    STEP    ends the rank's step after its compute, transfers and all-reduces.
+    STEP    ends the rank's step after its compute, transfers and all-reduces, plus the optimizer
+            step of the stages it holds (their `optimizer_ms`: 0 where not priced).
 
     GPipe, m=2, stage 0 on ranks 0 and 1 (one micro-batch each), stage 1 on rank 2; F 1 ms,
     B 2 ms, free transfers, all-reduce 1.5 ms; one char = 0.5 ms (`Timeline.chart(0.5)`):
@@ -65,6 +66,8 @@ class ProgramRun:
         # Folded replicas (replica_fold): a rank -> the simulated rank standing for it.
         self.stand_for = {m: rep for rep, ms in (members or {}).items() for m in ms}
         self.row = {p.rank: k for k, p in enumerate(self.programs)}
+        held = {p.rank: {op.stage for op in p.ops if op.is_compute} for p in self.programs}
+        self.update_ms = [sum(float(plan.stages[s].optimizer_ms) for s in held[p.rank]) for p in self.programs]
         self.producers = [list(s.reads_from) for s in plan.stages]
         self.consumers: list[list[int]] = [[] for _ in plan.stages]
         for s, ps in enumerate(self.producers):
@@ -127,7 +130,7 @@ class ProgramRun:
         if any(t is None for t in self.times[k][:i]):  # STEP: after everything this rank started
             return False
         end = max([self.clock[k], *(t[1] for t in self.times[k][:i] if t is not None)])
-        self.times[k][i] = (end, end)
+        self.times[k][i] = (end, end + self.update_ms[k])
         return True
 
     def couple_batches(self) -> None:

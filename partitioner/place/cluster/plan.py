@@ -211,7 +211,8 @@ def solution_plan(
     if split or cluster.size > EAGER_RANKS or m * p > EAGER_WORK:  # replica 0's pipeline in the runtime's order
         plan.predicted_step_ms = replica_step(
             plan.schedule, m, d, [s.forward_ms for s in plan.stages], [s.backward_ms for s in plan.stages],
-            [message.get((s - 1, s), 0.0) for s in range(p)], [s.allreduce_ms for s in plan.stages])
+            [message.get((s - 1, s), 0.0) for s in range(p)],
+            [s.allreduce_ms + s.optimizer_ms for s in plan.stages])  # the optimizer steps after the reduction
         if sharded:
             plan.micro_batches, plan.data_split = m // d, "slice"
         return plan
@@ -233,7 +234,8 @@ def _split_stages(plan: Plan, graph: nx.DiGraph, order: Sequence[str], solution:
                  tensor_ring=ring_of(cluster, range(t)), rule=rule, sharding=solution.modes,
                  rings=[ring_of(cluster, stage.ranks) for stage in plan.stages],
                  param_bytes=space.degree(t).problem.param_bytes, blocks=blocks, optimizer=optimizer,
-                 gradient_sync=space.degree(t).problem.gradient_sync)
+                 gradient_sync=space.degree(t).problem.gradient_sync,
+                 step_bytes_per_s=space.degree(t).problem.step_bytes_per_s)
     for stage, mode in zip(plan.stages, solution.modes):
         inside = set(stage.nodes)
         stage.tensor, stage.sharding = t, mode  # type: ignore[assignment]

@@ -30,7 +30,7 @@ from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.recompute import node_segments
 from partitioner.place.search.space import SearchSpace
 
-__all__ = ["Prepared", "cluster_problem", "prepare_search"]
+__all__ = ["Prepared", "cluster_problem", "memory_bandwidth", "prepare_search"]
 
 DEVICE = torch.device("cuda:0")  # every GPU of a cluster is priced as one
 
@@ -60,8 +60,16 @@ def cluster_problem(
         fixed, batch, np.zeros(1, dtype=np.int64), np.array(producers, dtype=np.int64), consumers, np.array(sizes),
         params, saved, np.zeros((1, 1, 2)), np.zeros((1, 2, 2)), np.array([memory if memory > 0 else np.inf]), states,
         size, [str(device)], np.array([float(graph.nodes[x].get("out_bytes", 0) or 0) for x in order]),
-        size_times or None,
+        size_times or None, step_bytes_per_s=memory_bandwidth(cost, device),
     )
+
+
+def memory_bandwidth(cost: CostModel, device: torch.device) -> float:
+    """The HBM bytes/s `cost` prices `device`'s memory-bound kernels at (the optimizer step streams at it too);
+    0 where the cost model has no table GPU for it."""
+    rates = getattr(cost, "gpu_rates", None)
+    found = rates(device) if callable(rates) else None
+    return float(found[2]) if found is not None else 0.0
 
 
 class Prepared(NamedTuple):

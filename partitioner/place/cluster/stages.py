@@ -8,6 +8,8 @@ was chosen:
                                 not overlapped) + FSDP2's gathers per micro-batch (data_parallel.gathers)
     allreduce_ms              the replicas' reduction once a step, what overlap leaves of it
                                 (data_parallel.per_step: DDP's buckets, FSDP2's reduce-scatter, zero1's gather)
+    optimizer_ms              the optimizer step over the weights one rank steps (its shard where sharded), at
+                                HBM bandwidth (cost_model.optimizer_step), once a step after the reduction
     memory_bytes              activations and buffers as assemble counted them, plus each state at its own
                                 dtype, / d where the mode shards it (cost_model.training_memory.state_bytes)
     param_bytes               the weights one rank computes with: P elements x the compute dtype's bytes
@@ -27,6 +29,7 @@ import numpy as np
 from cost_model.collectives import Ring
 from cost_model.data_parallel import DataParallelCost
 from cost_model.memory import optimizer_states
+from cost_model.optimizer_step import step_seconds
 from cost_model.training_memory import state_bytes
 from partitioner.capture.shardable_groups import ShardGroup
 from partitioner.place.search.graph_costs import batch_size
@@ -52,7 +55,7 @@ def stage_units(param_bytes: np.ndarray, blocks: np.ndarray, a: int, b: int) -> 
 def price_stages(
     plan: Plan, graph: nx.DiGraph, bounds: Sequence[int], *, micro_batches: int, groups: Sequence[ShardGroup],
     tensor_ring: Ring, rule: StateRule, sharding: str | Sequence[str], rings: Sequence[Ring], param_bytes: np.ndarray,
-    blocks: np.ndarray, optimizer: str, gradient_sync: str = "last",
+    blocks: np.ndarray, optimizer: str, gradient_sync: str = "last", step_bytes_per_s: float = 0.0,
 ) -> None:
     """Give each stage of an assembled one-pipeline `plan` its split, sharded numbers (module docstring).
 
@@ -67,6 +70,8 @@ def price_stages(
         optimizer: what assemble counted the states with ((2 + its states) x param_bytes).
         gradient_sync: "last" or "every" for the sharded stages (rules.sharding.stage_sync: what each mode runs);
             each stage's `gradient_sync` is set to what it runs.
+        step_bytes_per_s: the HBM rate the optimizer step streams at (SearchProblem.step_bytes_per_s; 0: its
+            `optimizer_ms` stays 0).
     """
     batch = batch_size(graph)
     size = batch / micro_batches if batch else 1.0
@@ -95,6 +100,8 @@ def price_stages(
         stage.backward_ms += 1e3 * after
         stage.compute_ms = stage.forward_ms + stage.backward_ms
         stage.allreduce_ms = 1e3 * float(dp.per_step(params, unit, f_s, b_s))
+        shards = d * rule.shard_degree if mode != "none" else 1
+        stage.optimizer_ms = 1e3 * float(step_seconds(params, precision, step_bytes_per_s, shards=shards))
         stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d
         kinds = state_bytes(params, precision, mode=mode, degree=d, micro_batches=max(1, plan.micro_batches),
                             gradient_sync=sync, root=root, unit=unit)

@@ -41,6 +41,9 @@ class SearchProblem:
     out_bytes: np.ndarray | None = None  # [n] node i's output, whole batch (None: no backward working set)
     size_times: dict[int, np.ndarray] | None = None  # samples -> [kinds, n] one micro-batch of that many samples
     gradient_sync: str = "last"  # sharded stages' gradients: reduced once a step or every micro-batch (rules.sharding)
+    # HBM bytes/s the optimizer step streams at (cost_model.optimizer_step; the memory-bound kernels' rate);
+    # 0: not priced (devices the calibration's per-step time covers)
+    step_bytes_per_s: float = 0.0
 
     def micro_batch_times(self, m: int) -> np.ndarray:
         """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes

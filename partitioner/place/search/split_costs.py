@@ -4,11 +4,13 @@ search/stage_costs.py prices a stage as plans were priced before training precis
 state at the model's dtype ((2 + optimizer states) x weights) and the all-reduce after the backward.
 Here, for a sharding mode and a Precision (StateRule), over the same Grid:
 
-    W       = ceil(m / r) (T + per_micro_batch) + per_step
+    W       = ceil(m / r) (T + per_micro_batch) + per_step + optimizer step
               T: one micro-batch's compute and messages, as stage_costs; per_micro_batch and per_step:
               the group's collectives by mode, overlapped (cost_model/data_parallel.py), on P = weights
               / itemsize elements, U the largest block's (cost_model's FSDP unit, search/blocks.py), the
-              gradients reduced as the problem's gradient_sync says (rules.sharding.stage_sync)
+              gradients reduced as the problem's gradient_sync says (rules.sharding.stage_sync); the
+              optimizer step over the P / (r x context ranks) a sharded rank steps, P unsharded, at the
+              problem's step_bytes_per_s (cost_model/optimizer_step.py; 0: not priced)
     static  = weights + master + gradients + optimizer (cost_model.training_memory.state_bytes: each
               state at its own dtype, / d where the mode shards it) + buffers as stage_costs
     flight  = as stage_costs (saved activations, received and sent values per micro-batch held)
@@ -24,6 +26,7 @@ import math
 import numpy as np
 
 from cost_model.data_parallel import DataParallelCost
+from cost_model.optimizer_step import step_seconds
 from cost_model.training_memory import state_bytes
 from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.stage_costs import Grid, range_max, span, stage_parts
@@ -80,11 +83,12 @@ def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: sl
     dp = DataParallelCost(mode, r, tuple(ring) if ring is not None else (0.0, 0.0),  # type: ignore[arg-type]
                           precision.itemsize("compute"), precision.itemsize("grad"), gradient_sync=sync)
     per_replica = math.ceil(m / r)
+    rs = r * rule.shard_degree  # sharded over the replicas and each one's context ranks (rule.shard_degree)
     work = per_replica * (t + dp.per_micro_batch(params, unit, forward, backward))
     work = work + dp.per_step(params, unit, forward, backward)
+    work = work + step_seconds(params, precision, p.step_bytes_per_s, shards=rs if mode != "none" else 1)
     idx = np.arange(len(g.cuts))
     work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
-    rs = r * rule.shard_degree  # sharded over the replicas and each one's context ranks (rule.shard_degree)
     kinds_bytes = state_bytes(params, precision, mode=mode, degree=rs, micro_batches=per_replica, gradient_sync=sync,
                               root=root, unit=unit)
     static = sum(kinds_bytes) + 2 * (recv + send)

@@ -5,12 +5,15 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
     DSv3-H800     DeepSeek-V3 on 2,048 H800 (DeepSeek-AI, https://arxiv.org/abs/2412.19437, sections 1 and 3.2-3.4):
                   PP 16 (DualPipe), EP 64 over 8 nodes, ZeRO-1 data parallelism, no TP; 180K H800 GPU hours per
                   trillion tokens = 1,543 tokens/s per GPU; sequence 4,096, batch 15,360; H800: NVLink 160 GB/s,
-                  InfiniBand 50 GB/s per GPU (section 3.2.2). Trained in FP8 (priced here in BF16).
+                  InfiniBand 50 GB/s per GPU (section 3.2.2). Trained in FP8 (products FP8: Precision.matmul).
     DSv3-H100     DeepSeek-V3 on 1,024 H100, Megatron-Bridge (https://docs.nvidia.com/nemo/megatron-bridge/latest/
-                  performance-summary.html): TP 2 x PP 8 x VP 4 x EP 64, 1,297 tokens/s per GPU, FP8 (priced in BF16).
-    Qwen3-235B    Qwen3-235B-A22B on 256 H100, Megatron-Bridge (same page): TP 2 x PP 8 x VP 4 x EP 32, 1,633 tokens/s
-                  per GPU.
-    GPT-OSS-120B  GPT-OSS-120B on 64 H100, Megatron-Bridge (same page): PP 4 x EP 8, 5,993 tokens/s per GPU, BF16.
+                  performance-summary-archive.html, 25.09 container, "DeepSeekV3 (dropless)"): GBS 8192, MBS 1,
+                  sequence 4096, TP 2 x PP 8 x VP 4 x EP 64, GA 128, 1,297 tokens/s per GPU (338 model TFLOP/s), FP8
+                  (128x128 weight and 1x128 activation blocks, as DeepSeek-V3 trained).
+    Qwen3-235B    Qwen3-235B-A22B on 256 H100, Megatron-Bridge (same page, 26.02 container): FP8, GBS 8192, MBS 1,
+                  sequence 4096, TP 2 x PP 8 x VP 4 x EP 32, 1,633 tokens/s per GPU (242 model TFLOP/s).
+    GPT-OSS-120B  GPT-OSS-120B on 64 H100, Megatron-Bridge (same page, 26.02 container): BF16, GBS 1280, MBS 1,
+                  sequence 4096, PP 4 x EP 8, 5,993 tokens/s per GPU (163 model TFLOP/s).
     405B-128k     Llama 3 405B's long-context stage (Llama Team, https://arxiv.org/abs/2407.21783, Table 4): 16,384
                   H100, TP 8 x CP 16 x PP 16 x DP 8 at 131,072 tokens, 38% MFU (BF16 dense peak 989 TFLOP/s), 16M
                   tokens a step; FLOPs per token 6 N + 6 L s h (causal attention), N the parameters.
@@ -20,10 +23,12 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
 
 Models: benchmarks/published_moe_models.py (MoE decoders at their published shapes, every layer) and
 benchmarks/published_models.py's Llama (Llama 2 7B: 32 layers of 4096, 32 heads, SwiGLU 11008, vocabulary 32000).
-Global batches the sources do not give (Megatron-Bridge's rows) are assumed, as each row says. Virtual
+Each row's global batch and micro-batch size are its source's (DeepSeek's paper gives no micro-batch size:
+searched there); forced rows run the published micro-batch count (batch / MBS). Virtual
 stages (VP) are not searched here (the runtime does not run interleaving with replicas: the forced rows run
 without them); DualPipe is priced as 1F1B, and all-to-alls as the runtime runs them (BF16, not overlapped with
-compute). Long-context models are traced by torch.export (their sequence symbolic: what
+compute); FP8 rows run their products at the FP8 rate (Precision.matmul, cost_model/analytic.py).
+Long-context models are traced by torch.export (their sequence symbolic: what
 partitioner/capture/sequence.py reads). Forced: the published tensor, stage, expert and context degrees (the
 rest searched: cuts, micro-batches, recomputation); free: every degree searched
 (partitioner/place/cluster/split_axes.py). Throughput is the search's objective's.
@@ -50,7 +55,7 @@ from benchmarks.published_models import LLAMA3_405B, Llama, LlamaShape  # noqa: 
 from benchmarks.published_moe_models import DEEPSEEK_V3, GPT_OSS_120B, QWEN3_235B, MoEShape, MoETransformer  # noqa: E402
 from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
-from cost_model.precision import MIXED  # noqa: E402
+from cost_model.precision import MIXED, Precision  # noqa: E402
 from partitioner.arguments import cluster_devices  # noqa: E402
 from partitioner.capture.experts import find_experts  # noqa: E402
 from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
@@ -68,6 +73,8 @@ GIB = float(1 << 30)
 H100 = {"gpus_per_host": 8, "gpu": "H100-SXM"}
 H800 = {**H100, "fabric": {"intra": {"kind": "nvswitch", "gb_per_s": 160}, "inter": {"kind": "infiniband",
                                                                                       "gb_per_s": 50}}}
+# FP8 training as DeepSeek-V3 and Megatron-Bridge's FP8 rows run it: products FP8, the rest as MIXED.
+FP8 = dataclasses.replace(MIXED, matmul="float8_e4m3fn", name="fp8 mixed")
 LLAMA2_7B = LlamaShape(layers=32, width=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000, seq=131072)
 LLAMA3_405B_128K = dataclasses.replace(LLAMA3_405B, seq=131072)
 
@@ -87,6 +94,8 @@ class Row:
     source: str
     export: bool = False  # trace by torch.export (a long sequence to split)
     baseline: tuple[int, int, int, int, str] | None = None  # the forced configuration's no-CP twin (ratio rows)
+    mbs: int | None = None  # the published micro-batch size (None: not published, searched)
+    precision: Precision = MIXED  # FP8 where the run's products were FP8
 
 
 def _moe(shape: MoEShape) -> Callable[[], torch.nn.Module]:
@@ -105,14 +114,17 @@ def _per_token_405b() -> float:
 
 ROWS = [
     Row("DSv3-H800", _moe(DEEPSEEK_V3), 2048, 15360, 4096, (1, 16, 64, 1, "zero1"), 1e12 / (180e3 * 3600),
-        {"hosts": 256, **H800}, "arXiv 2412.19437: 180K H800 GPU hours / 1T tokens; PP16 EP64 ZeRO-1; batch 15360"),
+        {"hosts": 256, **H800}, "arXiv 2412.19437: 180K H800 GPU hours / 1T tokens; PP16 EP64 ZeRO-1; batch 15360; FP8",
+        precision=FP8),
     Row("DSv3-H100", _moe(DEEPSEEK_V3), 1024, 8192, 4096, (2, 8, 64, 1, "zero1"), 1297,
-        {"hosts": 128, **H100}, "Megatron-Bridge performance summary: TP2 PP8 VP4 EP64, FP8; batch assumed 8192"),
-    Row("Qwen3-235B", _moe(QWEN3_235B), 256, 2048, 4096, (2, 8, 16, 1, "zero1"), 1633,
-        {"hosts": 32, **H100}, "Megatron-Bridge performance summary: TP2 PP8 VP4 EP32; batch assumed 2048; EP 32 "
-        "spans Megatron's TP x DP ranks, here experts split over the 16 replicas (EP 16)"),
-    Row("GPT-OSS-120B", _moe(GPT_OSS_120B), 64, 512, 4096, (1, 4, 8, 1, "zero1"), 5993,
-        {"hosts": 8, **H100}, "Megatron-Bridge performance summary: PP4 EP8, BF16; batch assumed 512"),
+        {"hosts": 128, **H100}, "Megatron-Bridge performance summary 25.09: GBS 8192 MBS 1, TP2 PP8 VP4 EP64, FP8",
+        mbs=1, precision=FP8),
+    Row("Qwen3-235B", _moe(QWEN3_235B), 256, 8192, 4096, (2, 8, 16, 1, "zero1"), 1633,
+        {"hosts": 32, **H100}, "Megatron-Bridge performance summary 26.02: GBS 8192 MBS 1, TP2 PP8 VP4 EP32, FP8; "
+        "EP 32 spans Megatron's TP x DP ranks, here experts split over the 16 replicas (EP 16)", mbs=1,
+        precision=FP8),
+    Row("GPT-OSS-120B", _moe(GPT_OSS_120B), 64, 1280, 4096, (1, 4, 8, 1, "zero1"), 5993,
+        {"hosts": 8, **H100}, "Megatron-Bridge performance summary 26.02: GBS 1280 MBS 1, PP4 EP8, BF16", mbs=1),
     Row("405B-128k", _llama(LLAMA3_405B_128K), 16384, 128, 131072, (8, 16, 1, 16, "zero1"),
         0.38 * 989e12 / _per_token_405b(), {"hosts": 2048, **H100},
         "arXiv 2407.21783 Table 4: TP8 CP16 PP16 DP8 at 131072 tokens, 38% MFU, 16M tokens a step", export=True),
@@ -138,7 +150,7 @@ def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostMode
         graph, order, shardable, gm = traced(model, tokens)
     facts = SplitFacts.of(graph, order, find_experts(gm, model), find_sequence_split(gm), gm)
     cluster = Cluster.from_dict(row.cluster)
-    cost = AnalyticCostModel(cluster_devices(cluster)[2])
+    cost = AnalyticCostModel(cluster_devices(cluster)[2], matmul=row.precision.matmul or None)
     cost.prepare(gm)
     return graph, order, shardable, facts, cost, cluster
 
@@ -146,7 +158,8 @@ def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostMode
 def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Split:
     graph, order, shardable, facts, cost, cluster = parts
     t, p, e, c, mode = config
-    space = SearchSpace(recompute="auto", precision=MIXED, tensor=(t,), sharding=(mode,))
+    counts = row.batch // row.mbs if row.mbs else None  # the published micro-batch size: batch / MBS in all
+    space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,))
     return search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=e, context=c,
                         stages=p)
 
@@ -191,7 +204,8 @@ def run(row: Row, free: bool) -> bool:
         print(f"{'':>12} forced: does not fit: {str(exc)[:300]}", flush=True)
     if free and row.baseline is None:
         try:
-            best = search_split(parts[0], parts[1], parts[5], parts[4], parts[3], precision=MIXED, shardable=parts[2])
+            best = search_split(parts[0], parts[1], parts[5], parts[4], parts[3], precision=row.precision,
+                                shardable=parts[2])
             print(f"{'':>12} free: {shown(best)}; {rate(row, best):.0f} tokens/s per GPU, ratio "
                   f"{rate(row, best) / row.published:.2f} ({time.perf_counter() - start:.0f} s for the row)",
                   flush=True)

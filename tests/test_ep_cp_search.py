@@ -65,9 +65,16 @@ def test_the_problem_one_rank_runs_against_a_hand_count() -> None:
     ep = split_problem(plain, facts, expert=4, all_to_all=a2a)
     assert ep.param_bytes.tolist() == [10.0, 1000.0 - 800.0 * 3 / 4, 20.0]  # the stack's 800 bytes / 4
     four = 4 * (a2a[0] + a2a[1] * 64.0 / m)  # dispatch and combine, forward and backward, of 64 / m bytes
-    assert ep.micro_batch_times(m)[0].tolist() == pytest.approx([whole[0], whole[1] + four, whole[2]])
+    # the stack's time as one rank of 4 runs it: its 1e6 FLOPs at the graph's product rate (no product of 1e9
+    # FLOPs here: an unbounded rate) or the whole stack's time / 4 (its weights read: a quarter held), the larger
+    assert ep.micro_batch_times(m)[0].tolist() == pytest.approx([whole[0], whole[1] / 4 + four, whole[2]])
     skewed = split_problem(plain, facts, expert=4, all_to_all=a2a, skew=1.5)
-    assert skewed.micro_batch_times(m)[0][1] == pytest.approx(whole[1] * 1.5 + 4 * (a2a[0] + a2a[1] * 96.0 / m))
+    assert skewed.micro_batch_times(m)[0][1] == pytest.approx(whole[1] / 4 * 1.5 + 4 * (a2a[0] + a2a[1] * 96.0 / m))
+    fast = dataclasses.replace(plain, batch_times=np.array([[1.0, 1.0, 1e-3]]))  # a 3e9-FLOP product in 1 ms
+    bound = split_problem(fast, dataclasses.replace(facts, flops=np.array([0.0, 1e6, 1e9])), expert=4)
+    assert bound.batch_times[0][1] == pytest.approx(1.0 / 4)  # 3e6 FLOPs at 3e12 FLOP/s: the read bounds it
+    compute = split_problem(fast, dataclasses.replace(facts, flops=np.array([0.0, 1e12, 1e9])), expert=4)
+    assert compute.batch_times[0][1] == pytest.approx(3e12 / 3e12)  # 3e12 FLOPs at 3e12 FLOP/s: 1 s
     cp = split_problem(plain, facts, context=2, gather=ring)
     gathered = ring[0] + ring[1] * 32.0 / m  # all-gather K/V forward, reduce-scatter backward: a ring's worth
     grads = [(ring[0] + ring[1] * p) / m for p in plain.param_bytes]  # gradients summed once a step

@@ -36,6 +36,7 @@ def search_priced(
     graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, *,
     precision: Precision | None = None, shardable: Shardable | None = None, optimizer: str = "adam",
     headroom: float = 0.9, virtual: Sequence[int] = VIRTUAL, sequence_parallel: bool = True,
+    kernels: str = "eager",
 ) -> tuple[ClusterSolution, Literal["none", "full"]]:
     """The best solution over every priced axis (module docstring) and its recomputation mode.
 
@@ -43,11 +44,12 @@ def search_priced(
         virtual: chunks per rank to try (interleaved 1F1B where v > 1).
         sequence_parallel: split layers' neighbours run on 1/t of the sequence wherever t > 1 (it only
             removes work and memory, so it is not searched against its absence).
+        kernels: the kernel set priced, "eager" or "fused" (search/kernels.py), as the run being compared ran.
 
     Raises:
         InfeasibleError: nothing fits, naming the memory per GPU needed; PartitionError: bad arguments.
     """
-    space = SearchSpace(recompute="auto", precision=precision, sequence_parallel=sequence_parallel)
+    space = SearchSpace(recompute="auto", precision=precision, sequence_parallel=sequence_parallel, kernels=kernels)
     prepared = prepare_search(graph, order, cluster, cost, space, optimizer=space.optimizer(optimizer),
                               headroom=headroom, shardable=shardable)
     nodes = prepared.nodes(graph, order, cost)

@@ -1,0 +1,78 @@
+"""benchmarks/published_runs.py: what it compares is the source's figure, the fit sees only fit rows, and a row's
+unstated choices are tried from the fastest to the one using least memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.measured_plan import plan_arguments
+from benchmarks.measured_runs import RUNS
+from benchmarks.published_runs import Priced, _axes, _priced_on, fitted, measured_tps, price_row, variants
+from partitioner.place.cluster.fixed import Fixed
+
+BY_KEY = {r.key: r for r in RUNS}
+
+
+def test_measured_throughput_is_the_printed_figure() -> None:
+    titan = BY_KEY["titan-8B-8-fsdp"]  # prints tokens/s per GPU: 5,762
+    assert measured_tps(titan) == pytest.approx(5762, abs=0.5)
+    sc21 = BY_KEY["sc21-1.7B"]  # 137 TFLOP/s per GPU under eq. 3's count of a step
+    m = sc21.model
+    h, layers, s = m.width, m.layers, sc21.seq
+    eq3_per_token = 96 * layers * h * h * (1 + s / (6 * h) + m.vocab / (16 * layers * h))  # eq. 3 over B s
+    assert measured_tps(sc21) == pytest.approx(137e12 / eq3_per_token, rel=0.01)
+
+
+def _row(split: str, family: str, measured: float, forced: float, share: float) -> Priced:
+    return Priced("k", "s", split, family, "3d", measured, forced=forced, compute_share=share)
+
+
+def test_the_fit_reads_fit_rows_only_and_scales_compute_alone() -> None:
+    # predicted 1 s a token: 0.5 compute, 0.5 the rest; measured 1.5 s: compute must take 1 s, factor 0.5
+    rows = [_row("fit", "A100", 1 / 1.5, 1.0, 0.5), _row("fit", "A100", 1 / 1.5, 1.0, 0.5),
+            _row("held-out", "A100", 1 / 9.0, 1.0, 0.5)]
+    assert fitted(rows) == {"A100": pytest.approx(0.5)}
+    held_only = [_row("held-out", "H100", 1.0, 2.0, 1.0)]
+    assert fitted(held_only) == {}
+
+
+def test_a_factor_scales_the_gpu_types_product_rates() -> None:
+    args = plan_arguments(BY_KEY["sc21-1.7B"])
+    base, _ = _priced_on(args, 1.0)
+    scaled, table = _priced_on(args, 0.9)
+    assert scaled.gpu.name != base.gpu.name and table.get(scaled.gpu.name) == scaled.gpu
+    for (k, v), (k2, v2) in zip(base.gpu.gemm, scaled.gpu.gemm):
+        assert k == k2 and v2 == pytest.approx(v * 0.9)
+    assert scaled.gpu.attention == pytest.approx(tuple(a * 0.9 for a in base.gpu.attention or ()))
+    assert scaled.gpu.memory_bytes == base.gpu.memory_bytes
+
+
+def test_unstated_choices_go_from_fastest_to_least_memory() -> None:
+    run = BY_KEY["megascale-175B-256"]  # states t, p and v; not SP, sharding or recomputation
+    tried = variants(run, Fixed(**plan_arguments(run).fixed))
+    assert [(f.sequence_parallel, f.sharding, f.recompute) for f in tried] == [
+        (True, "none", "none"), (True, "zero1", "none"), (True, "zero1", "full")]
+    stated = BY_KEY["sc21-1.7B"]  # everything stated: only its own configuration
+    assert variants(stated, Fixed(**plan_arguments(stated).fixed)) == [Fixed(**plan_arguments(stated).fixed)]
+
+
+def test_a_faster_free_plan_names_the_axes_it_changed() -> None:
+    run = BY_KEY["sc21-1.7B"]
+    fixed = plan_arguments(run).fixed
+    same = _axes(run, fixed, fixed["tensor"], fixed["stages"], fixed["virtual_stages"], fixed["sharding"],
+                 fixed["recompute"], fixed["micro_batch_size"])
+    assert same == ()
+    other = _axes(run, fixed, 2, 1, 1, "zero1", "none", 4)
+    assert set(other) == {"tensor", "sharding", "recomputation", "micro-batch size"}
+
+
+@pytest.mark.timeout(300)
+def test_a_row_is_priced_forced_and_free() -> None:
+    row = price_row(BY_KEY["sc21-1.7B"])
+    assert row.forced is not None and not row.over and row.memory is not None and row.memory < row.capacity
+    assert 0.5 < row.forced / row.measured < 2.0  # the analytic model, not a hard-coded figure
+    assert row.free is not None and row.free >= row.forced * (1 - 1e-9)  # its space holds the forced configuration
+    assert 0.0 < row.compute_share <= 1.0
+    assert dataclasses.asdict(row)["key"] == "sc21-1.7B"

@@ -8,6 +8,8 @@ Modes:
   fault KILL_RANK    train until KILL_RANK kills itself mid-step; others must fail naming it
   resume DIR OUT     train 6 steps saving every step; on the first attempt rank 1 dies at step 5
   infeasible         plan for devices far too small: every rank must raise, none may wait
+  batch JOBS         the jobs of tests/batch.py (equivalence CASE, checkpoint DIR, infeasible, whole_input),
+                     in one launch
   devices CASE       bad device lists ('differ': rank 1 passes another list; 'gpu': GPUs this machine
                      lacks): every rank must raise the same PartitionError, none may wait
 Prints 'RESULT ...' lines; exits non-zero on any mismatch.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from partitioner import partition  # noqa: E402
 from runtime.checkpoint import consolidate  # noqa: E402
 from tests import zoo  # noqa: E402
+from tests.batch import serve  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
 
@@ -265,6 +268,9 @@ def main() -> int:
         code = checkpoint(rest[0])
     elif mode == "infeasible":
         code = infeasible()
+    elif mode == "batch":
+        code = serve(rest[0], {"equivalence": lambda *cases: equivalence(list(cases)), "checkpoint": checkpoint,
+                               "infeasible": infeasible, "whole_input": whole_input}, int(os.environ["RANK"]))
     elif mode == "devices":
         return bad_devices(rest[0])  # no process group was started
     elif mode == "fault":

@@ -16,6 +16,7 @@ import torch
 
 from runtime.distributed import NCCL_RULES_ENV
 from tests import dist_worker
+from tests.batch import Job, Launch, write_jobs
 
 WORKER = str(Path(__file__).resolve().parent / "dist_worker.py")
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -29,10 +30,12 @@ def free_port() -> int:
 
 def torchrun(
     ranks: int, *args: str, extra: tuple[str, ...] = (), timeout: float = 240, nccl_rules: bool = True,
-    worker: str = WORKER,
+    worker: str = WORKER, fail_on_timeout: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run `worker` (default tests/dist_worker.py) on `ranks` gloo processes; with `nccl_rules`, every message
-    obeys NCCL's rules (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead."""
+    obeys NCCL's rules (runtime.nccl_rules), so a protocol that would hang under NCCL fails here instead. Past
+    `timeout` the launch is stopped and the test fails (or, without `fail_on_timeout`, the launch returns exit code
+    -SIGKILL and its output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *extra,
            worker, *args]
     env = {**os.environ, NCCL_RULES_ENV: "1" if nccl_rules else "0"}
@@ -41,10 +44,36 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        out = stop(proc) + f"\ntorchrun timed out after {timeout} s"
+        if fail_on_timeout:
+            pytest.fail(out[-3000:])
+        return subprocess.CompletedProcess(cmd, -signal.SIGKILL, out, "")
+    except BaseException:  # pytest-timeout's own limit, Ctrl-C: the ranks must not outlive the test
+        stop(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """Stop a torchrun launch and its ranks; what it printed. The ranks run in sessions of their own, so killing
+    torchrun's process group would leave them running (and loading CI's 2 cores): SIGTERM makes torchrun stop them
+    first, SIGKILL follows where it does not exit."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return out
+
+
+def launch_jobs(ranks: int, jobs: list[Job], directory: Path, *, worker: str, timeout: float,
+                nccl_rules: bool = True) -> Launch:
+    """Run `jobs` (tests/batch.py) in one launch of `worker` on `ranks` processes; each test reads its own job's
+    records from the result. A launch killed at `timeout` keeps the records of the jobs that finished."""
+    proc = torchrun(ranks, "batch", write_jobs(directory, jobs), worker=worker, timeout=timeout,
+                    nccl_rules=nccl_rules, fail_on_timeout=False)  # the jobs that finished pass or fail on their own
+    return Launch.read(directory, proc, ranks)
 
 
 def results(output: str) -> list[str]:
@@ -59,17 +88,44 @@ def check_equivalence(ranks: int, cases: list[str], nccl_rules: bool = True) -> 
     assert all("ok=True" in line for line in lines), "\n".join(lines)
 
 
-def test_two_ranks_every_schedule() -> None:
-    check_equivalence(  # mode_dependent: partitioned in training, trained in eval (the eval graph runs)
-        2, ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:zb1:-", "tiny_gpt:zbv:-",
-            "tiny_gpt:dualpipev:-", "inception:1f1b:-", "inception:gpipe:-:branches",
-            "mode_dependent:1f1b:-:pipeline:eval"],
-    )
+# The 2-rank cases of the tests below, run in one launch of tests/dist_worker.py (tests/batch.py): a launch costs
+# each rank an import of torch and partitioner; each test checks its own jobs
+EVERY_SCHEDULE = ["tiny_gpt:gpipe:-", "tiny_gpt:1f1b:-", "tiny_gpt:interleaved:-", "tiny_gpt:zb1:-", "tiny_gpt:zbv:-",
+                  "tiny_gpt:dualpipev:-", "inception:1f1b:-", "inception:gpipe:-:branches",
+                  "mode_dependent:1f1b:-:pipeline:eval"]
+PLAIN = ["tiny_gpt:1f1b:-", "inception:gpipe:-:branches"]
+RECOMPUTE = ["tiny_gpt:1f1b:-:recompute=full", "tiny_gpt:gpipe:-:recompute=selective",
+             "inception:1f1b:-:recompute=selective"]
+LAUNCH_S = 600  # the whole launch; the first test waits for it
 
 
-def test_two_ranks_plain_torch_distributed() -> None:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    directory = tmp_path_factory.mktemp("distributed")
+    jobs = [*(Job(f"equivalence {c}", "equivalence", [c]) for c in [*EVERY_SCHEDULE, *RECOMPUTE]),
+            # the production path (runtime.comm.TorchComm), without the NCCL-rules emulation
+            *(Job(f"plain {c}", "equivalence", [c], {NCCL_RULES_ENV: "0"}) for c in PLAIN),
+            Job("checkpoint", "checkpoint", [str(directory / "ckpt")]),
+            Job("infeasible", "infeasible")]
+    return launch_jobs(2, jobs, directory, worker=WORKER, timeout=LAUNCH_S)
+
+
+def check_jobs(launch: Launch, prefix: str, cases: list[str]) -> None:
+    lines = [line for case in cases for line in launch.lines(f"{prefix} {case}")]
+    assert len(lines) == 2 * len(cases), "\n".join(lines)
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_two_ranks_every_schedule(two_ranks: Launch) -> None:
+    # mode_dependent: partitioned in training, trained in eval (the eval graph runs)
+    check_jobs(two_ranks, "equivalence", EVERY_SCHEDULE)
+
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_two_ranks_plain_torch_distributed(two_ranks: Launch) -> None:
     # the production path (runtime.comm.TorchComm), without the NCCL-rules emulation
-    check_equivalence(2, ["tiny_gpt:1f1b:-", "inception:gpipe:-:branches"], nccl_rules=False)
+    check_jobs(two_ranks, "plain", PLAIN)
 
 
 def test_three_ranks_schedules_and_uneven_replicas() -> None:
@@ -87,10 +143,10 @@ def test_four_ranks_schedules_and_two_by_two_replicas() -> None:
     )
 
 
-def test_checkpoint_round_trip_into_another_plan(tmp_path: Path) -> None:
-    run = torchrun(2, "checkpoint", str(tmp_path / "ckpt"))
-    lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2, run.stdout[-4000:]
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_checkpoint_round_trip_into_another_plan(two_ranks: Launch) -> None:
+    lines = two_ranks.lines("checkpoint")
+    assert len(lines) == 2, "\n".join(lines)
     assert all("ok=True" in line for line in lines), "\n".join(lines)
     assert re.search(r"after=\[[\d.]+, [\d.]+, [\d.]+\]", "\n".join(lines))  # the last stage saw 3 losses
 
@@ -136,16 +192,15 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> No
         assert abs(by_step[step][1] - loss.item()) <= 1e-5 * abs(loss.item()), step
 
 
-def test_a_planning_error_on_rank_0_reaches_every_rank() -> None:
-    start = time.monotonic()
-    run = torchrun(2, "infeasible", timeout=110)  # each rank would otherwise wait 120 s for the plan
-    lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_a_planning_error_on_rank_0_reaches_every_rank(two_ranks: Launch) -> None:
+    lines = two_ranks.lines("infeasible")  # each rank would otherwise wait 120 s for the plan
+    assert len(lines) == 2 and all("ok=True" in line for line in lines), "\n".join(lines)
     assert any("InfeasibleError" in line for line in lines) and any("rank 0 could not plan" in line for line in lines)
-    assert time.monotonic() - start < 100
+    assert two_ranks.seconds("infeasible") < 100
 
 
-def test_two_ranks_recompute_activations() -> None:
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_two_ranks_recompute_activations(two_ranks: Launch) -> None:
     # the torchrun runtime recomputes too: full and selective, GPipe and 1F1B, equal to full-batch training
-    check_equivalence(2, ["tiny_gpt:1f1b:-:recompute=full", "tiny_gpt:gpipe:-:recompute=selective",
-                          "inception:1f1b:-:recompute=selective"])
+    check_jobs(two_ranks, "equivalence", RECOMPUTE)

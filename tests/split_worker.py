@@ -4,6 +4,8 @@
     ... split_worker.py checkpoint DIR CASE        a DCP checkpoint of the run loads into the plain model
     ... split_worker.py memory CASE [CASE ...]     measured peak bytes per rank against the prediction
     ... split_worker.py misordered                 (2 ranks) a collective posted out of order is caught
+    ... split_worker.py batch JOBS                  the jobs (any of the modes above, one case each) of
+                                                   tests/batch.py, in one launch
 
 A CASE is MODEL:SCHEDULE:LAYOUT[:SHARDING[:RECOMPUTE]]: MODEL of MODELS, or "hf-" and any Hugging Face model_type
 (`any_family`); LAYOUT "tp2pp2" (2 stages, each split over
@@ -59,6 +61,7 @@ from runtime.recompute import RecomputedStage  # noqa: E402
 from runtime.sharding_memory import RankMemory  # noqa: E402
 from runtime.stage import stage_io  # noqa: E402
 from tests import zoo  # noqa: E402
+from tests.batch import serve  # noqa: E402
 from tests.tp_worker import AlexNetStyle  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
@@ -457,6 +460,9 @@ def main(argv: list[str]) -> int:
             return 0 if all([memory(c) for c in args]) else 1  # noqa: C419
         if what == "misordered":
             return 0 if misordered() else 1
+        if what == "batch":
+            return serve(args[0], {"equivalence": equivalence, "checkpoint": checkpoint, "memory": memory,
+                                   "misordered": misordered}, dist.get_rank())
         raise SystemExit(f"unknown mode {what!r}")
     finally:
         dist.destroy_process_group()

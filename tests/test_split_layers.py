@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from partitioner import PartitionError, partition, plan
+from runtime.distributed import NCCL_RULES_ENV
 from tests import split_worker
-from tests.test_distributed import results, torchrun
+from tests.batch import Job, Launch
+from tests.test_distributed import launch_jobs, results, torchrun
 
 WORKER = str(Path(__file__).resolve().parent / "split_worker.py")
 
@@ -29,97 +31,140 @@ def run(ranks: int, *args: str, cases: int, nccl_rules: bool = True) -> list[str
     return lines
 
 
-def test_gpt_tensor_by_pipeline_and_by_data_with_1f1b_and_interleaved() -> None:
+# The 4-rank cases of every test below, run in one launch (a launch costs each of the 4 ranks an import of torch,
+# transformers and partitioner: ~30 s on CI's 2 cores, eleven times before); each test checks its own cases' jobs
+TENSOR = ["gpt:1f1b:tp2pp2", "gpt4:interleaved:tp2pp2", "gpt:1f1b:tp2dp2"]
+HUGGING_FACE = ["llama:1f1b:tp2pp2", "llama:gpipe:tp2dp2", "gpt2:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2"]
+CNN = ["cnn:1f1b:dp2tp2", "cnn:gpipe:tp2dp2"]
+FSDP = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:gpipe:pp2dp2:zero3",
+        "gpt:1f1b:pp2dp2:zero1:full", "gpt:1f1b:pp2dp2:zero2:full", "gpt:1f1b:pp2dp2:zero3:full",
+        "gpt:1f1b:pp2dp2:zero3:selective", "gpt4:gpipe:pp2dp2:zero2:full/none", "gpt:1f1b:tp2dp2:zero3",
+        "gpt:1f1b:tp2dp2:zero1:full"]
+MODES = ["modes:1f1b:pp2dp2:zero3", "modes:1f1b:pp2dp2:zero3:none:eval", "modes:gpipe:pp2dp2:zero1:full:eval",
+         "gpt2x4:1f1b:pp2dp2:zero3:none:eval", "gpt2x4:1f1b:tp2dp2:zero1:full:eval", "tail:1f1b:pp2dp2:zero3"]
+MIXED = ["gpt:1f1b:tp2dp2:zero3:none:mixed", "gpt2x4:1f1b:tp2dp2:zero1:full:mixed"]
+FAMILIES = ["hf-persimmon:1f1b:pp2dp2:zero3", "hf-phi:1f1b:tp2dp2:zero1", "hf-starcoder2:1f1b:tp2pp2",
+            "hf-qwen2_moe:gpipe:pp2dp2:zero3:none:eval", "hf-gpt_bigcode:gpipe:tp2dp2:zero3"]
+MEMORY = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:pp2dp2:zero3:full",
+          "gpt:1f1b:pp2dp2:zero2:selective"]
+FULL_SHARD = "gpt:1f1b:pp2dp2:zero3+every"
+CHECKPOINT = ["gpt:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:tp2dp2:zero3"]
+# memory is measured on the production transport: the emulation's threads free message buffers at times of their own
+PRODUCTION = {NCCL_RULES_ENV: "0"}
+
+
+def jobs(checkpoints: Path) -> list[Job]:
+    equivalence = [*TENSOR, *HUGGING_FACE, *CNN, *FSDP, *MODES, *MIXED, *FAMILIES, FULL_SHARD]
+    return [*(Job(f"equivalence {c}", "equivalence", [c]) for c in equivalence),
+            *(Job(f"memory {c}", "memory", [c], PRODUCTION) for c in [*MEMORY, FULL_SHARD]),
+            *(Job(f"checkpoint {c}", "checkpoint", [str(checkpoints), c]) for c in CHECKPOINT)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Every 4-rank job of this file from one launch (tests/batch.py)."""
+    directory = tmp_path_factory.mktemp("split_layers")
+    return launch_jobs(4, jobs(directory), directory, worker=WORKER, timeout=LAUNCH_S)
+
+
+LAUNCH_S = 1500  # the whole launch (one case took ~10-40 s on CI's 2 cores); the first test waits for it
+TEST_S = LAUNCH_S + 100
+
+
+def check(launch: Launch, mode: str, cases: list[str]) -> list[str]:
+    """Each case's lines on every rank, each ok (each case its own job, so a failure names its case)."""
+    lines = [line for case in cases for line in launch.lines(f"{mode} {case}")]
+    assert len(lines) == 4 * len(cases), "\n".join(lines)
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+    return lines
+
+
+@pytest.mark.timeout(TEST_S)
+def test_gpt_tensor_by_pipeline_and_by_data_with_1f1b_and_interleaved(four_ranks: Launch) -> None:
     # tp 2 x pp 2 (4 ranks; interleaved: 4 stages round robin over the two tensor groups) and tp 2 x dp 2: loss and
     # every gradient within 1e-5 of the plain model; every rank holds split weights (DTensors)
-    cases = ["gpt:1f1b:tp2pp2", "gpt4:interleaved:tp2pp2", "gpt:1f1b:tp2dp2"]
-    lines = run(4, "equivalence", *cases, cases=len(cases))
+    lines = check(four_ranks, "equivalence", TENSOR)
     assert all(int(re.search(r"dtensors=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
 
 
-def test_hugging_face_llama_gqa_and_gpt2_conv1d() -> None:
-    cases = ["llama:1f1b:tp2pp2", "llama:gpipe:tp2dp2", "gpt2:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2"]
-    run(4, "equivalence", *cases, cases=len(cases))
+@pytest.mark.timeout(TEST_S)
+def test_hugging_face_llama_gqa_and_gpt2_conv1d(four_ranks: Launch) -> None:
+    check(four_ranks, "equivalence", HUGGING_FACE)
 
 
-def test_alexnet_style_cnn_one_weird_trick_and_tensor_by_data() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_alexnet_style_cnn_one_weird_trick_and_tensor_by_data(four_ranks: Launch) -> None:
     # dp2tp2: convolutions on 2 replicas dealt micro-batches, the fully connected layers split over 2 ranks
-    cases = ["cnn:1f1b:dp2tp2", "cnn:gpipe:tp2dp2"]
-    run(4, "equivalence", *cases, cases=len(cases))
+    check(four_ranks, "equivalence", CNN)
 
 
-def test_fsdp_each_mode_on_two_stages_by_two_replicas_three_adam_steps() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_fsdp_each_mode_on_two_stages_by_two_replicas_three_adam_steps(four_ranks: Launch) -> None:
     # micro-batches sliced over the replicas (data_split "slice"), weights sharded by FSDP2; the tied embedding is
     # kept whole and all-reduced over both stages' ranks; 3 Adam steps equal the plain model's. Each mode also with
     # recomputation (full, selective; every stage, or one of two): FSDP2's units are the checkpointed segments, and
     # every Linear runs twice per micro-batch where its stage recomputes, once where it does not (the worker counts).
     # tp2dp2: one stage split over 2 tensor ranks and sharded over 2 replicas (FSDP2 over DTensors on one 2-D mesh),
     # its tied embedding and head inside it, with and without recomputation
-    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:gpipe:pp2dp2:zero3",
-             "gpt:1f1b:pp2dp2:zero1:full", "gpt:1f1b:pp2dp2:zero2:full", "gpt:1f1b:pp2dp2:zero3:full",
-             "gpt:1f1b:pp2dp2:zero3:selective", "gpt4:gpipe:pp2dp2:zero2:full/none", "gpt:1f1b:tp2dp2:zero3",
-             "gpt:1f1b:tp2dp2:zero1:full"]
-    lines = run(4, "equivalence", *cases, cases=len(cases))
+    lines = check(four_ranks, "equivalence", FSDP)
     recomputed = [line for line in lines if "case=gpt:1f1b:pp2dp2:zero3:full " in line]
     assert len(recomputed) == 4 and all("linear_calls=[12]" in line for line in recomputed)
 
 
-def test_fsdp_of_a_model_traced_once_per_mode_runs_either_graph() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_fsdp_of_a_model_traced_once_per_mode_runs_either_graph(four_ranks: Launch) -> None:
     # forward reads self.training, so each stage has a graph per mode; both shard as one (runtime.mode_units):
     # "modes" scales activations by 1.5 in training only, so equal in eval means the eval graph ran on the shards.
     # GPT-2 (torch.export: every weight a get_attr) gets one FSDP2 unit per block, not one per stage.
     # "tail": a sharded stage without weights runs unsharded (it has nothing to shard) rather than being refused.
-    cases = ["modes:1f1b:pp2dp2:zero3", "modes:1f1b:pp2dp2:zero3:none:eval", "modes:gpipe:pp2dp2:zero1:full:eval",
-             "gpt2x4:1f1b:pp2dp2:zero3:none:eval", "gpt2x4:1f1b:tp2dp2:zero1:full:eval", "tail:1f1b:pp2dp2:zero3"]
-    lines = run(4, "equivalence", *cases, cases=len(cases))
+    lines = check(four_ranks, "equivalence", MODES)
     units = [re.search(r"units=\[(\d+)\]", line) for line in lines if "case=tail" not in line]
     assert all(u is not None and int(u.group(1)) >= 2 for u in units), "\n".join(lines)
 
 
-def test_fsdp_over_split_fused_layers_in_mixed_precision() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_fsdp_over_split_fused_layers_in_mixed_precision(four_ranks: Launch) -> None:
     # a fused q/k/v layer split over 2 tensor ranks and sharded over 2 replicas computes in bf16 over fp32 master
     # weights: its bias, which FSDP2 leaves whole (runtime.sharding), is cast as FSDP2 casts the weights
-    cases = ["gpt:1f1b:tp2dp2:zero3:none:mixed", "gpt2x4:1f1b:tp2dp2:zero1:full:mixed"]
-    run(4, "equivalence", *cases, cases=len(cases))
+    check(four_ranks, "equivalence", MIXED)
 
 
-def test_families_nobody_here_wrote_a_case_for() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_families_nobody_here_wrote_a_case_for(four_ranks: Launch) -> None:
     # Hugging Face families by model_type, default configs shrunk (split_worker.any_family): tp x pp, tp x dp with
     # zero1, pp x dp with zero3 (in eval: the other mode's graph), an MoE with experts whole; loss, every gradient
     # and 3 Adam steps against the plain model. A sweep of 13 such families x 4 layouts passed the same way.
-    cases = ["hf-persimmon:1f1b:pp2dp2:zero3", "hf-phi:1f1b:tp2dp2:zero1", "hf-starcoder2:1f1b:tp2pp2",
-             "hf-qwen2_moe:gpipe:pp2dp2:zero3:none:eval", "hf-gpt_bigcode:gpipe:tp2dp2:zero3"]
-    run(4, "equivalence", *cases, cases=len(cases))
+    check(four_ranks, "equivalence", FAMILIES)
 
 
-def test_fsdp_memory_per_rank_against_training_memory() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_fsdp_memory_per_rank_against_training_memory(four_ranks: Launch) -> None:
     # every rank within 10%: 1F1B's first stage holds 2 micro-batches, its last 1 (cost_model.training_memory's
     # in_flight). Measured on the production transport: the emulation's threads free message buffers at times of
     # their own
     # recomputed stages too, against cost_model.recompute_cost's kept and peak bytes of the mode
-    cases = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:pp2dp2:zero3:full",
-             "gpt:1f1b:pp2dp2:zero2:selective"]
-    lines = run(4, "memory", *cases, cases=len(cases), nccl_rules=False)
-    assert len(lines) == 4 * len(cases) and any("in_flight=2 " in line for line in lines)
+    lines = check(four_ranks, "memory", MEMORY)
+    assert len(lines) == 4 * len(MEMORY) and any("in_flight=2 " in line for line in lines)
     assert all(abs(float(re.search(r"err=([-+\d.]+)%", line).group(1))) <= 10 for line in lines)  # type: ignore[union-attr]
 
 
-def test_full_shard_reduces_every_micro_batch_equal_to_the_plain_model_and_holds_less() -> None:
+@pytest.mark.timeout(TEST_S)
+def test_full_shard_reduces_every_micro_batch_equal_to_the_plain_model_and_holds_less(four_ranks: Launch) -> None:
     # the plan's gradient_sync "every" (FULL_SHARD): FSDP2 reduce-scatters after each micro-batch's backward and keeps
     # only the shard; 3 Adam steps equal the plain model's, and every rank's measured peak is below the same plan's
     # accumulating whole gradients ("last"), each within 10% of cost_model.training_memory
-    run(4, "equivalence", "gpt:1f1b:pp2dp2:zero3+every", cases=1)
-    lines = run(4, "memory", "gpt:1f1b:pp2dp2:zero3+every", "gpt:1f1b:pp2dp2:zero3", cases=2, nccl_rules=False)
+    check(four_ranks, "equivalence", [FULL_SHARD])
+    lines = check(four_ranks, "memory", [FULL_SHARD, "gpt:1f1b:pp2dp2:zero3"])
     peak = {(m.group(1), m.group(2)): int(m.group(3)) for m in (
         re.search(r"case=\S+:(zero3\S*) rank=(\d+) .*measured=(\d+)", line) for line in lines) if m}
     assert len(peak) == 8 and all(peak["zero3+every", r] < peak["zero3", r] for r in "0123")
     assert all(abs(float(re.search(r"err=([-+\d.]+)%", line).group(1))) <= 10 for line in lines)  # type: ignore[union-attr]
 
 
-def test_dcp_checkpoints_of_a_tensor_parallel_and_a_sharded_run_load_into_the_plain_model(tmp_path: Path) -> None:
+@pytest.mark.timeout(TEST_S)
+def test_dcp_checkpoints_of_a_tensor_parallel_and_a_sharded_run_load_into_the_plain_model(four_ranks: Launch) -> None:
     # tp2dp2:zero3: a stage split and sharded, its fused q/k/v weight in nested strided shards of a 2-D mesh
-    cases = ["gpt:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:tp2dp2:zero3"]
-    run(4, "checkpoint", str(tmp_path), *cases, cases=len(cases))
+    check(four_ranks, "checkpoint", CHECKPOINT)
 
 
 def test_a_collective_posted_out_of_order_is_caught_before_it_runs() -> None:

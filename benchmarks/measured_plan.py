@@ -123,7 +123,8 @@ def _builder(run: Run, dtype: torch.dtype) -> Callable[[], nn.Module]:
     m = run.model
     if m.family == "gpt":
         dropout = 0.0 if run.source.key == "llm-foundry" else 0.1
-        shape = MegatronShape(m.layers, m.width, m.heads, vocab=m.vocab, seq=m.positions, dropout=dropout)
+        shape = MegatronShape(m.layers, m.width, m.heads, vocab=m.vocab, seq=m.positions, dropout=dropout,
+                              flash=run.kernels.kernels == "fused")  # llm-foundry's triton/flash attention
         tied = run.parallel.pipeline == 1
         return lambda: MegatronGPT(shape, tied=tied).to(dtype)
     llama = LlamaShape(m.layers, m.width, m.ffn, m.heads, m.kv_heads, vocab=m.vocab, seq=run.seq)

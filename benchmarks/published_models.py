@@ -27,7 +27,9 @@ __all__ = ["LlamaShape", "MegatronGPT", "MegatronShape", "Llama", "LLAMA3_405B"]
 
 @dataclass(frozen=True)
 class MegatronShape:
-    """One GPT of SC'21's Table 1 (vocabulary 51,200 and sequence 2,048 for every row)."""
+    """One GPT of SC'21's Table 1 (vocabulary 51,200 and sequence 2,048 for every row). `flash`: attention by
+    F.scaled_dot_product_attention(is_causal=True), a flash kernel that never writes the scores (MPT as llm-foundry
+    ran it, attn_impl triton/flash), instead of Megatron-LM's products and softmax over written scores."""
 
     layers: int
     width: int
@@ -35,6 +37,7 @@ class MegatronShape:
     vocab: int = 51200
     seq: int = 2048
     dropout: float = 0.1
+    flash: bool = False
 
 
 class MegatronLayer(nn.Module):
@@ -42,7 +45,7 @@ class MegatronLayer(nn.Module):
 
     def __init__(self, s: MegatronShape) -> None:
         super().__init__()
-        self.heads = s.heads
+        self.heads, self.flash = s.heads, s.flash
         self.ln1, self.qkv, self.dense = nn.LayerNorm(s.width), nn.Linear(s.width, 3 * s.width), nn.Linear(
             s.width, s.width)  # fmt: skip
         self.ln2, self.fc1, self.fc2 = nn.LayerNorm(s.width), nn.Linear(s.width, 4 * s.width), nn.Linear(
@@ -53,8 +56,12 @@ class MegatronLayer(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        probs = self.attention_dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))  # fused scale-mask-softmax
-        x = x + self.hidden_dropout(self.dense((probs @ v).transpose(1, 2).reshape(b, t, c)))
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attention_dropout.p, is_causal=True)
+        else:
+            probs = self.attention_dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))  # fused scale-mask-softmax
+            y = probs @ v
+        x = x + self.hidden_dropout(self.dense(y.transpose(1, 2).reshape(b, t, c)))
         return x + self.hidden_dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 

@@ -38,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -66,7 +67,8 @@ from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
 from partitioner.place.search.space import SearchSpace  # noqa: E402
 
 WITHIN, FREE_LIMIT, GIB = 0.15, 1.15, float(1 << 30)
-COMPUTE_PARTS = ("GEMMs", "attention products", "memory-bound ops", "recomputed forward")
+Factors = tuple[float, float]  # (GEMMs, fused attention): multipliers of the GPU type's measured fractions of peak
+NONE: Factors = (1.0, 1.0)
 
 
 @dataclasses.dataclass
@@ -80,7 +82,8 @@ class Priced:
     region: str
     measured: float
     forced: float | None = None
-    compute_share: float = 1.0  # of the forced step, the parts the efficiency scales
+    gemm_share: float = 1.0  # of the forced step: matrix products' time (their part of the recomputed forward too)
+    attention_share: float = 0.0  # attention products' time likewise
     memory: float | None = None
     capacity: float = 0.0
     over: str = ""  # why the forced configuration does not fit
@@ -98,20 +101,21 @@ def measured_tps(run: Run) -> float:
     return (low + high) / 2 / run.gpus
 
 
-def _priced_on(args: PlanArguments, factor: float) -> tuple[Cluster, GpuTable]:
-    """The row's cluster and the GPU table it is priced from: at `factor` != 1, its GPU type again under a new name
-    with the measured GEMM and fused-attention fractions of peak times `factor` (the fitted efficiency)."""
+def _priced_on(args: PlanArguments, factor: Factors) -> tuple[Cluster, GpuTable]:
+    """The row's cluster and the GPU table it is priced from: at factors other than 1, its GPU type again under a
+    new name with the measured GEMM and fused-attention fractions of peak times them (the fitted efficiencies)."""
     extra = [args.gpu_extra] if args.gpu_extra is not None else []
-    if factor == 1.0:
+    if tuple(factor) == NONE:
         table = GpuTable.load(extra=extra) if extra else GpuTable.load()
         return args.cluster_object(), table
     name = args.gpu_extra["name"] if args.gpu_extra is not None else args.cluster["gpu"]
     entries = json.loads(resources.files("cost_model").joinpath("gpus.json").read_text())["gpus"] + extra
     entry = copy.deepcopy(next(g for g in entries if g["name"] == name))
-    entry.update(name=f"{name}-x{factor:.3f}", aliases=[],
-                 gemm_efficiency={k: min(1.0, v * factor) for k, v in entry.get("gemm_efficiency", {}).items()})
+    gemm, attention = factor
+    entry.update(name=f"{name}-x{gemm:.2f}-x{attention:.2f}", aliases=[],
+                 gemm_efficiency={k: min(1.0, v * gemm) for k, v in entry.get("gemm_efficiency", {}).items()})
     if "attention_efficiency" in entry:
-        entry["attention_efficiency"] = {k: v * factor for k, v in entry["attention_efficiency"].items()}
+        entry["attention_efficiency"] = {k: min(1.0, v * attention) for k, v in entry["attention_efficiency"].items()}
     table = GpuTable.load(extra=[*extra, entry])
     return Cluster.from_dict(dict(args.cluster, gpu=entry["name"]), gpus=table), table
 
@@ -138,7 +142,7 @@ def _precision(run: Run) -> Precision:
     return dataclasses.replace(parsed, matmul="float8_e4m3fn") if run.kernels.float8 else parsed
 
 
-def _price_context(run: Run, args: PlanArguments, out: Priced, factor: float, precision: Precision,
+def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, precision: Precision,
                    free: bool) -> None:
     """A context-parallel row: the expert/context search (place/cluster/split_axes.py) on the sequence-symbolic
     export trace, every degree forced (t, p, context, sharding, the micro-batch count), recomputation as run."""
@@ -204,8 +208,8 @@ def variants(run: Run, fixed: Fixed) -> list[Fixed]:
     return out
 
 
-def price_row(run: Run, factor: float = 1.0, free: bool = True) -> Priced:
-    """Forced and (optionally) free figures of one row at GEMM efficiency `factor` x the table's."""
+def price_row(run: Run, factor: Factors = NONE, free: bool = True) -> Priced:
+    """Forced and (optionally) free figures of one row, its GPU's GEMM and attention efficiencies x `factor`."""
     start = time.perf_counter()
     args = plan_arguments(run)
     out = Priced(run.key, run.source.key, run.split, run.family or "?", region(run), measured_tps(run))
@@ -244,7 +248,7 @@ def price_row(run: Run, factor: float = 1.0, free: bool = True) -> Priced:
             out.forced = tokens / solution.step_s / run.gpus
             out.memory = max(solution.memory) / GIB
             parts = step_parts(graph, order, shardable, cluster, cost, f, solution)
-            out.compute_share = min(1.0, sum(parts.get(k, 0.0) for k in COMPUTE_PARTS) / solution.step_s)
+            out.gemm_share, out.attention_share = shares(parts, solution.step_s)
             break
         else:
             if loose is not None:
@@ -266,26 +270,42 @@ def price_row(run: Run, factor: float = 1.0, free: bool = True) -> Priced:
     return out
 
 
-def _job(item: tuple[int, float, bool]) -> Priced:
+def _job(item: tuple[int, Factors, bool]) -> Priced:
     index, factor, free = item
     return price_row(RUNS[index], factor, free)
 
 
-def fitted(rows: list[Priced]) -> dict[str, float]:
-    """Per GPU family, the compute factor fitted on the "fit" rows: the median over them of the factor f that makes
-    compute / f + rest equal the measured step (forced figures at factor 1; rows that fit only)."""
-    out: dict[str, float] = {}
+def shares(parts: dict[str, float], step_s: float) -> Factors:
+    """(GEMMs, attention) shares of a step from benchmarks/published_costs.py's parts, the recomputed forward split
+    between them and the memory-bound ops as the first forward is."""
+    g, a, rest = (parts.get(k, 0.0) for k in ("GEMMs", "attention products", "memory-bound ops"))
+    again = parts.get("recomputed forward", 0.0)
+    total = g + a + rest
+    if total > 0:
+        g, a = g + again * g / total, a + again * a / total
+    return min(1.0, g / step_s), min(1.0, a / step_s)
+
+
+GRID = np.round(np.arange(0.40, 1.601, 0.01), 2)
+
+
+def fitted(rows: list[Priced]) -> dict[str, Factors]:
+    """Per GPU family, the (GEMM, attention) factors fitted on the "fit" rows that fit: least squares of the log
+    ratio of predicted to measured time per token, each row's time taken as step x (g / f_g + a / f_a + rest) with
+    its shares at factor 1 (a small pull toward 1 decides a factor the rows do not: attention where no fit row has
+    long sequences)."""
+    out: dict[str, Factors] = {}
+    fg, fa = np.meshgrid(GRID, GRID, indexing="ij")
     for family in sorted({r.family for r in rows}):
-        factors = []
-        for r in rows:
-            if r.family != family or r.split != "fit" or r.forced is None or r.over:
-                continue
-            predicted, measured = 1.0 / r.forced, 1.0 / r.measured  # seconds per token per GPU
-            compute, rest = predicted * r.compute_share, predicted * (1 - r.compute_share)
-            if measured > rest and compute > 0:
-                factors.append(compute / (measured - rest))
-        if factors:
-            out[family] = statistics.median(factors)
+        used = [r for r in rows if r.family == family and r.split == "fit" and r.forced is not None and not r.over]
+        if not used:
+            continue
+        loss = 1e-3 * (np.log(fg) ** 2 + np.log(fa) ** 2)
+        for r in used:
+            rest, forced = 1.0 - r.gemm_share - r.attention_share, float(r.forced or 0.0)
+            loss = loss + np.log(r.measured / forced * (r.gemm_share / fg + r.attention_share / fa + rest)) ** 2
+        i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
+        out[family] = (float(GRID[i]), float(GRID[j]))
     return out
 
 
@@ -300,17 +320,17 @@ def show(r: Priced) -> None:
           f"ratio {free}{flag} ({r.seconds:.0f} s)", flush=True)
 
 
-def price_all(indices: list[int], factors: dict[str, float], free: bool, jobs: int,
+def price_all(indices: list[int], factors: dict[str, Factors], free: bool, jobs: int,
               cache: Path | None = None) -> list[Priced]:
     """Every row of `indices` priced (in `jobs` processes); rows already in `cache` (a JSON lines file of
     earlier results at the same factor, with or without the free search as asked) are read, not priced again."""
-    items = [(i, factors.get(RUNS[i].family or "", 1.0), free) for i in indices]
-    done: dict[tuple[str, float, bool], Priced] = {}
+    items = [(i, factors.get(RUNS[i].family or "", NONE), free) for i in indices]
+    done: dict[tuple[str, Factors, bool], Priced] = {}
     if cache is not None and cache.exists():
         for line in cache.read_text().splitlines():
             entry = json.loads(line)
             row = Priced(**{**entry["row"], "axes": tuple(entry["row"]["axes"])})
-            done[(row.key, entry["factor"], entry["free"])] = row
+            done[(row.key, (entry["factor"][0], entry["factor"][1]), entry["free"])] = row
     found = [done.get((RUNS[i].key, f, fr)) for i, f, fr in items]
     for known in found:
         if known is not None:
@@ -321,8 +341,8 @@ def price_all(indices: list[int], factors: dict[str, float], free: bool, jobs: i
     return [by_key[RUNS[i].key] for i, _, _ in items]
 
 
-def _price(items: list[tuple[int, float, bool]], jobs: int, cache: Path | None) -> list[Priced]:
-    def keep(item: tuple[int, float, bool], row: Priced) -> None:
+def _price(items: list[tuple[int, Factors, bool]], jobs: int, cache: Path | None) -> list[Priced]:
+    def keep(item: tuple[int, Factors, bool], row: Priced) -> None:
         show(row)
         if cache is not None:
             with cache.open("a") as out:
@@ -371,12 +391,13 @@ def main() -> None:
     indices = [i for i, r in enumerate(RUNS) if (not keys or r.key in keys)
                and (not args.source or r.source.key == args.source)]
     start = time.perf_counter()
-    factors: dict[str, float] = {}
+    factors: dict[str, Factors] = {}
     if args.fit == "family":
         print("pass 1: the table's efficiencies, fit rows only", flush=True)
         fit_rows = price_all([i for i in indices if RUNS[i].split == "fit"], {}, False, args.jobs, args.cache)
         factors = fitted(fit_rows)
-        print("fitted compute factors (fit rows only): " + ", ".join(f"{k} x{v:.3f}" for k, v in factors.items()))
+        print("fitted factors (fit rows only): " + ", ".join(f"{k} GEMMs x{g:.2f}, attention x{a:.2f}"
+                                                          for k, (g, a) in factors.items()))
         print("pass 2: every row at the fitted factors", flush=True)
     rows = price_all(indices, factors, not args.no_free, args.jobs, args.cache)
     errors_by_source(rows)

@@ -25,27 +25,30 @@ def test_measured_throughput_is_the_printed_figure() -> None:
     assert measured_tps(sc21) == pytest.approx(137e12 / eq3_per_token, rel=0.01)
 
 
-def _row(split: str, family: str, measured: float, forced: float, share: float) -> Priced:
-    return Priced("k", "s", split, family, "3d", measured, forced=forced, compute_share=share)
+def _row(split: str, family: str, measured: float, forced: float, gemm: float, attention: float = 0.0) -> Priced:
+    return Priced("k", "s", split, family, "3d", measured, forced=forced, gemm_share=gemm, attention_share=attention)
 
 
-def test_the_fit_reads_fit_rows_only_and_scales_compute_alone() -> None:
-    # predicted 1 s a token: 0.5 compute, 0.5 the rest; measured 1.5 s: compute must take 1 s, factor 0.5
+def test_the_fit_reads_fit_rows_only_and_scales_each_kind_of_compute() -> None:
+    # predicted 1 s a token: 0.5 GEMMs, 0.5 the rest; measured 1.5 s: GEMMs must take 1 s, factor 0.5
     rows = [_row("fit", "A100", 1 / 1.5, 1.0, 0.5), _row("fit", "A100", 1 / 1.5, 1.0, 0.5),
             _row("held-out", "A100", 1 / 9.0, 1.0, 0.5)]
-    assert fitted(rows) == {"A100": pytest.approx(0.5)}
-    held_only = [_row("held-out", "H100", 1.0, 2.0, 1.0)]
-    assert fitted(held_only) == {}
+    gemm, attention = fitted(rows)["A100"]
+    assert gemm == pytest.approx(0.5) and attention == pytest.approx(1.0)  # no attention in any row: left at 1
+    # a second row with attention alone slower by 2x: attention's factor 0.5, GEMMs' stays exact
+    rows.append(_row("fit", "A100", 1 / 1.8, 1.0, 0.0, 0.8))  # 0.8 / f_a + 0.2 = 1.8 -> f_a = 0.5
+    assert fitted(rows)["A100"] == (pytest.approx(0.5), pytest.approx(0.5))
+    assert fitted([_row("held-out", "H100", 1.0, 2.0, 1.0)]) == {}
 
 
 def test_a_factor_scales_the_gpu_types_product_rates() -> None:
     args = plan_arguments(BY_KEY["sc21-1.7B"])
-    base, _ = _priced_on(args, 1.0)
-    scaled, table = _priced_on(args, 0.9)
+    base, _ = _priced_on(args, (1.0, 1.0))
+    scaled, table = _priced_on(args, (0.9, 0.6))
     assert scaled.gpu.name != base.gpu.name and table.get(scaled.gpu.name) == scaled.gpu
     for (k, v), (k2, v2) in zip(base.gpu.gemm, scaled.gpu.gemm):
         assert k == k2 and v2 == pytest.approx(v * 0.9)
-    assert scaled.gpu.attention == pytest.approx(tuple(a * 0.9 for a in base.gpu.attention or ()))
+    assert scaled.gpu.attention == pytest.approx(tuple(a * 0.6 for a in base.gpu.attention or ()))
     assert scaled.gpu.memory_bytes == base.gpu.memory_bytes
 
 
@@ -74,5 +77,5 @@ def test_a_row_is_priced_forced_and_free() -> None:
     assert row.forced is not None and not row.over and row.memory is not None and row.memory < row.capacity
     assert 0.5 < row.forced / row.measured < 2.0  # the analytic model, not a hard-coded figure
     assert row.free is not None and row.free >= row.forced * (1 - 1e-9)  # its space holds the forced configuration
-    assert 0.0 < row.compute_share <= 1.0
+    assert 0.0 < row.gemm_share <= 1.0 and 0.0 < row.attention_share < row.gemm_share
     assert dataclasses.asdict(row)["key"] == "sc21-1.7B"

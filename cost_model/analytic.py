@@ -29,8 +29,9 @@ from the table instead (see [Note: GPU rates from the table]).
 # (F.scaled_dot_product_attention) runs at the table's attention_efficiency of the peak on its own
 # FLOPs: half the counted ones under is_causal (a flash kernel skips the masked blocks), backward
 # 2.5 x forward (it recomputes the scores: five products to two). Memory-bound work runs at the
-# table's bandwidth scaled the same way (the measured copy rate, or DEFAULT_BANDWIDTH_EFFICIENCY of
-# the peak). Other devices keep their measured fp32 rate (x 8 for half precision off the CPU).
+# table's bandwidth scaled the same way (the measured copy rate, or the table's measured memory_efficiency
+# of the peak: `bandwidth_efficiency`). Other devices keep their measured fp32 rate (x 8 for half precision
+# off the CPU).
 # A `matmul` dtype given (FP8 training: Transformer Engine's fp8_autocast, DeepSeek-V3's FP8 GEMMs) prices
 # every matrix product of a table GPU at that precision's peak and efficiency, forward and backward (both
 # run FP8 there); fused attention and memory-bound work keep the node's own dtype, as those recipes run them.
@@ -50,7 +51,7 @@ from cost_model.comm import default_link, p2p_time, ring_allreduce_time, slowest
 from cost_model.devices import DeviceError, DeviceSpec, device_present, measure_device, tf32_enabled
 from cost_model.gpu_table import GpuTable, GpuType, precision_of
 from cost_model.interface import BACKWARD_FACTOR, CostModel
-from cost_model.ops import classify, gemm_dims, gemm_efficiency, op_costs
+from cost_model.ops import OpCost, classify, gemm_dims, gemm_efficiency, op_costs
 
 __all__ = [
     "AnalyticCostModel",
@@ -62,6 +63,7 @@ __all__ = [
     "GPU_EFFICIENCY_RANGE",
     "STATED",
     "TABLE",
+    "bandwidth_efficiency",
     "table_efficiency",
 ]
 
@@ -80,12 +82,19 @@ DEFAULT_GPU_EFFICIENCY = 0.7
 # A measured efficiency is clipped to this range: below it the measurement was disturbed
 # (a busy GPU, clocks still ramping), above it the table or the measurement is wrong.
 GPU_EFFICIENCY_RANGE = (0.3, 1.0)
-# Fraction of the table's peak memory bandwidth a large device copy reaches (HBM: 0.8-0.9).
+# Fraction of the table's peak memory bandwidth a large device copy reaches, for a type whose table entry has
+# no measured `memory_efficiency` (gpus.json: A100 0.87, H100 SXM 0.90; see `bandwidth_efficiency`).
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
-_GPU_OP_OVERHEAD_S = 5e-6  # one eager kernel launch, for a GPU that is not here to measure
+# One eager kernel launch, for a GPU that is not here to measure: the CUDA driver's launch from C measured at
+# 4.90 us (https://github.com/JuliaGPU/CUDAdrv.jl/pull/15, its launch_overhead perftest), above PyTorch's own
+# eager dispatch of an op that launches nothing (torch.split on CUDA: 3.3-3.4 us a call in PyTorch's operator
+# micro-benchmark, https://github.com/pytorch/pytorch/pull/32194). The launches of a step overlap the GPU's
+# work except where kernels are shorter than this (ops.py counts launches per class).
+_GPU_OP_OVERHEAD_S = 5e-6
 # s(M, N, K) of the 4096 cube relative to an infinitely large product (ops.gemm_efficiency's shape rule).
 _CUBE = 1.0 / gemm_efficiency(1e18, 1e18, 1e18, "cuda", _REFERENCE_MATMUL_DEFAULT)
 _ATTENTION = "scaled_dot_product_attention"
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # DeviceSpec.matmul_precision values for a described GPU: flops_per_s is a stated fraction of the fp32 peak
 # for every precision (STATED), or stands for nothing: the table's efficiency by precision (TABLE).
 STATED, TABLE = "stated", "table"
@@ -115,10 +124,30 @@ class _GpuRates:
         return min(own * self.scale, GPU_EFFICIENCY_RANGE[1])  # never above the peak
 
 
+def bandwidth_efficiency(gpu: GpuType) -> float:
+    """The fraction of a table GPU's peak memory bandwidth its memory-bound kernels reach: the table's measured
+    `memory_efficiency` (gpus.json, with its source), else DEFAULT_BANDWIDTH_EFFICIENCY."""
+    return gpu.memory_efficiency if gpu.memory_efficiency is not None else DEFAULT_BANDWIDTH_EFFICIENCY
+
+
 def table_efficiency(gpu: GpuType, precision: str) -> float:
     """E(precision) of a GPU not measured here: its table fraction scaled to the 4096 cube, else the default."""
     measured = gpu.gemm_efficiency(precision)
     return measured * _CUBE if measured is not None else DEFAULT_GPU_EFFICIENCY
+
+
+def _memory_bytes(node: Mapping[str, Any], cost: OpCost, out_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes a memory-bound node moves: per output byte, per input byte (the graph's
+    `input_ratio`, else the class's `inputs`) and per output element (a mask), as ops.py's table counts them."""
+    ratio = node.get("input_ratio")
+    in_bytes = out_bytes * (float(ratio) if ratio is not None else cost.inputs)
+    masks = 0.0
+    if cost.mask:
+        dtypes = node.get("dtypes") or ["float32"]
+        masks = cost.mask * out_bytes / _ITEMSIZE.get(str(dtypes[0]).removeprefix("torch."), 4)
+    forward = cost.fwd_bytes * out_bytes + cost.fwd_in * in_bytes + masks
+    backward = cost.bwd_bytes * out_bytes + cost.bwd_in * in_bytes + masks
+    return forward, backward
 
 
 def _clip(value: float) -> float:
@@ -240,7 +269,7 @@ class AnalyticCostModel:
         return dataclasses.replace(
             spec,
             flops_per_s=flops,
-            bytes_per_s=spec.bytes_per_s or DEFAULT_BANDWIDTH_EFFICIENCY * gpu.memory_bytes_per_s,
+            bytes_per_s=spec.bytes_per_s or bandwidth_efficiency(gpu) * gpu.memory_bytes_per_s,
             op_overhead_s=spec.op_overhead_s or _GPU_OP_OVERHEAD_S,
             memory_bytes=spec.memory_bytes or gpu.memory_bytes,
             kind=spec.kind or "cuda",
@@ -309,8 +338,7 @@ class AnalyticCostModel:
         cost = op_costs(device_kind)[cls]
         overhead = spec.op_overhead_s
         out_bytes = float(node.get("out_bytes", 0) or 0)
-        memory_fwd = cost.fwd_bytes * out_bytes / bytes_per_s
-        memory_bwd = cost.bwd_bytes * out_bytes / bytes_per_s
+        memory_fwd, memory_bwd = (x / bytes_per_s for x in _memory_bytes(node, cost, out_bytes))
         if cls in ("gemm", "conv"):
             flops = float(node["flops"])
             shapes = node.get("shapes") or [()]

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence, get_args
 
 import torch
 
-from cost_model.analytic import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_GPU_EFFICIENCY, STATED, TABLE
+from cost_model.analytic import DEFAULT_GPU_EFFICIENCY, STATED, TABLE, bandwidth_efficiency
 from cost_model.cluster import DeviceSet
 from cost_model.comm import Link, p2p_time, ring_allreduce_time
 from cost_model.devices import DeviceSpec
@@ -347,7 +347,7 @@ class Cluster:
         efficiency = self.efficiency if self.efficiency is not None else DEFAULT_GPU_EFFICIENCY
         return DeviceSpec(
             name=self.gpu.name, flops_per_s=efficiency * self.gpu.fp32_flops,
-            bytes_per_s=DEFAULT_BANDWIDTH_EFFICIENCY * self.gpu.memory_bytes_per_s, op_overhead_s=5e-6,
+            bytes_per_s=bandwidth_efficiency(self.gpu) * self.gpu.memory_bytes_per_s, op_overhead_s=5e-6,
             memory_bytes=self.gpu.memory_bytes, kind="cuda", gpu_type=self.gpu.name,
             matmul_precision=STATED if self.efficiency is not None else TABLE,
         )  # fmt: skip

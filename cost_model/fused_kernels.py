@@ -32,7 +32,7 @@ from cost_model.recompute_cost import saved_by, saved_bytes_per_node
 
 __all__ = ["fused_away", "fused_outputs", "fused_saved"]
 
-_POINTWISE = ("elementwise", "transcendental", "activation", "dropout")
+_POINTWISE = ("elementwise", "add", "mul", "transcendental", "activation", "dropout")
 _ACTIVATIONS = ("transcendental", "activation")
 
 

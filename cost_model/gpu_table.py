@@ -64,6 +64,8 @@ class GpuType:
     `gemm` holds measured fractions of the dense peak that large matrix products reach, by precision (the
     analytic model scales them by shape: cost_model/analytic.py); `attention` the fractions a fused
     attention kernel reaches forward and backward on its own FLOPs; `kernels` says where both come from.
+    `memory_efficiency` is the measured fraction of the peak memory bandwidth a large memory-bound kernel
+    reaches (None: not measured), `memory_source` where it was measured.
     """
 
     name: str
@@ -81,6 +83,8 @@ class GpuType:
     attention: tuple[float, float] | None = None  # fused attention (forward, backward) fraction of the peak
     kernels: str = ""  # where gemm and attention come from
     fp8_flops: float = 0.0  # FP8 tensor cores' dense peak; 0 where the table gives none (fp16's rate is used)
+    memory_efficiency: float | None = None  # measured fraction of memory_bytes_per_s a large copy reaches
+    memory_source: str = ""  # where memory_efficiency comes from
 
     def peak(self, precision: Any) -> float:
         """Dense peak flop/s for a precision or dtype ('tf32', 'bfloat16', torch.float16, ...); fp8 on a GPU the
@@ -116,7 +120,7 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
     name = str(data.get("name", "")).strip()
     where = f"gpus[{index}] ({name or 'no name'})"
     known = {"name", "aliases", "tflops", "memory_gib", "memory_gb_per_s", "nvlink_gb_per_s", "source", "note",
-             "gemm_efficiency", "attention_efficiency", "kernels"}
+             "gemm_efficiency", "attention_efficiency", "kernels", "memory_efficiency", "memory_source"}
     found = len(problems)
     if not name:
         problems.append(f"{where}: needs a 'name', such as 'H100-SXM'")
@@ -153,6 +157,12 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         problems.append(f"{where}: attention_efficiency={attention!r}; give {{'forward': f, 'backward': b}}, "
                         "fractions of the peak in (0, 1]")
         attention = None
+    memory = data.get("memory_efficiency")
+    if memory is not None and not (isinstance(memory, (int, float)) and 0 < memory <= 1):
+        problems.append(f"{where}: memory_efficiency={memory!r}; give the measured fraction of memory_gb_per_s, "
+                        "in (0, 1]")
+    if memory is not None and not str(data.get("memory_source", "")).strip():
+        problems.append(f"{where}: memory_efficiency needs a 'memory_source' saying where it was measured")
     aliases = data.get("aliases", [])
     if isinstance(aliases, str) or not isinstance(aliases, Sequence):
         problems.append(f"{where}: aliases must be a list of names, e.g. ['H100', 'H100 SXM']")
@@ -180,6 +190,8 @@ def _entry(data: Any, index: int, problems: list[str]) -> GpuType | None:
         attention=(float(attention["forward"]), float(attention["backward"])) if attention else None,
         kernels=str(data.get("kernels", "")),
         fp8_flops=scaled("tflops.fp8", 1e12, 0.0),
+        memory_efficiency=float(memory) if memory is not None else None,
+        memory_source=str(data.get("memory_source", "")),
     )
 
 

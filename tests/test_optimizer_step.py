@@ -47,7 +47,8 @@ def test_a_sharded_rank_steps_one_shard() -> None:
 def test_the_cluster_search_steps_at_the_memory_bound_kernels_rate() -> None:
     cost = AnalyticCostModel(cluster_devices(CLUSTER)[2])
     gpu, _, rate = cost.gpu_rates("cuda:0")
-    assert memory_bandwidth(cost, torch.device("cuda:0")) == rate == pytest.approx(0.8 * gpu.memory_bytes_per_s)
+    # gpus.json's measured memory_efficiency of the H100 SXM: FlashMLA's 3000 of 3350 GB/s, 0.9
+    assert memory_bandwidth(cost, torch.device("cuda:0")) == rate == pytest.approx(0.9 * gpu.memory_bytes_per_s)
 
 
 @pytest.mark.parametrize("mode, shards", [("none", 1), ("zero3", 8)])

@@ -3,6 +3,8 @@
 One vertex per fx node (keyed by node name) carrying:
   name, op, target, module (owning module path), position (topological index),
   shapes, dtypes, out_bytes (bytes of the node's output tensors),
+  input_ratio (bytes of its tensor arguments over out_bytes, where both are nonzero: a ratio, so it
+  holds when a batch or a tensor split scales out_bytes; cost_model/ops.py prices reductions by it),
   param_bytes (parameters and buffers first used here), flops (forward).
 Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
 """
@@ -56,16 +58,23 @@ class _Recorder(torch.fx.Interpreter):
         self.info: dict[str, dict[str, Any]] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        read = 0
+        if n.op in ("call_function", "call_method", "call_module"):
+            args = self.fetch_args_kwargs_from_env(n)
+            read = sum(_tensor_bytes(x) for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor))
         counter = FlopCounterMode(display=False)
         with counter:
             result = super().run_node(n)
         tensors = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+        out_bytes = sum(_tensor_bytes(t) for t in tensors)
         self.info[n.name] = {
             "shapes": [tuple(t.shape) for t in tensors],
             "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
-            "out_bytes": sum(_tensor_bytes(t) for t in tensors),
+            "out_bytes": out_bytes,
             "flops": int(counter.get_total_flops()),
         }
+        if read and out_bytes:
+            self.info[n.name]["input_ratio"] = read / out_bytes
         return result
 
 

@@ -330,7 +330,7 @@ _STAGE_DEFAULTS: dict[str, Any] = {"optimizer_ms": 0.0,
                                    "expert": 1,
                                    "expert_layers": [], "context": 1, "context_attention": []}
 _PLAN_DEFAULTS: dict[str, Any] = {"data_split": "deal", "precision": None, "node_keys": [], "kernels": "eager"}
-_PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name"}
+_PRECISION_KEYS = {"compute", "param", "grad", "state", "optimizer", "name", "matmul"}  # Precision.to_dict()
 
 
 def _node_problems(stages: list[StagePlan], graph: Mapping[str, Sequence[str]] | None) -> list[str]:

@@ -8,6 +8,7 @@ import torch
 from cost_model.precision import FP32, MIXED, PURE_BF16, Precision, optimizer_name, optimizer_state_elements
 from cost_model.training_memory import fits_under, training_memory
 from rules.sharding import accumulates_unsharded, mode_rule, reduces
+from runtime.plan import Plan, StagePlan
 
 LLAMA_7B = 6_738_415_616  # Llama-2-7B's parameters
 GIB = 1 << 30
@@ -95,6 +96,13 @@ def test_fp8_products_keep_the_weights_fp8_copy_and_its_transpose() -> None:
     assert z3_fp8.weights == 2 * z3.weights  # the gathered units' copies: 2 + 2 bytes where 2 were
     with pytest.raises(ValueError, match="is not one of"):
         Precision(matmul="fp7")
+
+
+def test_a_plan_holds_every_precision_field() -> None:
+    fp8 = Precision(matmul="fp8")
+    plan = Plan(stages=[StagePlan(0, "cuda:0", ["a"])], micro_batches=1, precision=fp8.to_dict())
+    plan.check()  # runtime/plan.py's own list of the keys holds 'matmul': every plan failed its check without it
+    assert Precision.from_dict(Plan.from_json(plan.to_json()).precision or {}) == fp8
 
 
 def test_memory_by_kind_divided_by_the_sharding_degree() -> None:

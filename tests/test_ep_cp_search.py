@@ -86,6 +86,23 @@ def test_the_problem_one_rank_runs_against_a_hand_count() -> None:
         split_problem(plain, facts, expert=2, skew=0.5)
 
 
+def test_a_rank_of_an_expert_group_reads_its_share_of_the_weights_every_micro_batch() -> None:
+    # the stack (node 1) costs 6 ms a micro-batch whatever its size (its weights read, fixed_times) and 1 s of
+    # work for the batch of 8; probed at 1 and 2 samples. As one rank of 4: the read / 4, and the work the larger
+    # of 3 x 1e12 FLOPs at the product rate (node 2: 3e9 FLOPs in 1 ms, 3e12 FLOP/s: 1 s) and 1 s / 4
+    fixed = np.array([[0.0, 6e-3, 0.0]])
+    sizes = {k: fixed + np.array([[1.0, 1.0, 1e-3]]) * k / 8 for k in (1, 2)}
+    plain = dataclasses.replace(_problem(), fixed_times=fixed, batch_times=np.array([[1.0, 1.0, 1e-3]]),
+                                size_times=sizes)
+    facts = dataclasses.replace(_facts(), flops=np.array([0.0, 1e12, 1e9]))
+    ep = split_problem(plain, facts, expert=4)
+    assert ep.micro_batch_times(8)[0][1] == pytest.approx(max(1.0 / 8, (6e-3 + 1.0 / 8) / 4))  # probed: 1 sample
+    assert ep.micro_batch_times(4)[0][1] == pytest.approx(max(2.0 / 8, (6e-3 + 2.0 / 8) / 4))
+    assert ep.fixed_times[0][1] == pytest.approx(6e-3 / 4) and ep.batch_times[0][1] == pytest.approx(1.0)
+    light = split_problem(plain, dataclasses.replace(facts, flops=np.array([0.0, 1e8, 1e9])), expert=4)
+    assert light.micro_batch_times(8)[0][1] == pytest.approx((6e-3 + 1.0 / 8) / 4)  # the read bounds it
+
+
 def test_uncounted_experts_run_at_the_products_rate_not_attentions() -> None:
     # nodes: an attention (2e9 forward FLOPs, 1 s), a product (2e9, 0.25 s), a stack of experts whose FLOPs the
     # tracer did not count (1e9 forward); the stack runs at the product's rate, 3 x 2e9 / 0.25 s, not at the

@@ -135,21 +135,32 @@ def _add(problem: SearchProblem, pos: np.ndarray, latency: np.ndarray, per_sampl
     return dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, size_times=sizes)
 
 
-def _scale(problem: SearchProblem, pos: np.ndarray, factor: np.ndarray) -> SearchProblem:
-    """`problem` with node pos[i]'s times (every micro-batch size) multiplied by factor[i]."""
-    scale = np.ones(problem.n)
-    scale[pos] = factor
-    sizes = {k: v * scale for k, v in problem.size_times.items()} if problem.size_times else None
-    return dataclasses.replace(problem, fixed_times=problem.fixed_times * scale,
-                               batch_times=problem.batch_times * scale, size_times=sizes)
+def _held(problem: SearchProblem, pos: np.ndarray, compute: np.ndarray, expert: int,
+          samples: float) -> SearchProblem:
+    """`problem` with node pos[i] as one rank of `expert` runs it: the larger of compute[i] (seconds for the whole
+    batch of `samples`, forward + backward) and its time / expert, at every probed micro-batch size; fixed / expert and
+    max(compute, per-sample / expert) where unprobed ([Note: a split stack reads its own experts' weights])."""
+    fixed, batch = problem.fixed_times.copy(), problem.batch_times.copy()
+    fixed[:, pos] /= expert
+    batch[:, pos] = np.maximum(compute, batch[:, pos] / expert)
+    sizes = None
+    if problem.size_times:
+        sizes = {k: v.copy() for k, v in problem.size_times.items()}
+        for k, v in sizes.items():
+            v[:, pos] = np.maximum(compute * k / samples, v[:, pos] / expert)
+    return dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, size_times=sizes)
 
 
 # [Note: a split stack reads its own experts' weights]
 # A stack of experts is one node: the cost model prices it as one product that reads every expert's weights
 # each pass (DeepSeek-V3: 256 experts, 22.5 GB a layer, 8.5 ms forward on an H100 for one 4k sequence, where its
-# FLOPs take 1.9 ms at the FP8 rate). A rank of an expert group holds and reads 1 / e of them, so its time is
-# the larger of the stack's FLOPs (counted, or 2 x one expert's weights per token-slot) at the graph's product
-# rate and the whole stack's time / e (the weight read, where that bounds it).
+# FLOPs take 1.9 ms at the FP8 rate). A rank of an expert group holds and reads 1 / e of them, so for a
+# micro-batch of s samples its time is the larger of the stack's FLOPs for s (counted, or 2 x one expert's
+# weights per token-slot) at the graph's product rate and the whole stack's time for s / e (the weight read,
+# where that bounds it). The read is mostly the per-micro-batch part of the stack's time (`fixed_times`, paid
+# whatever s): it is / e too (DeepSeek-V3 at TP 2, MBS 1: 59.6 of the stack's 65.3 ms forward + backward; before,
+# only the per-sample part was bounded and 52 ms of read stayed on every rank). Where the problem has no probe
+# at s, fixed / e + max(FLOPs, per-sample / e) x s, above the larger by at most the read / e.
 
 
 def split_problem(problem: SearchProblem, facts: SplitFacts, *, expert: int = 1, context: int = 1, tensor: int = 1,
@@ -171,9 +182,8 @@ def split_problem(problem: SearchProblem, facts: SplitFacts, *, expert: int = 1,
         own = problem.batch_times[0][facts.expert_pos] / samples
         if expert > 1:  # [Note: a split stack reads its own experts' weights]
             flops = np.where(counted, facts.flops[facts.expert_pos], facts.expert_flops)
-            held = np.maximum(flops * 3.0 / rate / samples, own / expert)
-            out = _scale(out, facts.expert_pos, held / np.maximum(own, 1e-30))
-            own, work = held, np.zeros(len(work))
+            out = _held(out, facts.expert_pos, flops * 3.0 / rate, expert, samples)
+            own, work = out.batch_times[0][facts.expert_pos] / samples, np.zeros(len(work))
         out = _add(out, facts.expert_pos, np.zeros(len(work)), (work + own) * (skew - 1.0) + work)
     if c > 1:
         size = {k: v / c for k, v in (out.size_times or {}).items()}

@@ -159,7 +159,11 @@ def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Sp
     graph, order, shardable, facts, cost, cluster = parts
     t, p, e, c, mode = config
     counts = row.batch // row.mbs if row.mbs else None  # the published micro-batch size: batch / MBS in all
-    space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,))
+    # Megatron-LM runs TP beside EP only with sequence parallelism (megatron/core/transformer/transformer_config.py:
+    # "When using expert parallelism and tensor parallelism, sequence parallelism must be used"): priced only
+    sequence = t > 1 and e > 1
+    space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,),
+                        sequence_parallel=sequence)
     return search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=e, context=c,
                         stages=p)
 

@@ -103,6 +103,21 @@ def test_a_rank_of_an_expert_group_reads_its_share_of_the_weights_every_micro_ba
     assert light.micro_batch_times(8)[0][1] == pytest.approx((6e-3 + 1.0 / 8) / 4)  # the read bounds it
 
 
+def test_under_sequence_parallelism_a_tensor_rank_dispatches_and_computes_its_share_of_the_tokens() -> None:
+    # the stack (node 1): 1e12 forward FLOPs for the batch of 8, priced at 3e12 FLOP/s (given: the rate before
+    # the tensor split), 1 s of its own; one of t = 2 tensor ranks with sequence parallelism sends 64 / 2 bytes a
+    # dispatch and computes 3e12 / 2 FLOPs; without it, every token on each tensor rank
+    plain, a2a, m = _problem(), (1e-3, 1e-4), 4
+    facts = dataclasses.replace(_facts(), flops=np.array([0.0, 1e12, 0.0]))
+    whole = plain.micro_batch_times(m)[0]
+    sp = split_problem(plain, facts, expert=4, tensor=2, all_to_all=a2a, sequence=True, rate=3e12)
+    assert sp.micro_batch_times(m)[0][1] == pytest.approx(max(0.5, 1.0 / 4) / m + 4 * (a2a[0] + a2a[1] * 32.0 / m))
+    no_sp = split_problem(plain, facts, expert=4, tensor=2, all_to_all=a2a, rate=3e12)
+    assert no_sp.micro_batch_times(m)[0][1] == pytest.approx(1.0 / m + 4 * (a2a[0] + a2a[1] * 64.0 / m))
+    assert sp.micro_batch_times(m)[0][[0, 2]].tolist() == pytest.approx(whole[[0, 2]].tolist())
+    assert sp.param_bytes.tolist() == no_sp.param_bytes.tolist()  # the weights: / e, not / t
+
+
 def test_uncounted_experts_run_at_the_products_rate_not_attentions() -> None:
     # nodes: an attention (2e9 forward FLOPs, 1 s), a product (2e9, 0.25 s), a stack of experts whose FLOPs the
     # tracer did not count (1e9 forward); the stack runs at the product's rate, 3 x 2e9 / 0.25 s, not at the

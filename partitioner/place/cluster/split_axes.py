@@ -177,11 +177,13 @@ class _Pair:
 
     def axes(self, choice: Choice) -> Axes:
         """The axes under `choice`, each tensor degree's problem as one rank of the groups runs it."""
-        _, axes = self.prepared.priced(choice, self.nodes)
+        whole, axes = self.prepared.priced(choice, self.nodes)
         e, c = self.e, self.c
+        rate = self.facts.rate(whole) if len(self.facts.expert_pos) else None  # before the tensor split
         degrees = Degrees(tuple(dataclasses.replace(d, problems=tuple(
             split_problem(p, self.facts, expert=e, context=c, tensor=d.tensor, all_to_all=self.a2a[d.tensor],
-                          gather=self.gather[d.tensor], skew=self.skew, grad_scale=self.scale) for p in d.problems))
+                          gather=self.gather[d.tensor], skew=self.skew, grad_scale=self.scale,
+                          sequence=self.space.sequence_parallel, rate=rate) for p in d.problems))
             for d in axes.degrees if d.tensor in self.a2a))
         if not degrees.degrees:
             raise InfeasibleError(f"expert {e} x context {c} groups need more than {self.size} GPUs", [])

@@ -151,6 +151,15 @@ def _held(problem: SearchProblem, pos: np.ndarray, compute: np.ndarray, expert: 
     return dataclasses.replace(problem, fixed_times=fixed, batch_times=batch, size_times=sizes)
 
 
+# [Note: experts under sequence parallelism]
+# Megatron-LM runs tensor parallelism beside experts only with sequence parallelism (megatron/core/transformer/
+# transformer_config.py: "When using expert parallelism and tensor parallelism, sequence parallelism must be
+# used"): each tensor rank routes, dispatches and computes the 1/t of the sequence it holds, so a rank's
+# all-to-all bytes and its experts' FLOPs are / t (DeepSeek-V3 at TP 2, one 4k sequence: 470 MB -> 235 MB a
+# dispatch); the stack's weights stay whole on each tensor rank (its experts, not the tokens, split over the
+# expert group). Without it (what the runtime runs: eager DTensor, no SequenceParallel) every tensor rank
+# dispatches and computes every token. Like sequence parallelism itself, priced only (search/space.py).
+
 # [Note: a split stack reads its own experts' weights]
 # A stack of experts is one node: the cost model prices it as one product that reads every expert's weights
 # each pass (DeepSeek-V3: 256 experts, 22.5 GB a layer, 8.5 ms forward on an H100 for one 4k sequence, where its
@@ -165,23 +174,29 @@ def _held(problem: SearchProblem, pos: np.ndarray, compute: np.ndarray, expert: 
 
 def split_problem(problem: SearchProblem, facts: SplitFacts, *, expert: int = 1, context: int = 1, tensor: int = 1,
                   all_to_all: Affine = (0.0, 0.0), gather: Affine = (0.0, 0.0), skew: float = 1.0,
-                  grad_scale: float = 1.0) -> SearchProblem:
+                  grad_scale: float = 1.0, sequence: bool = False, rate: float | None = None) -> SearchProblem:
     """The problem as one rank of an expert group of `expert` replicas and a context group of `context` ranks runs
     it (module docstring); `problem` is as one of `tensor` ranks runs it. `all_to_all`: the expert group's
     all-to-all (cost_model.all_to_all.all_to_all_affine); `gather`: the context group's all-reduce ring
-    (cost_model.collectives.ring_of; an all-gather is half of it). Where nothing splits, `problem` itself."""
+    (cost_model.collectives.ring_of; an all-gather is half of it). `sequence`: `problem` was priced with sequence
+    parallelism (search/tensor_split.py), so each tensor rank dispatches and computes 1/t of the tokens ([Note:
+    experts under sequence parallelism]). `rate`: the graph's product rate (FLOP/s, `SplitFacts.rate`) read on the
+    problem before its tensor split (`facts` counts every FLOP of the whole graph, a rank of t runs 1/t of a split
+    product's); None: read on `problem`. Where nothing splits, `problem` itself."""
     if skew < 1:
         raise ValueError(f"skew={skew}: the busiest rank's expert load over the mean is 1 (uniform) or more")
     out = problem
     c, samples = max(1, context), float(facts.batch or 1)
-    rate = facts.rate(problem) if len(facts.expert_pos) else float("inf")
+    share = max(1, tensor) if sequence else 1  # the tensor ranks a micro-batch's tokens are split over
+    if rate is None:
+        rate = facts.rate(problem) if len(facts.expert_pos) else float("inf")
     if len(facts.expert_pos):  # the experts' work where the tracer counted none, and the busiest rank's skew
         skew = skew if expert > 1 else 1.0  # a replica holding every expert computes its own tokens' slots
         counted = facts.flops[facts.expert_pos] > 0
-        work = np.where(counted, 0.0, facts.expert_flops * 3.0 / rate) / samples
+        work = np.where(counted, 0.0, facts.expert_flops * 3.0 / rate) / samples / share
         own = problem.batch_times[0][facts.expert_pos] / samples
         if expert > 1:  # [Note: a split stack reads its own experts' weights]
-            flops = np.where(counted, facts.flops[facts.expert_pos], facts.expert_flops)
+            flops = np.where(counted, facts.flops[facts.expert_pos], facts.expert_flops) / share
             out = _held(out, facts.expert_pos, flops * 3.0 / rate, expert, samples)
             own, work = out.batch_times[0][facts.expert_pos] / samples, np.zeros(len(work))
         out = _add(out, facts.expert_pos, np.zeros(len(work)), (work + own) * (skew - 1.0) + work)
@@ -198,7 +213,7 @@ def split_problem(problem: SearchProblem, facts: SplitFacts, *, expert: int = 1,
         out = _add(out, everywhere, np.zeros(out.n), np.where(grads > 0, latency + slope * grads, 0.0) / samples)
     if expert > 1:
         latency, slope = all_to_all
-        sent = facts.dispatch_bytes / c / samples * skew
+        sent = facts.dispatch_bytes / c / share / samples * skew
         out = _add(out, facts.expert_pos, np.full(len(sent), 4 * latency), 4 * slope * sent)
         params = out.param_bytes.copy()
         held = np.minimum(params[facts.expert_pos], facts.expert_bytes)

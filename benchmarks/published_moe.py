@@ -6,6 +6,8 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
                   PP 16 (DualPipe), EP 64 over 8 nodes, ZeRO-1 data parallelism, no TP; 180K H800 GPU hours per
                   trillion tokens = 1,543 tokens/s per GPU; sequence 4,096, batch 15,360; H800: NVLink 160 GB/s,
                   InfiniBand 50 GB/s per GPU (section 3.2.2). Trained in FP8 (products FP8: Precision.matmul).
+                  Node-limited routing (section 3.2.2: each token to at most 4 nodes, sent once a node over IB and
+                  forwarded over NVLink): max_nodes=4 (cost_model.all_to_all.NodeLimited).
     DSv3-H100     DeepSeek-V3 on 1,024 H100, Megatron-Bridge (https://docs.nvidia.com/nemo/megatron-bridge/latest/
                   performance-summary-archive.html, 25.09 container, "DeepSeekV3 (dropless)"): GBS 8192, MBS 1,
                   sequence 4096, TP 2 x PP 8 x VP 4 x EP 64, GA 128, 1,297 tokens/s per GPU (338 model TFLOP/s), FP8
@@ -96,6 +98,7 @@ class Row:
     baseline: tuple[int, int, int, int, str] | None = None  # the forced configuration's no-CP twin (ratio rows)
     mbs: int | None = None  # the published micro-batch size (None: not published, searched)
     precision: Precision = MIXED  # FP8 where the run's products were FP8
+    max_nodes: int | None = None  # node-limited routing where the run's dispatch sends a token once a host
 
 
 def _moe(shape: MoEShape) -> Callable[[], torch.nn.Module]:
@@ -114,8 +117,8 @@ def _per_token_405b() -> float:
 
 ROWS = [
     Row("DSv3-H800", _moe(DEEPSEEK_V3), 2048, 15360, 4096, (1, 16, 64, 1, "zero1"), 1e12 / (180e3 * 3600),
-        {"hosts": 256, **H800}, "arXiv 2412.19437: 180K H800 GPU hours / 1T tokens; PP16 EP64 ZeRO-1; batch 15360; FP8",
-        precision=FP8),
+        {"hosts": 256, **H800}, "arXiv 2412.19437: 180K H800 GPU hours / 1T tokens; PP16 EP64 ZeRO-1; batch 15360; "
+        "FP8; each token to at most 4 nodes (3.2.2)", precision=FP8, max_nodes=4),
     Row("DSv3-H100", _moe(DEEPSEEK_V3), 1024, 8192, 4096, (2, 8, 64, 1, "zero1"), 1297,
         {"hosts": 128, **H100}, "Megatron-Bridge performance summary 25.09: GBS 8192 MBS 1, TP2 PP8 VP4 EP64, FP8",
         mbs=1, precision=FP8),
@@ -165,7 +168,7 @@ def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Sp
     space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,),
                         sequence_parallel=sequence)
     return search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=e, context=c,
-                        stages=p)
+                        stages=p, max_nodes=row.max_nodes)
 
 
 def rate(row: Row, split: Split) -> float:
@@ -209,7 +212,7 @@ def run(row: Row, free: bool) -> bool:
     if free and row.baseline is None:
         try:
             best = search_split(parts[0], parts[1], parts[5], parts[4], parts[3], precision=row.precision,
-                                shardable=parts[2])
+                                shardable=parts[2], max_nodes=row.max_nodes)
             print(f"{'':>12} free: {shown(best)}; {rate(row, best):.0f} tokens/s per GPU, ratio "
                   f"{rate(row, best) / row.published:.2f} ({time.perf_counter() - start:.0f} s for the row)",
                   flush=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_model.all_to_all import all_to_all_affine, all_to_all_time
+from cost_model.all_to_all import NodeLimited, all_to_all_affine, all_to_all_time
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster_shape import Cluster
 from cost_model.precision import MIXED
@@ -39,6 +39,23 @@ def test_all_to_all_is_priced_at_the_bus_bandwidth_inside_and_across_hosts() -> 
     assert all_to_all_time(cluster, b, [0]) == 0.0 and all_to_all_time(cluster, 0.0, range(8)) == 0.0
     latency, slope = all_to_all_affine(cluster, range(16))
     assert latency + slope * b == pytest.approx(all_to_all_time(cluster, b, range(16)))
+
+
+def test_node_limited_routing_sends_a_token_once_a_host() -> None:
+    # DeepSeek-V3 (arXiv 2412.19437 section 3.2.2): 8 experts a token, on at most 4 of the group's 8 hosts; a
+    # token crosses the NIC once per other host reached: 4 x 7/8 of 8 x 7/8 slots' bytes, half the unlimited
+    cluster = Cluster.parse("8x8xH100")
+    intra, inter = cluster.fabric.intra, cluster.fabric.inter
+    b, limited = 1e9, NodeLimited(max_nodes=4, top_k=8)
+    assert limited.across(8) == pytest.approx(0.5)  # 8 x (1 - (7/8)^8) = 5.25 hosts reached unlimited, 4 with it
+    assert limited.across(2) == pytest.approx(2 * (1 - 0.5**8) / 8)  # 2 hosts: 1.99 reached, under the limit
+    assert all_to_all_time(cluster, b, range(64), limited) == pytest.approx(
+        inter.latency_s + max(63 / 64 * b / intra.bandwidth, 56 / 64 * b / inter.bandwidth * 0.5))
+    assert all_to_all_time(cluster, b, range(8), limited) == all_to_all_time(cluster, b, range(8))  # one host
+    latency, slope = all_to_all_affine(cluster, range(64), limited)
+    assert latency + slope * b == pytest.approx(all_to_all_time(cluster, b, range(64), limited))
+    with pytest.raises(ValueError, match="max_nodes=0"):
+        NodeLimited(max_nodes=0, top_k=8)
 
 
 def _problem(batch: int = 8) -> SearchProblem:

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import networkx as nx
 import numpy as np
 
-from cost_model.all_to_all import all_to_all_affine
+from cost_model.all_to_all import NodeLimited, all_to_all_affine
 from cost_model.cluster_shape import Cluster
 from cost_model.collectives import ring_of
 from cost_model.interface import CostModel
@@ -118,11 +118,13 @@ def search_split(
     graph: nx.DiGraph, order: Sequence[str], cluster: Cluster, cost: CostModel, facts: SplitFacts, *,
     space: SearchSpace | None = None, precision: Precision | None = None, shardable: Shardable | None = None,
     skew: float = 1.0, expert: int | None = None, context: int | None = None, headroom: float = 0.9,
-    optimizer: str = "adam", stages: int | None = None,
+    optimizer: str = "adam", stages: int | None = None, max_nodes: int | None = None,
 ) -> Split:
     """The best plan counts over expert and context degrees and every other axis the cluster search prices
     (module docstring). `expert`/`context`/`stages`: force that degree or stage count (the space: the tensor degree
-    and sharding). Raises InfeasibleError where nothing fits."""
+    and sharding). `max_nodes`: node-limited routing, each token's experts on at most that many hosts and sent
+    once a host (cost_model.all_to_all.NodeLimited; DeepSeek-V3: 4). Raises InfeasibleError where nothing fits."""
+    routing = NodeLimited(max_nodes, facts.top_k) if max_nodes is not None else None
     space = space if space is not None else SearchSpace(recompute="auto", precision=precision)
     optimizer = space.optimizer(optimizer)
     es, cs = degree_options(facts, cluster, expert=expert, context=context)
@@ -143,7 +145,7 @@ def search_split(
             for e in es:
                 try:
                     found, choice = search_choices(allowed, _Pair(prepared, nodes, view, cluster, facts, allowed, e, c,
-                                                                  skew, scale, stages))
+                                                                  skew, scale, stages, routing))
                 except InfeasibleError as exc:
                     failure = exc
                     tried.setdefault((e, c), float("inf"))
@@ -157,7 +159,7 @@ def search_split(
     found.choice = choice
     nodes = prepared.nodes(graph, order, cost)
     problem, axes = prepared.priced(choice, nodes)
-    chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale, stages).axes(choice)
+    chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale, stages, routing).axes(choice)
     plain = axes.degree(found.tensor).problem
     return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision), view,
                  chosen, plain, prepared.groups.get(found.tensor, []))
@@ -168,12 +170,13 @@ class _Pair:
     search_choices, and the axes it prices under a choice."""
 
     def __init__(self, prepared: Prepared, nodes: NodeFacts, view: Cluster, cluster: Cluster, facts: SplitFacts,
-                 space: SearchSpace, e: int, c: int, skew: float, scale: float, stages: int | None = None) -> None:
+                 space: SearchSpace, e: int, c: int, skew: float, scale: float, stages: int | None = None,
+                 routing: NodeLimited | None = None) -> None:
         self.prepared, self.nodes, self.view, self.facts, self.space = prepared, nodes, view, facts, space
         self.e, self.c, self.skew, self.scale, self.size, self.stages = e, c, skew, scale, cluster.size, stages
         tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
         self.gather = {t: ring_of(cluster, [k * t for k in range(c)]) for t in tensors}  # a replica's context ranks
-        self.a2a = {t: all_to_all_affine(cluster, [k * t * c for k in range(e)]) for t in tensors}  # e replicas
+        self.a2a = {t: all_to_all_affine(cluster, [k * t * c for k in range(e)], routing) for t in tensors}
 
     def axes(self, choice: Choice) -> Axes:
         """The axes under `choice`, each tensor degree's problem as one rank of the groups runs it."""

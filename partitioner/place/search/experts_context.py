@@ -62,6 +62,7 @@ class SplitFacts:
     expert_paths: tuple[str, ...] = ()  # module path of each expert call (the plan's StagePlan.expert_layers)
     attention_paths: tuple[str, ...] = ()  # module path of each split attention (StagePlan.context_attention)
     attends: np.ndarray | None = None  # [n] True at fused attention nodes (left out of the GEMM rate)
+    top_k: int = 1  # experts a token goes to (the largest of the layers'): what node-limited routing bounds
 
     @property
     def has_experts(self) -> bool:
@@ -82,7 +83,7 @@ class SplitFacts:
         flops = np.array([float(graph.nodes[x].get("flops", 0) or 0) for x in order])
         attends = np.array(["scaled_dot_product_attention" in str(graph.nodes[x].get("target", "")) for x in order],
                            dtype=bool)
-        pos, wbytes, sent, work, paths = [], [], [], [], []
+        pos, wbytes, sent, work, paths, ks = [], [], [], [], [], [1]
         for layer in (experts.layers if experts is not None else []):
             if layer.node not in position:
                 continue
@@ -91,6 +92,7 @@ class SplitFacts:
             tokens, hidden = (rows[0][0], rows[0][-1]) if len(rows[0]) >= 2 else (0, 0)
             itemsize = max(1, int(attrs.get("out_bytes", 0) or 0) // max(1, tokens * hidden)) if tokens else 2
             k = layer.top_k or 1
+            ks.append(k)
             pos.append(position[layer.node])
             paths.append(layer.path)
             wbytes.append(float(layer.param_bytes))
@@ -111,7 +113,7 @@ class SplitFacts:
         c_deg = sequence.degrees() if split else (1,)
         return cls(batch, flops, np.array(pos, dtype=np.int64), np.array(wbytes), np.array(sent), np.array(work),
                    tuple(e_deg), np.array(apos, dtype=np.int64), np.array(kv), tuple(c_deg), tuple(paths), tuple(heads),
-                   attends)
+                   attends, max(ks))
 
     def rate(self, problem: SearchProblem) -> float:
         """The graph's own GEMM rate: forward + backward FLOPs (3 x forward) of its big products (not attention)

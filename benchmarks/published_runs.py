@@ -117,7 +117,8 @@ def _priced_on(args: PlanArguments, factor: Factors) -> tuple[Cluster, GpuTable]
     if "attention_efficiency" in entry:
         entry["attention_efficiency"] = {k: min(1.0, v * attention) for k, v in entry["attention_efficiency"].items()}
     table = GpuTable.load(extra=[*extra, entry])
-    return Cluster.from_dict(dict(args.cluster, gpu=entry["name"]), gpus=table), table
+    # the fabric stays the measured GPU's: its defaults (NVLink bus bandwidth, NICs) are keyed by the type's name
+    return dataclasses.replace(args.cluster_object(), gpu=table.get(entry["name"])), table
 
 
 def _config(t: int, p: int, d: int, *, mbs: float, v: int, sharding: str, recompute: str, c: int = 1) -> str:

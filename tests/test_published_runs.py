@@ -50,6 +50,7 @@ def test_a_factor_scales_the_gpu_types_product_rates() -> None:
         assert k == k2 and v2 == pytest.approx(v * 0.9)
     assert scaled.gpu.attention == pytest.approx(tuple(a * 0.6 for a in base.gpu.attention or ()))
     assert scaled.gpu.memory_bytes == base.gpu.memory_bytes
+    assert scaled.fabric == base.fabric  # the links stay the measured GPU's (their defaults go by the type's name)
 
 
 def test_unstated_choices_go_from_fastest_to_least_memory() -> None:

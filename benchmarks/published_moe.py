@@ -32,7 +32,8 @@ without them); DualPipe is priced as 1F1B, and all-to-alls as the runtime runs t
 compute); FP8 rows run their products at the FP8 rate (Precision.matmul, cost_model/analytic.py).
 Long-context models are traced by torch.export (their sequence symbolic: what
 partitioner/capture/sequence.py reads). Forced: the published tensor, stage, expert and context degrees (the
-rest searched: cuts, micro-batches, recomputation); free: every degree searched
+rest searched: cuts, micro-batches, recomputation; a row whose source splits its layers evenly over its stages,
+as GPT-OSS-120B's recipe does, is cut there: `even_layers`); free: every degree searched
 (partitioner/place/cluster/split_axes.py). Throughput is the search's objective's.
 
 A free plan predicted above 1.15x the published throughput names the axes on which it differs from the
@@ -104,6 +105,7 @@ class Row:
     mbs: int | None = None  # the published micro-batch size (None: not published, searched)
     precision: Precision = MIXED  # FP8 where the run's products were FP8
     max_nodes: int | None = None  # node-limited routing where the run's dispatch sends a token once a host
+    even_layers: bool = False  # the run splits its layers evenly over its stages (embedding and loss not counted)
 
 
 def _moe(shape: MoEShape) -> Callable[[], torch.nn.Module]:
@@ -132,7 +134,9 @@ ROWS = [
         "EP 32 spans Megatron's TP x DP ranks, here experts split over the 16 replicas (EP 16)", mbs=1,
         precision=FP8),
     Row("GPT-OSS-120B", _moe(GPT_OSS_120B), 64, 1280, 4096, (1, 4, 8, 1, "zero1"), 5993,
-        {"hosts": 8, **H100}, "Megatron-Bridge performance summary 26.02: GBS 1280 MBS 1, PP4 EP8, BF16", mbs=1),
+        {"hosts": 8, **H100}, "Megatron-Bridge performance summary 26.02: GBS 1280 MBS 1, PP4 EP8, BF16; 9 layers a "
+        "stage (recipes/gpt_oss/gpt_oss.py: account_for_embedding/loss_in_pipeline_split False)", mbs=1,
+        even_layers=True),
     Row("405B-128k", _llama(LLAMA3_405B_128K), 16384, 128, 131072, (8, 16, 1, 16, "zero1"),
         0.38 * 989e12 / _per_token_405b(), {"hosts": 2048, **H100},
         "arXiv 2407.21783 Table 4: TP8 CP16 PP16 DP8 at 131072 tokens, 38% MFU, 16M tokens a step", export=True),
@@ -163,6 +167,21 @@ def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostMode
     return graph, order, shardable, facts, cost, cluster
 
 
+def layer_bounds(graph: Any, order: list[str], stages: int) -> list[int]:
+    """Stage boundaries (positions in `order`) of an even split of the model's `layers.K` blocks over `stages`, as
+    Megatron-LM splits them where embedding and loss are not counted: the embedding with the first stage, the final
+    norm, head and loss with the last."""
+    first: dict[int, int] = {}
+    for i, name in enumerate(order):
+        parts = str(graph.nodes[name].get("module", "") or "").split(".")
+        if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+            first.setdefault(int(parts[1]), i)
+    if not first or len(first) % stages:
+        raise ValueError(f"{len(first)} layers do not split evenly over {stages} stages; drop even_layers")
+    each = len(first) // stages
+    return [0] + [first[k * each] for k in range(1, stages)] + [len(order)]
+
+
 def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Split:
     graph, order, shardable, facts, cost, cluster = parts
     t, p, e, c, mode = config
@@ -172,8 +191,9 @@ def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Sp
     sequence = t > 1 and e > 1
     space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,),
                         sequence_parallel=sequence)
+    bounds = layer_bounds(graph, order, p) if row.even_layers else None
     return search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=e, context=c,
-                        stages=p, max_nodes=row.max_nodes)
+                        stages=p, max_nodes=row.max_nodes, bounds=bounds)
 
 
 def rate(row: Row, split: Split) -> float:

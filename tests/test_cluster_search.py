@@ -285,3 +285,21 @@ def test_the_search_holds_what_a_recomputing_plan_holds(stages: int) -> None:
                                   stages=stages, space=SearchSpace(micro_batches=8, recompute="full"))
     for held, stage in zip(found.memory, made.stages):
         assert 0.7 * stage.memory_bytes <= held <= 1.3 * stage.memory_bytes
+
+
+def test_a_runs_own_stage_boundaries_are_kept_not_refined() -> None:
+    # 10 uneven nodes on 4 GPUs as 2 stages: given the one cut {3} and refine_cuts=False the stages are [0, 3, 10]
+    # (searched or refined, the cut moves to 4, which prices lower)
+    graph, order = chain(10, 0)
+    cluster = round_cluster(1, 4)
+    cost = AnalyticCostModel(cluster_devices(cluster)[2])
+    devices = [torch.device(f"cuda:{r}") for r in range(4)]
+    problem = cluster_problem(graph, order, devices[0], cost, [8])
+    kept = search_cluster(problem, cluster, micro_batches=[8], schedules=("1f1b",), stages=2,
+                          cuts=np.array([0, 3, 10]), refine_cuts=False)
+    assert kept.bounds == [0, 3, 10]
+    free = search_cluster(problem, cluster, micro_batches=[8], schedules=("1f1b",), stages=2)
+    assert free.bounds == [0, 4, 10] and free.step_s < kept.step_s
+    refined = search_cluster(problem, cluster, micro_batches=[8], schedules=("1f1b",), stages=2,
+                             cuts=np.array([0, 3, 10]))  # refined around the given cut, it moves to the better one
+    assert refined.bounds == [0, 4, 10]

@@ -77,6 +77,7 @@ def search_cluster(
     axes: Axes | None = None,
     virtual: int | Sequence[int] = 1,
     better_than: float = math.inf,
+    refine_cuts: bool = True,
 ) -> ClusterSolution:
     """The counts, rank order and cuts with the smallest objective (module docstring) on all of `cluster`.
 
@@ -91,6 +92,8 @@ def search_cluster(
             candidate each (the solution's `virtual`; its `candidates` are then those of v = 1).
         better_than: an objective (s) already found elsewhere: configurations whose bound is no better are
             skipped, and InfeasibleError (no memory named) says when nothing beats it.
+        refine_cuts: False: the cuts are chosen among `cuts` alone, not refined around them (a run's own stage
+            boundaries: `cuts` holds exactly them and `stages` their count).
 
     Raises:
         PartitionError: bad arguments; InfeasibleError (memory per GPU named) when nothing fits.
@@ -170,7 +173,8 @@ def search_cluster(
             distinct.setdefault((len(candidate.bounds) - 1, candidate.d, candidate.tensor, candidate.sharding),
                                 candidate)
     chosen, v = best
-    solution = solve_candidate(space, cluster, refine(space, cluster, chosen, coarse, mode, v), schedules, v)
+    refined = refine(space, cluster, chosen, coarse, mode, v) if refine_cuts else chosen
+    solution = solve_candidate(space, cluster, refined, schedules, v)
     solution.tried, solution.searched, solution.pruned = tried, searched, pruned
     solution.candidates, solution.cuts = list(distinct.values())[:TOP], coarse
     return solution

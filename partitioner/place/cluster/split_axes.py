@@ -119,11 +119,16 @@ def search_split(
     space: SearchSpace | None = None, precision: Precision | None = None, shardable: Shardable | None = None,
     skew: float = 1.0, expert: int | None = None, context: int | None = None, headroom: float = 0.9,
     optimizer: str = "adam", stages: int | None = None, max_nodes: int | None = None,
+    bounds: Sequence[int] | None = None,
 ) -> Split:
     """The best plan counts over expert and context degrees and every other axis the cluster search prices
     (module docstring). `expert`/`context`/`stages`: force that degree or stage count (the space: the tensor degree
     and sharding). `max_nodes`: node-limited routing, each token's experts on at most that many hosts and sent
-    once a host (cost_model.all_to_all.NodeLimited; DeepSeek-V3: 4). Raises InfeasibleError where nothing fits."""
+    once a host (cost_model.all_to_all.NodeLimited; DeepSeek-V3: 4). `bounds`: a run's own stage boundaries (positions
+    in `order`, 0 and len(order) included): the stages are those, not searched. Raises InfeasibleError where nothing
+    fits."""
+    if bounds is not None:
+        stages = len(bounds) - 1
     routing = NodeLimited(max_nodes, facts.top_k) if max_nodes is not None else None
     space = space if space is not None else SearchSpace(recompute="auto", precision=precision)
     optimizer = space.optimizer(optimizer)
@@ -145,7 +150,7 @@ def search_split(
             for e in es:
                 try:
                     found, choice = search_choices(allowed, _Pair(prepared, nodes, view, cluster, facts, allowed, e, c,
-                                                                  skew, scale, stages, routing))
+                                                                  skew, scale, stages, routing, bounds))
                 except InfeasibleError as exc:
                     failure = exc
                     tried.setdefault((e, c), float("inf"))
@@ -159,7 +164,8 @@ def search_split(
     found.choice = choice
     nodes = prepared.nodes(graph, order, cost)
     problem, axes = prepared.priced(choice, nodes)
-    chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale, stages, routing).axes(choice)
+    chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale, stages, routing,
+                   bounds).axes(choice)
     plain = axes.degree(found.tensor).problem
     return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision), view,
                  chosen, plain, prepared.groups.get(found.tensor, []))
@@ -171,8 +177,9 @@ class _Pair:
 
     def __init__(self, prepared: Prepared, nodes: NodeFacts, view: Cluster, cluster: Cluster, facts: SplitFacts,
                  space: SearchSpace, e: int, c: int, skew: float, scale: float, stages: int | None = None,
-                 routing: NodeLimited | None = None) -> None:
+                 routing: NodeLimited | None = None, bounds: Sequence[int] | None = None) -> None:
         self.prepared, self.nodes, self.view, self.facts, self.space = prepared, nodes, view, facts, space
+        self.bounds = np.asarray(bounds, dtype=np.int64) if bounds is not None else None
         self.e, self.c, self.skew, self.scale, self.size, self.stages = e, c, skew, scale, cluster.size, stages
         tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
         self.gather = {t: ring_of(cluster, [k * t for k in range(c)]) for t in tensors}  # a replica's context ranks
@@ -196,8 +203,9 @@ class _Pair:
     def __call__(self, choice: Choice, bound: float) -> tuple[ClusterSolution, float]:
         axes = self.axes(choice)
         found = search_cluster(axes.degrees.degrees[0].problem, self.view, micro_batches=self.prepared.micro_batches,
-                               schedules=self.space.schedules, cuts=self.prepared.cuts, axes=axes, better_than=bound,
-                               stages=self.stages,
+                               schedules=self.space.schedules, axes=axes, better_than=bound, stages=self.stages,
+                               cuts=self.prepared.cuts if self.bounds is None else self.bounds,
+                               refine_cuts=self.bounds is None,
                                orders=("replicas-together",) if self.e > 1 else
                                ("replicas-together", "pipelines-together"))
         return found, found.step_s

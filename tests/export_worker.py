@@ -9,6 +9,7 @@ Modes:
                               on the default group goes through runtime.nccl_rules.NcclRulesComm (`RulesP2P`).
   unsafe DIR                  the same 1F1B pipeline with rank 0 posting a gradient receive before its activation
                               send: it runs on plain gloo and must fail under RulesP2P (the wrapper is active).
+  batch JOBS                  both, in one launch: the jobs of tests/batch.py (crosscheck DIR CASE, unsafe DIR)
 Prints 'RESULT ... ok=True|False' lines; exits non-zero on a mismatch.
 """
 
@@ -34,6 +35,7 @@ from partitioner.export import pipeline_stages, schedule_runtime  # noqa: E402
 from runtime.comm import P2P  # noqa: E402
 from runtime.distributed import NCCL_RULES_ENV  # noqa: E402
 from runtime.nccl_rules import NcclRulesComm  # noqa: E402
+from tests.batch import serve  # noqa: E402
 from tests.dist_worker import data, lm_loss  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
@@ -211,6 +213,9 @@ def main() -> int:
             return 1 if crosscheck(args[0], args[1:]) else 0
         if mode == "unsafe":
             return unsafe(args[0])
+        if mode == "batch":
+            return serve(args[0], {"crosscheck": lambda d, *cases: crosscheck(d, list(cases)), "unsafe": unsafe},
+                         int(os.environ["RANK"]))
         raise SystemExit(f"unknown mode {mode!r}")
     finally:
         if dist.is_initialized():

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc_per_node=2 tests/sharding_worker.py equivalence CASE [CASE ...]
     python -m torch.distributed.run --nproc_per_node=2 tests/sharding_worker.py memory CASE [CASE ...]
     python -m torch.distributed.run --nproc_per_node=2 tests/sharding_worker.py checkpoint DIR
+    python -m torch.distributed.run --nproc_per_node=2 tests/sharding_worker.py batch JOBS   (tests/batch.py)
 
 A CASE is MODE[:SYNC[:FLAG]]: zero1, zero2 or zero3; gradient sync "last" (default) or "every"; FLAG "hsdp" (a
 2-D mesh: replicate 2, shard 1), "mixed" (bf16 compute, fp32 master weights, reduction and Adam moments), "fthenb"
@@ -39,6 +40,7 @@ from runtime.plan import Plan, StagePlan  # noqa: E402
 from runtime.sharding import ShardedStage, ShardingConfig, data_mesh, shard_stage  # noqa: E402
 from runtime.sharding_memory import RankMemory  # noqa: E402
 from runtime.stage import build_stages  # noqa: E402
+from tests.batch import serve  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
 CONFIG = GPTConfig(vocab=128, width=64, heads=2, layers=3, seq=16)
@@ -281,6 +283,8 @@ def main(argv: list[str]) -> int:
         what, *args = argv
         runs: dict[str, Callable[[str], bool]] = {"equivalence": equivalence, "memory": memory,
                                                    "checkpoint": checkpoint}
+        if what == "batch":  # every mode's cases in one launch, one job each
+            return serve(args[0], runs, dist.get_rank())
         results = [runs[what](a) for a in args]
         return 0 if all(results) else 1
     finally:

@@ -31,7 +31,8 @@ from partitioner.export.wire import wire
 from partitioner.predict.simulator import simulate
 from rules.schedules import schedule_names, unregister
 from tests import zoo
-from tests.test_distributed import results, torchrun
+from tests.batch import Job, Launch
+from tests.test_distributed import launch_jobs
 
 WORKER = str(Path(__file__).resolve().parent / "export_worker.py")
 PLANS: dict[tuple[Any, ...], partitioner.Plan] = {}
@@ -323,20 +324,32 @@ def test_cli_export_writes_csv_and_torchtitan_script(tmp_path: Path, capsys: pyt
     assert "stage 1 runs only parts of layers.0" in capsys.readouterr().err
 
 
-def test_torch_runtime_runs_the_exported_actions_under_nccl_rules(tmp_path: Path) -> None:
-    # each schedule: our runtime and torch's _PipelineScheduleRuntime (loading the exported CSV) against the plain model
-    cases = ["gpipe", "1f1b", "interleaved", "zb1", "zbv", "inception:gpipe:branches"]  # tiny_gpt, then branches
-    run = torchrun(2, "crosscheck", str(tmp_path), *cases, worker=WORKER, timeout=300)
-    lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2 * len(cases), run.stdout[-4000:]
+# each schedule: our runtime and torch's _PipelineScheduleRuntime (loading the exported CSV) against the plain model
+CROSSCHECK = ["gpipe", "1f1b", "interleaved", "zb1", "zbv", "inception:gpipe:branches"]  # tiny_gpt, then branches
+LAUNCH_S = 450  # the whole launch; the first test waits for it
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Both torchrun tests' jobs from one 2-rank launch (tests/batch.py); each test checks its own jobs."""
+    directory = tmp_path_factory.mktemp("export")
+    jobs = [*(Job(f"crosscheck {c}", "crosscheck", [str(directory), c]) for c in CROSSCHECK),
+            Job("unsafe", "unsafe", [str(directory)])]  # last: it leaves a failed step behind on both ranks
+    return launch_jobs(2, jobs, directory, worker=WORKER, timeout=LAUNCH_S)
+
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_torch_runtime_runs_the_exported_actions_under_nccl_rules(two_ranks: Launch) -> None:
+    lines = [line for case in CROSSCHECK for line in two_ranks.lines(f"crosscheck {case}")]
+    assert len(lines) == 2 * len(CROSSCHECK), "\n".join(lines)
     assert all("ok=True" in line for line in lines), "\n".join(lines)
     assert all(int(re.search(r"routed=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
 
 
-def test_nccl_rules_wrapper_fails_an_order_that_only_gloo_runs(tmp_path: Path) -> None:
-    run = torchrun(2, "unsafe", str(tmp_path), worker=WORKER, timeout=180)
-    lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2, run.stdout[-4000:]
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_nccl_rules_wrapper_fails_an_order_that_only_gloo_runs(two_ranks: Launch) -> None:
+    lines = two_ranks.lines("unsafe")
+    assert len(lines) == 2, "\n".join(lines)
     assert all("ok=True" in line and "NcclRuleError" in line for line in lines), "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ from partitioner.capture.graph import owning_module
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError, TraceError
 from tests import zoo
-from tests.test_distributed import check_equivalence
+from tests.batch import Job, Launch
+from tests.test_distributed import WORKER as DIST_WORKER, launch_jobs
 from tests.zoo import rel
 
 TOL = 1e-5
@@ -186,18 +187,29 @@ def test_custom_function_where_only_export_traces_runs_its_own_backward() -> Non
     assert zoo.rel(model.lin.weight.grad, reference.lin.weight.grad) < 1e-5
 
 
-@pytest.mark.timeout(600)
-def test_two_torchrun_ranks_1f1b() -> None:
-    check_equivalence(2, [f"{name}:1f1b:-" for name in
-                          ("custom_functions", "tensor_default", "aliased", "markers", "markers_export")])
+ONE_F_ONE_B = [f"{name}:1f1b:-" for name in
+               ("custom_functions", "tensor_default", "aliased", "markers", "markers_export")]
+LAUNCH_S = 540  # the whole launch; the first test waits for it
 
 
-def test_an_input_given_whole_on_two_torchrun_ranks() -> None:
-    from tests.test_distributed import results, torchrun
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Both torchrun tests' jobs from one 2-rank launch of tests/dist_worker.py (tests/batch.py)."""
+    jobs = [*(Job(c, "equivalence", [c]) for c in ONE_F_ONE_B), Job("whole_input", "whole_input")]
+    return launch_jobs(2, jobs, tmp_path_factory.mktemp("fidelity"), worker=DIST_WORKER, timeout=LAUNCH_S)
 
-    run = torchrun(2, "whole_input")
-    lines = results(run.stdout)
-    assert run.returncode == 0 and len(lines) == 2 and all("ok=True" in line for line in lines), run.stdout[-3000:]
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_two_torchrun_ranks_1f1b(two_ranks: Launch) -> None:
+    lines = [line for case in ONE_F_ONE_B for line in two_ranks.lines(case)]
+    assert len(lines) == 2 * len(ONE_F_ONE_B), "\n".join(lines)
+    assert all("ok=True" in line for line in lines), "\n".join(lines)
+
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_an_input_given_whole_on_two_torchrun_ranks(two_ranks: Launch) -> None:
+    lines = two_ranks.lines("whole_input")
+    assert len(lines) == 2 and all("ok=True" in line for line in lines), "\n".join(lines)
 
 
 def test_fewer_devices_than_marked_segments_runs_the_best_marked_cut(caplog: pytest.LogCaptureFixture) -> None:

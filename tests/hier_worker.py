@@ -6,6 +6,7 @@ Modes:
   train       a one-stage plan with 4 replicas and plan.gpus_per_host=2 (the hierarchical all-reduce)
               trains like the plain model on the whole batch: gradients within 1e-5; then with
               staleness 1 the gradients arrive one step late and still equal the plain model's
+  batch JOBS  both, in one launch, as the jobs of tests/batch.py
 Prints 'RESULT ... ok=True|False' lines; exits non-zero on any mismatch.
 """
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import partitioner  # noqa: E402
 from runtime.comm import TorchComm  # noqa: E402
 from runtime.hier_allreduce import algorithm, all_reduce, replica_group  # noqa: E402
+from tests.batch import serve  # noqa: E402
 from tests.dist_worker import data, lm_loss  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
@@ -110,6 +112,9 @@ def main() -> int:
     if mode == "collective":
         dist.init_process_group("gloo")
         code = collective()
+    elif mode == "batch":
+        dist.init_process_group("gloo")  # train's partition() takes the group started here
+        code = serve(sys.argv[2], {"collective": collective, "train": train}, dist.get_rank())
     else:
         code = train()  # partition() starts the process group
     dist.destroy_process_group()

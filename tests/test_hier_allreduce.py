@@ -10,7 +10,8 @@ import pytest
 from cost_model.cluster_shape import Cluster
 from cost_model.comm import ring_allreduce_time
 from runtime.hier_allreduce import algorithm, hosts_of
-from tests.test_distributed import results, torchrun
+from tests.batch import Job, Launch
+from tests.test_distributed import launch_jobs
 
 WORKER = str(Path(__file__).resolve().parent / "hier_worker.py")
 ROUND = {"intra": {"kind": "nvswitch", "gb_per_s": 100, "latency_us": 10},
@@ -52,23 +53,35 @@ def test_the_price_follows_the_algorithm_the_runtime_picks() -> None:
     assert seen == {("hierarchical", False), ("flat", False), ("flat", True)}
 
 
-def _run(mode: str) -> list[str]:
-    run = torchrun(4, mode, worker=WORKER, timeout=240)
-    lines = results(run.stdout)
-    assert run.returncode == 0 and lines, run.stdout[-4000:]
+LAUNCH_S = 400  # both jobs; the first test waits for them
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Both modes from one 4-rank launch (tests/batch.py): a launch costs each rank an import of torch and partitioner,
+    slow with 4 ranks on CI's 2 cores; each test checks its own job."""
+    jobs = [Job("collective", "collective"), Job("train", "train")]
+    return launch_jobs(4, jobs, tmp_path_factory.mktemp("hier"), worker=WORKER, timeout=LAUNCH_S)
+
+
+def _run(launch: Launch, mode: str) -> list[str]:
+    lines = launch.lines(mode)
+    assert lines, launch.output[-4000:]
     assert all("ok=True" in line for line in lines), "\n".join(line for line in lines if "ok=False" in line)
     return lines
 
 
-def test_sums_equal_the_flat_all_reduce_on_four_ranks() -> None:
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_sums_equal_the_flat_all_reduce_on_four_ranks(four_ranks: Launch) -> None:
     # 6 groups x 4 sizes (odd sizes pad the shards), each checked against the sum computed from the seeds
-    lines = _run("collective")
+    lines = _run(four_ranks, "collective")
     assert len(lines) == 4 * (4 + 4 + 4 + 2 + 2 + 4)
     assert sum("algorithm=hierarchical" in line for line in lines) == 4 * 4
 
 
-def test_replicas_over_two_hosts_train_like_the_plain_model() -> None:
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_replicas_over_two_hosts_train_like_the_plain_model(four_ranks: Launch) -> None:
     # one stage, 4 replicas, '2 hosts x 2 GPUs': the runtime reduces hierarchically (under NCCL's rules)
-    lines = _run("train")
+    lines = _run(four_ranks, "train")
     assert len(lines) == 4 * 3 and sum("algorithms=['hierarchical']" in line for line in lines) == 4 * 2
     assert sum("case=stale" in line for line in lines) == 4  # staleness 1: waited a step later, same sums

@@ -22,6 +22,7 @@ each with the reason it was chosen).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import sys
@@ -84,8 +85,10 @@ class PlanArguments:
         """The cluster, on `gpu_extra` where there is one (the measured GPU's memory), else as `cluster` says."""
         if self.gpu_extra is None:
             return Cluster.from_dict(self.cluster)
-        described = dict(self.cluster, gpu=self.gpu_extra["name"])
-        return Cluster.from_dict(described, gpus=GpuTable.load(extra=[self.gpu_extra]))
+        # the links are the table type's (H100-SXM: NVSwitch at NCCL's measured bus bandwidth, the row's NICs):
+        # gpus.json's fabric defaults go by type name, and a type they do not name falls back to PCIe and Ethernet
+        table = GpuTable.load(extra=[self.gpu_extra])
+        return dataclasses.replace(Cluster.from_dict(self.cluster), gpu=table.get(self.gpu_extra["name"]))
 
     @property
     def shape(self) -> str:

@@ -11,6 +11,7 @@ from benchmarks import measured_plan
 from benchmarks.measured_plan import factory_name, plan_arguments
 from benchmarks.measured_runs import RUNS, SOURCES, MeasuredRunsError, check, runs
 from benchmarks.measured_types import Parallel, Run, flops_per_token, problems, region, rounded
+from cost_model.cluster_shape import Cluster
 
 BY_KEY = {r.key: r for r in RUNS}
 
@@ -163,6 +164,8 @@ def test_plan_arguments_by_hand() -> None:
     assert titan.forced["micro_batches"] == 64
     assert (titan.fixed["stages"], titan.fixed["virtual_stages"], titan.fixed["sharding"]) == (8, 2, "zero1")
     assert titan.cluster_object().gpu.memory_bytes == 96 * 2**30
+    h100 = Cluster.from_dict({"hosts": 64, "gpus_per_host": 8, "gpu": "H100-SXM"})
+    assert titan.cluster_object().fabric == h100.fabric  # NVSwitch and 400 Gb/s NICs, not a nameless type's PCIe
     assert any("float8" in c for c in titan.caveats)
 
     long = plan_arguments(BY_KEY["llama3-405B-16k-cp16"])

@@ -332,7 +332,8 @@ def price_all(indices: list[int], factors: dict[str, Factors], free: bool, jobs:
             entry = json.loads(line)
             row = Priced(**{**entry["row"], "axes": tuple(entry["row"]["axes"])})
             done[(row.key, (entry["factor"][0], entry["factor"][1]), entry["free"])] = row
-    found = [done.get((RUNS[i].key, f, fr)) for i, f, fr in items]
+    found = [done.get((RUNS[i].key, f, fr)) or (done.get((RUNS[i].key, f, True)) if not fr else None)
+             for i, f, fr in items]  # a row priced with its free search serves one asked without
     for known in found:
         if known is not None:
             show(known)

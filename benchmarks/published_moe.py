@@ -146,12 +146,11 @@ ROWS = [
 ]
 
 
-def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostModel, Cluster]:
-    """The row's model on meta, traced, annotated and found (experts, sequence), with its cost model."""
-    with torch.device("meta"):
-        model = row.build()
-    tokens = torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta")
-    if row.export:  # the sequence symbolic: what capture/sequence.py reads
+def split_traced(model: torch.nn.Module, tokens: torch.Tensor, *, export: bool,
+                 ) -> tuple[Any, list[str], Any, Any, SplitFacts]:
+    """(graph, compute order, split groups, graph module, experts and sequence found) of `model` on meta; `export`:
+    through torch.export, the sequence symbolic (what capture/sequence.py reads), else benchmarks/published.traced."""
+    if export:
         with shapes_only(model) as swaps:
             gm = _export_trace(model, (tokens,), {}).graph_module
             swaps.add(model, [gm])
@@ -160,7 +159,16 @@ def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostMode
         order = [n.name for n in compute_nodes(gm)]
     else:
         graph, order, shardable, gm = traced(model, tokens)
-    facts = SplitFacts.of(graph, order, find_experts(gm, model), find_sequence_split(gm), gm)
+    return graph, order, shardable, gm, SplitFacts.of(graph, order, find_experts(gm, model),
+                                                      find_sequence_split(gm), gm)
+
+
+def prepare(row: Row) -> tuple[Any, list[str], Any, SplitFacts, AnalyticCostModel, Cluster]:
+    """The row's model on meta, traced, annotated and found (experts, sequence), with its cost model."""
+    with torch.device("meta"):
+        model = row.build()
+    tokens = torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta")
+    graph, order, shardable, gm, facts = split_traced(model, tokens, export=row.export)
     cluster = Cluster.from_dict(row.cluster)
     cost = AnalyticCostModel(cluster_devices(cluster)[2], matmul=row.precision.matmul or None)
     cost.prepare(gm)

@@ -48,21 +48,15 @@ from benchmarks.measured_runs import RUNS  # noqa: E402
 from benchmarks.measured_types import Run, implied_tokens_per_s, region  # noqa: E402
 from benchmarks.published import traced  # noqa: E402
 from benchmarks.published_costs import step_parts  # noqa: E402
+from benchmarks.published_moe import split_traced  # noqa: E402
 from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
 from cost_model.gpu_table import GpuTable  # noqa: E402
 from cost_model.precision import Precision  # noqa: E402
 from partitioner.arguments import cluster_devices  # noqa: E402
-from partitioner.capture.experts import find_experts  # noqa: E402
-from partitioner.capture.graph import build_graph, compute_nodes  # noqa: E402
-from partitioner.capture.meta import shapes_only  # noqa: E402
-from partitioner.capture.sequence import find_sequence_split  # noqa: E402
-from partitioner.capture.shardable import find_shardable  # noqa: E402
-from partitioner.capture.trace import _export_trace  # noqa: E402
 from partitioner.place.cluster.fixed import Fixed, price_fixed  # noqa: E402
 from partitioner.place.cluster.priced import search_priced  # noqa: E402
 from partitioner.place.cluster.split_axes import search_split  # noqa: E402
-from partitioner.place.search.experts_context import SplitFacts  # noqa: E402
 from partitioner.place.search.infeasible import InfeasibleError  # noqa: E402
 from partitioner.place.search.space import SearchSpace  # noqa: E402
 
@@ -149,14 +143,7 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
     export trace, every degree forced (t, p, context, sharding, the micro-batch count), recomputation as run."""
     with torch.device("meta"):
         model = args.build()
-    tokens = args.example_inputs()[0]
-    with shapes_only(model) as swaps:
-        gm = _export_trace(model, (tokens,), {}).graph_module
-        swaps.add(model, [gm])
-        graph = build_graph(gm, [tokens])
-        shardable = find_shardable(gm, graph)
-    order = [n.name for n in compute_nodes(gm)]
-    facts = SplitFacts.of(graph, order, find_experts(gm, model), find_sequence_split(gm), gm)
+    graph, order, shardable, gm, facts = split_traced(model, args.example_inputs()[0], export=True)
     cluster, table = _priced_on(args, factor)
     cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=precision.matmul or None)
     cost.prepare(gm)

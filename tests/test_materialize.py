@@ -262,7 +262,9 @@ def test_two_torchrun_ranks_each_hold_and_read_only_their_share() -> None:
                        r"weights; other stages' weights materialized: (\d+), own still on meta: (\d+)", run.stdout)
     assert len(lines) == 2, run.stdout
     for before, peak, holds, stray, missing in lines:
-        assert (float(peak) - float(before)) * 1e9 < 0.6 * total  # the rank's share, not the whole model
+        # the rank's half plus tracing's own working memory (~50 MB): well under the whole model it would hold
+        # if it materialized every stage (CI measured 0.25 GB for a 0.41 GB model with two stages)
+        assert (float(peak) - float(before)) * 1e9 < 0.8 * total
         assert float(holds) * 1e9 < 0.6 * total and stray == "0" and missing == "0"
     assert "peak host RSS per rank: max" in run.stdout.splitlines()[-1]
 

@@ -257,6 +257,25 @@ def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None
         (32, 2, None), (8, 8, (4, 8))]  # inside a host, or TP 4 / 8 inside one with the context ranks on others
 
 
+@pytest.mark.timeout(300)
+def test_the_front_door_splits_the_long_sequence_of_an_fx_traceable_llama_within_memory() -> None:
+    # plan(): a Llama fx can trace, at 131,072 tokens, is exported (its sequence free) and planned with a context
+    # degree; recompute="auto" keeps the search's choice for the split stage, whose memory the search counted per
+    # rank (the whole graph's count judged it over and recomputed it to 102.5 GiB per GPU of 72)
+    from benchmarks.published_models import Llama, LlamaShape
+    from partitioner import plan
+
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=4, width=4096, ffn=14336, heads=32, kv_heads=8, seq=131072)).to(torch.bfloat16)
+    tokens = torch.zeros(8, 131072, dtype=torch.long, device="meta")
+    made = plan(model, cluster="4x8xH100", example_inputs=(tokens,), micro_batches=8, replicas="auto",
+                schedule="auto", precision="mixed", recompute="auto")
+    made.check()
+    assert all(s.context > 1 for s in made.stages)
+    assert all(s.capacity_bytes and 0 < s.memory_bytes <= s.capacity_bytes for s in made.stages), [
+        (s.memory_bytes / 2**30, s.recompute) for s in made.stages]
+
+
 def test_a_replicas_context_ranks_shard_its_states_too() -> None:
     from partitioner.place.search.split_costs import lower_static_bytes
     from partitioner.place.search.states import StateRule

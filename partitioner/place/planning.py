@@ -244,7 +244,10 @@ def choose_recompute(plan: Plan, graph: Any, gm: torch.fx.GraphModule, cost: Cos
     `recompute`: one choice for every stage or one per stage; "auto" is per stage the cheapest of
     "none", "selective" and "full" whose predicted memory fits the stage's share of its device
     (its `capacity_bytes`, else the device's capacity split among the stages on it), "full"
-    where none fits. Stages that write in place into a product's output never recompute selectively.
+    where none fits. Stages that write in place into a product's output never recompute selectively. A stage
+    the cluster search priced on its own share (split over tensor or context ranks, or sharded: `recount` keeps
+    its numbers) keeps the search's choice under "auto": this module's count is of the whole graph, which would
+    judge a stage split 16 ways as if it held everything (and recount it so).
 
     Raises:
         PartitionError: not one choice per stage, or "selective" asked for a stage that cannot run it.
@@ -267,6 +270,9 @@ def choose_recompute(plan: Plan, graph: Any, gm: torch.fx.GraphModule, cost: Cos
     for s, (stage, mode) in enumerate(zip(plan.stages, modes)):
         if mode != "auto":
             chosen.append(mode)
+            continue
+        if stage.width > 1 or stage.sharding != "none":
+            chosen.append(stage.recompute)
             continue
         limit = stage.capacity_bytes
         if limit is None:

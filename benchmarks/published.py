@@ -132,7 +132,7 @@ def traced(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, list[str]
     """(graph, compute order, split groups, graph module) of `model` on meta, module kinds annotated as
     partitioner/place/planning.py annotates them (what each call saves for backward)."""
     with shapes_only(model) as swaps:
-        gm = trace(model, (tokens,), {}).graph_module
+        gm = trace(model, (tokens,), {}, export_first=False).graph_module  # fx at any length: the kinds below
         swaps.add(model, [gm])
         graph = build_graph(gm, [tokens])
         shardable = find_shardable(gm, graph)

@@ -26,6 +26,33 @@ def test_fx_is_used_where_it_works_and_graph_matches_model() -> None:
     assert torch.equal(traced.graph_module(*traced.flatten_inputs((x,), {})), model(x))
 
 
+class TokenMixer(nn.Module):
+    """fx traces it; its sequence axis (dim 1) is what context parallelism splits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(16, 4), nn.Linear(4, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.out(h + h.cumsum(1) / 16)
+
+
+def test_a_long_sequence_is_exported_first_and_runs_as_the_model() -> None:
+    # fx fixes every size, so a long sequence could never split over context ranks: export's free sequence dim can
+    from partitioner.capture.sequence import LONG_SEQUENCE
+
+    torch.manual_seed(0)
+    model = TokenMixer()
+    long, short = torch.randint(0, 16, (1, LONG_SEQUENCE)), torch.randint(0, 16, (1, LONG_SEQUENCE - 1))
+    traced = trace(model, (long,))
+    assert traced.method == "export"
+    assert torch.allclose(traced.graph_module(*traced.flatten_inputs((long,), {}))[0], model(long), atol=1e-5)
+    assert trace(model, (short,)).method == "fx"  # an ordinary length traces as before
+    wide = nn.Linear(LONG_SEQUENCE, 2)  # (batch, features): no sequence, however wide
+    assert trace(wide, (torch.randn(2, LONG_SEQUENCE),)).method == "fx"
+
+
 def test_optional_none_argument_is_fixed_not_traced_as_a_tensor() -> None:
     model, (x,), kwargs = zoo.keyword_dict()
     traced = trace(model, (x,), kwargs)

@@ -22,9 +22,24 @@ import torch.fx
 from partitioner.capture.shardable_groups import divisors
 from runtime.context_graph import ContextGraph, sequence_dims
 
-__all__ = ["CHECK_TOKENS", "SequenceSplit", "SplitAttention", "WholeAttention", "find_sequence_split"]
+__all__ = ["CHECK_TOKENS", "LONG_SEQUENCE", "SequenceSplit", "SplitAttention", "WholeAttention", "find_sequence_split",
+           "long_sequence"]
 
 CHECK_TOKENS = 1024  # the longest sequence a mask is built at to check it
+# Sequences shorter than this are not split: published runs split from their long-context stages on (Llama 3
+# 405B at 131,072 tokens, NeMo's Llama 2 at 128k; torchtitan from 32k), and a model at an ordinary length plans
+# exactly as it did before context parallelism was searched.
+LONG_SEQUENCE = 16384
+
+
+def long_sequence(values: Collection[Any]) -> bool:
+    """Whether an example holds a sequence long enough to split: token ids (b, s) or hidden states (b, s, ...)
+    with s >= LONG_SEQUENCE (a wide feature vector (b, h) is not one)."""
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] >= LONG_SEQUENCE:
+            if value.dim() >= 3 or not (value.dtype.is_floating_point or value.dtype.is_complex):
+                return True
+    return False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""Turn an nn.Module into a torch.fx graph: symbolic_trace first, torch.export as the fallback."""
+"""Turn an nn.Module into a torch.fx graph: symbolic_trace first, torch.export as the fallback.
+
+An example holding a long sequence (capture.sequence.long_sequence: >= LONG_SEQUENCE tokens) is exported first,
+fx the fallback: fx fixes every size, and only export's free sequence dim lets the planner split the sequence over
+context ranks and the runtime run it so. The rule reads the example alone, so `plan` and a later `partition` of the
+same example trace alike and the plan binds to the graph it was made on."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from partitioner.capture.export import export_graph
 from partitioner.capture.leaves import functions_as_leaves, markers_recorded, take_markers
 from partitioner.capture.meta import is_meta, on_meta
 from partitioner.capture.rejected import model_rejects
+from partitioner.capture.sequence import long_sequence
 from partitioner.capture.untraceable import trace_error, where
 from partitioner.capture.whole import expert_stacks
 from partitioner.errors import PartitionError
@@ -336,8 +342,10 @@ def _trace_other_mode(traced: Traced, model: nn.Module, args: Sequence[Any], kwa
     traced.other_mode = other.graph_module
 
 
-def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Traced:
-    """Trace `model` with torch.fx; fall back to torch.export on the example inputs.
+def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
+          export_first: bool | None = None) -> Traced:
+    """Trace `model` with torch.fx; fall back to torch.export on the example inputs (export first where the example
+    holds a long sequence: the module docstring; `export_first` True or False overrides that rule).
 
     Raises:
         PartitionError: the model itself fails on the example (capture.rejected names the input and layer).
@@ -346,11 +354,22 @@ def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | Non
     """
     kwargs = dict(kwargs or {})
     before = _module_attributes(model)
+    if export_first is None:
+        export_first = long_sequence([*pytree.tree_leaves(tuple(args)), *pytree.tree_leaves(kwargs)])
     with without_cache(model, kwargs):
+        if export_first:  # the module docstring: export first, its sequence free
+            try:
+                return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
+            except Exception as export_error:  # noqa: BLE001 - fx, as for any other example
+                first_export: Exception | None = export_error
+        else:
+            first_export = None
         try:
             return _finish(_fx_trace(model, args, kwargs), model, args, kwargs, before)
         except Exception as fx_error:  # noqa: BLE001 - any tracer failure means "try export"
             try:
+                if first_export is not None:
+                    raise first_export
                 return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
             except Exception as export_error:  # noqa: BLE001
                 meta = is_meta(model)

@@ -33,14 +33,11 @@ from typing import Any, Sequence
 import networkx as nx
 import numpy as np
 
+from partitioner.capture.sequence import LONG_SEQUENCE
 from partitioner.place.search.problem import SearchProblem
 
 __all__ = ["GEMM_FLOPS", "LONG_SEQUENCE", "SplitFacts", "split_problem"]
 
-# Sequences shorter than this are not split: published runs split from their long-context stages on (Llama 3
-# 405B at 131,072 tokens, NeMo's Llama 2 at 128k; torchtitan from 32k), and a model at an ordinary length plans
-# exactly as it did before context parallelism was searched.
-LONG_SEQUENCE = 16384
 GEMM_FLOPS = 1e9  # whole-batch forward FLOPs above which a node is a GEMM the graph's rate is read from
 Affine = tuple[float, float]  # (latency s, seconds per byte)
 

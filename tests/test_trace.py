@@ -49,6 +49,15 @@ def test_a_long_sequence_is_exported_first_and_runs_as_the_model() -> None:
     assert traced.method == "export"
     assert torch.allclose(traced.graph_module(*traced.flatten_inputs((long,), {}))[0], model(long), atol=1e-5)
     assert trace(model, (short,)).method == "fx"  # an ordinary length traces as before
+    pipe = partition(model, ["cpu", "cpu"], example_inputs=(long,), micro_batches=1, cost_model=AnalyticCostModel())
+    out, expected = pipe(long), model(long)  # the exported graph, cut into two stages, is the model
+    assert torch.allclose(out, expected, atol=1e-5)
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    expected.square().mean().backward()
+    params = list(model.parameters())
+    assert len(grads) == len(params) and all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, params))
     wide = nn.Linear(LONG_SEQUENCE, 2)  # (batch, features): no sequence, however wide
     assert trace(wide, (torch.randn(2, LONG_SEQUENCE),)).method == "fx"
 

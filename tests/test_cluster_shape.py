@@ -238,7 +238,7 @@ def test_spec_drives_the_analytic_model_with_the_stated_efficiency() -> None:
 
 
 def test_fabric_defaults_name_known_types_and_cite_sources() -> None:
-    from cost_model.cluster_shape import _fabrics
+    from cost_model.fabric import _fabrics
     from cost_model.gpu_table import default_table
 
     table = _fabrics()

@@ -274,6 +274,9 @@ def test_the_front_door_splits_the_long_sequence_of_an_fx_traceable_llama_within
     assert all(s.context > 1 for s in made.stages)
     assert all(s.capacity_bytes and 0 < s.memory_bytes <= s.capacity_bytes for s in made.stages), [
         (s.memory_bytes / 2**30, s.recompute) for s in made.stages]
+    # a stage's time per micro-batch over its replicas (the summary's and the picture's bottleneck) is the split
+    # rank's, so its micro-batches fit inside the step; it kept the whole sequence's time (x c) before
+    assert 0.5 * made.predicted_step_ms <= made.bottleneck_ms * made.pieces <= made.predicted_step_ms
 
 
 def test_a_replicas_context_ranks_shard_its_states_too() -> None:

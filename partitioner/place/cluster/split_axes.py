@@ -259,6 +259,7 @@ def split_made(made: Plan, split: Split, graph: nx.DiGraph, order: Sequence[str]
         stage.forward_ms *= scale
         stage.backward_ms *= scale
         stage.compute_ms = stage.forward_ms + stage.backward_ms
+        stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d  # as cluster/plan.py: over its replicas
         held, own = float(split.plain.param_bytes[a:b].sum()), float(split_params[a:b].sum())  # experts / e
         stage.param_bytes = int(stage.param_bytes * own / held) if held > 0 else stage.param_bytes
         stage.memory_bytes = int(found.memory[stage.index])

@@ -356,24 +356,17 @@ def trace(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | Non
     before = _module_attributes(model)
     if export_first is None:
         export_first = long_sequence([*pytree.tree_leaves(tuple(args)), *pytree.tree_leaves(kwargs)])
+    tracers = (_export_trace, _fx_trace) if export_first else (_fx_trace, _export_trace)
+    errors: dict[Callable[..., Traced], Exception] = {}
     with without_cache(model, kwargs):
-        if export_first:  # the module docstring: export first, its sequence free
+        for tracer in tracers:  # any tracer failure means "try the other"
             try:
-                return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
-            except Exception as export_error:  # noqa: BLE001 - fx, as for any other example
-                first_export: Exception | None = export_error
-        else:
-            first_export = None
-        try:
-            return _finish(_fx_trace(model, args, kwargs), model, args, kwargs, before)
-        except Exception as fx_error:  # noqa: BLE001 - any tracer failure means "try export"
-            try:
-                if first_export is not None:
-                    raise first_export
-                return _finish(_export_trace(model, args, kwargs), model, args, kwargs, before)
-            except Exception as export_error:  # noqa: BLE001
-                meta = is_meta(model)
-                rejected = model_rejects(model, on_meta(args) if meta else args, on_meta(kwargs) if meta else kwargs)
-                if rejected is not None:
-                    raise rejected from export_error
-                raise trace_error(model, fx_error, export_error) from export_error
+                return _finish(tracer(model, args, kwargs), model, args, kwargs, before)
+            except Exception as error:  # noqa: BLE001
+                errors[tracer] = error
+        fx_error, export_error = errors[_fx_trace], errors[_export_trace]
+        meta = is_meta(model)
+        rejected = model_rejects(model, on_meta(args) if meta else args, on_meta(kwargs) if meta else kwargs)
+        if rejected is not None:
+            raise rejected from export_error
+        raise trace_error(model, fx_error, export_error) from export_error

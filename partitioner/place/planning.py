@@ -31,7 +31,7 @@ from partitioner.place.cluster.split_axes import found_splits
 from partitioner.place.devices.plan import plan_devices
 from partitioner.place.replicated import plan_hybrid
 from partitioner.place.search.space import SearchSpace
-from partitioner.predict.assemble import finish, recompute_memory, recount
+from partitioner.predict.assemble import counted_per_rank, finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
 from partitioner.request import RECOMPUTE_CHOICES, PlanRequest, RecomputeChoice
 from rules.schedules import auto_layouts, virtual_stages
@@ -271,7 +271,7 @@ def choose_recompute(plan: Plan, graph: Any, gm: torch.fx.GraphModule, cost: Cos
         if mode != "auto":
             chosen.append(mode)
             continue
-        if stage.width > 1 or stage.sharding != "none":
+        if counted_per_rank(stage):
             chosen.append(stage.recompute)
             continue
         limit = stage.capacity_bytes

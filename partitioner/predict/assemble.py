@@ -52,7 +52,7 @@ from partitioner.predict.timeline import Timeline
 from rules.schedules import virtual_stages
 from runtime.plan import RECOMPUTE_MODES, Placement, Plan, RecomputeMode, Schedule, StagePlan
 
-__all__ = ["assemble", "finish", "predict", "price_update", "recompute_memory", "recount"]
+__all__ = ["assemble", "counted_per_rank", "finish", "predict", "price_update", "recompute_memory", "recount"]
 
 
 def assemble(
@@ -139,12 +139,18 @@ def recount(plan: Plan, graph: nx.DiGraph, cost: CostModel, modes: Sequence[Reco
         raise PartitionError(f"recompute modes {list(modes)} for {len(plan.stages)} stages: give one per stage, "
                              f"each one of {', '.join(RECOMPUTE_MODES)}")
     for stage, mode, (costs, held) in zip(plan.stages, modes, by_mode(plan, graph, cost)):
-        if mode == stage.recompute and (stage.width > 1 or stage.sharding != "none"):
-            continue  # counted by the cluster search on each tensor rank's share (place/split_stages.py)
+        if mode == stage.recompute and counted_per_rank(stage):
+            continue
         set_mode(stage, mode, costs)
         if stage.memory_bytes:
             stage.memory_bytes += held[mode] - stage.activation_bytes
         stage.activation_bytes = held[mode]
+
+
+def counted_per_rank(stage: StagePlan) -> bool:
+    """Whether the cluster search counted `stage` on each rank's share (split over tensor or context ranks, or
+    sharded: place/cluster/stages.py), where this module's counts are of the whole graph."""
+    return stage.width > 1 or stage.sharding != "none"
 
 
 def recompute_memory(plan: Plan, graph: nx.DiGraph, cost: CostModel) -> list[dict[str, int]]:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.torchrun_report import failure
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,7 +40,7 @@ def test_gpt_hybrid_under_torchrun_with_uneven_replicas(tmp_path: Path) -> None:
            "--width", "64", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     text = result.stdout + result.stderr
-    assert result.returncode == 0, text[-4000:]
+    assert result.returncode == 0, failure(text)
     assert re.search(r"step 1 loss ([\d.]+), one process \1", text)  # equal to one process's loss
     assert "samples/s" in text and out.exists()
 
@@ -50,7 +52,7 @@ def test_async_updates_trains_every_rule_under_torchrun(tmp_path: Path) -> None:
            "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     text = result.stdout + result.stderr
-    assert result.returncode == 0, text[-4000:]
+    assert result.returncode == 0, failure(text)
     assert "the same in every run but stash" in text and out.stat().st_size > 10_000
     for name in ("sync", "2bw", "stash", "staleness 0", "staleness 1", "staleness 2"):
         assert re.search(rf"^{name} +\d+\.\d+ ", text, re.M), name

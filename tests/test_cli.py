@@ -387,3 +387,21 @@ def test_cluster_errors_name_what_does_not_fit(argv: list[str], reason: str, tmp
     code, _, err = run(["plan", target, *CLUSTER, *argv], capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and reason in err, err
+
+
+def test_mfu_divides_by_the_peak_of_the_precision_products_run_in(capsys: pytest.CaptureFixture[str]) -> None:
+    # an fp32 model under --cluster's default precision ("mixed") runs its products in bf16: its MFU is over the
+    # bf16 peak, as the same plan's model cast to bf16 (--dtype bf16) reports it, not over the fp32 one (15x lower)
+    import re
+
+    lines = {}
+    for dtype in ([], ["--dtype", "bf16"]):
+        code, out, err = run(["plan", GPT, "--cluster", "1x8xH100", *dtype, "--global-batch", "16",
+                              "--micro-batches", "4", "--quiet"], capsys)  # fmt: skip
+        assert code == 0, err
+        found = re.search(r"MFU ([\d.]+)%, ([\d.]+) TFLOP/s per GPU.*over 8 GPUs x ([\d.]+) TFLOP/s \(\S+ dense (\w+) "
+                          r"peak\)", out, re.S)
+        assert found, out
+        lines[bool(dtype)] = found.groups()
+    assert lines[False][2:] == lines[True][2:] == ("989.4", "bf16")
+    assert 0 < float(lines[False][0]) <= 100

@@ -1,7 +1,9 @@
 """`plan --cluster 16x8xH100`: plan for GPUs that are not here, check the plan fits, and report its throughput.
 
     samples/s = global batch / predicted step             tokens/s = samples/s x sequence (token-id inputs)
-    MFU       = 3 x forward FLOPs of the global batch / (step s x GPUs x the table's dense peak at --dtype)
+    MFU       = 3 x forward FLOPs of the global batch / (step s x GPUs x the table's dense peak at the
+                precision products run in: the plan's --precision (bf16 under "mixed", whatever the
+                model's dtype; FP8 where it says so), else --dtype)
 
 Forward FLOPs are the plan graph's (torch's FlopCounterMode per node, one micro-batch) times the
 micro-batches; forward + backward counts as 3 x forward, without recomputation (model FLOPs).
@@ -292,8 +294,18 @@ class Throughput:
     samples_per_s: float
     tokens_per_s: float | None  # None: the input is not token ids
     flops_per_step: float  # 3 x forward FLOPs of the global batch
-    peak_flops: float  # per GPU, dense, at the dtype
+    peak_flops: float  # per GPU, dense, at `peak_precision`
     mfu: float
+    peak_precision: str  # the precision products run in (`product_precision`)
+
+
+def product_precision(plan: Plan, dtype: str) -> str:
+    """The precision the plan's products run in, whose peak MFU divides by: its precision's product dtype (a mixed
+    plan of an fp32 model runs them in bf16), else `dtype` (--dtype, or the model's)."""
+    if not plan.precision:
+        return dtype
+    key = precision_of((given := Precision.from_dict(plan.precision)).matmul or given.compute)
+    return dtype if key == "fp32" and precision_of(dtype) == "tf32" else key  # fp32 products on the TF32 peak
 
 
 def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> Throughput:
@@ -305,9 +317,10 @@ def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> 
     tokens = None
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         tokens = example.batch * int(first.shape[1]) / step_s
-    peak = cluster.gpu.peak(dtype)
+    products = product_precision(plan, dtype)
+    peak = cluster.gpu.peak(products)
     return Throughput(plan.predicted_step_ms, example.batch / step_s, tokens, 3 * forward, peak,
-                      3 * forward / (step_s * cluster.size * peak))
+                      3 * forward / (step_s * cluster.size * peak), products)
 
 
 def cluster_report(out: Console, made: ClusterPlan) -> None:
@@ -348,7 +361,7 @@ def cluster_report(out: Console, made: ClusterPlan) -> None:
     out.print(f"predicted step {t.step_ms:.4f} ms, samples/s {t.samples_per_s:.1f}, {tokens}MFU {t.mfu:.4%}, "
               f"{t.mfu * t.peak_flops / 1e12:.1f} TFLOP/s per GPU (model FLOPs)", markup=False)
     out.print(f"MFU counts 3 x forward FLOPs per step = {t.flops_per_step:.4g} FLOP, over {cluster.size} GPUs x "
-              f"{t.peak_flops / 1e12:.1f} TFLOP/s ({cluster.gpu.name} dense {dtype} peak)", markup=False)
+              f"{t.peak_flops / 1e12:.1f} TFLOP/s ({cluster.gpu.name} dense {t.peak_precision} peak)", markup=False)
     timeline_rows(out, plan)
 
 

@@ -9,6 +9,14 @@ what runtime.context_graph found in the whole graph ([Note: splitting the sequen
                                      from the global positions of the queries and keys
     stage output ◄─ ContextGather: every rank's tokens, back in sequence order (whole, as it was)
 
+[Note: boundaries that stay split] Between two stages of one context and tensor degree the sequence
+stays split: rank k of the writer's replica sends to rank k of the reader's (runtime/program.py), the
+same context index, so the writer sends its own tokens and the reader takes them as they come, with
+neither ContextGather nor ContextSlice (`split_boundaries` names those values). A boundary buffer then
+holds 1/c of the sequence, as the planner prices it (partitioner/place/search/experts_context.py), not
+the whole: Llama 3 405B at 131,072 tokens holds 4 GiB a boundary value whole. The model's output, the
+caller's inputs and a value read by a stage of other degrees stay whole as above.
+
 Load balance: the sequence is cut into 2c equal chunks and rank r of c holds chunks r and 2c - 1 - r
 (torchtitan's "headtail"), so under a causal mask every rank attends over the same number of keys:
 
@@ -32,7 +40,7 @@ same program, so each posts the same all-gathers in graph order (forward) and au
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Collection, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +51,7 @@ from torch import nn
 from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
 
 __all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice",
-           "parallelize_sequence", "positions"]
+           "parallelize_sequence", "positions", "split_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -208,13 +216,30 @@ def _call(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, module: nn.M
     return new
 
 
+def split_boundaries(gm: torch.fx.GraphModule, stages: Sequence[Any]) -> frozenset[str]:
+    """The values of the whole graph `gm` that cross a stage boundary split ([Note: boundaries that stay split]):
+    written by a stage (runtime.plan.StagePlan) that splits its sequence, read only by other stages of the same
+    context and tensor degrees, and not by the model output."""
+    stage_of = {name: s for s in stages for name in s.nodes}
+    kept = set()
+    for node in gm.graph.nodes:
+        writer = stage_of.get(node.name)
+        if writer is None or writer.context <= 1 or any(u.op == "output" for u in node.users):
+            continue
+        readers = {id(r): r for u in node.users if (r := stage_of.get(u.name)) is not None and r is not writer}
+        if readers and all((r.context, r.tensor) == (writer.context, writer.tensor) for r in readers.values()):
+            kept.add(node.name)
+    return frozenset(kept)
+
+
 def parallelize_sequence(gm: torch.fx.GraphModule, found: ContextGraph, cg: ContextGroup,
-                         attentions: Sequence[str], device: torch.device) -> None:
+                         attentions: Sequence[str], device: torch.device, split: Collection[str] = ()) -> None:
     """Split the sequence of the stage graph `gm` over `cg` (module docstring); in place.
 
     `found` is runtime.context_graph's reading of the whole traced graph; `attentions` the module paths
     of the attentions whose mask the plan checked to be causal (an attention with is_causal=True and no
-    mask needs none). Every rank of the group calls it with the same graph (see [Note: one order of
+    mask needs none); `split`: the stage inputs and outputs that cross their boundary split (`split_boundaries`),
+    neither sliced nor gathered. Every rank of the group calls it with the same graph (see [Note: one order of
     context collectives]).
 
     Raises:
@@ -231,7 +256,7 @@ def parallelize_sequence(gm: torch.fx.GraphModule, found: ContextGraph, cg: Cont
                          "sequence on one rank; cut the stage elsewhere or run it with context=1")
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
-            _entry(gm, node, found, cg, symbol)
+            _entry(gm, node, found, cg, symbol, split)
         elif node.name in found.positions:
             dtype = node.meta["val"].dtype
             _call(gm, node, f"cp_{node.name}", ContextPositions(cg, dtype, device), tuple(node.args))
@@ -241,12 +266,13 @@ def parallelize_sequence(gm: torch.fx.GraphModule, found: ContextGraph, cg: Cont
         elif node.op == "call_function" and node.target in ATTENTION:
             _attention(gm, node, found, cg, attentions)
         elif node.op == "output":
-            _exit(gm, node, found, cg, symbol)
+            _exit(gm, node, found, cg, symbol, split)
     gm.graph.lint()
     gm.recompile()
 
 
-def _entry(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any) -> None:
+def _entry(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any,
+           split: Collection[str]) -> None:
     value = found.values.get(node.name)  # the value of the node of the whole graph this input is
     dims, tokens = sequence_dims(value, symbol), token_dims(value, symbol)
     if not tokens or (len(dims) > 1 and node.name in found.mask_only):
@@ -254,6 +280,8 @@ def _entry(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, c
     if len(dims) != 1 or tokens != dims:
         raise ValueError(f"stage input {node.name} has shape {tuple(getattr(value, 'shape', ()))}, not one sequence "
                          "dim; cut the stage where values hold one (between layers)")
+    if node.name in split:
+        return  # this rank's tokens already, as the writer's rank of the same context index sent them
     users = list(node.users)
     with gm.graph.inserting_after(node):
         gm.add_submodule(f"cp_in_{node.name}", ContextSlice(dims[0], cg))
@@ -263,7 +291,8 @@ def _entry(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, c
         user.replace_input_with(node, local)
 
 
-def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any) -> None:
+def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup, symbol: Any,
+          split: Collection[str]) -> None:
     outputs = node.args[0]
     if not isinstance(outputs, (tuple, list)):
         return
@@ -277,6 +306,9 @@ def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg
         if len(dims) != 1 or tokens != dims:
             raise ValueError(f"stage output {value.name} has shape {tuple(getattr(val, 'shape', ()))}, not one "
                              "sequence dim; cut the stage where values hold one (between layers)")
+        if value.name in split:
+            whole.append(value)  # sent as it is: the reader's rank of this context index takes these tokens
+            continue
         gm.add_submodule(f"cp_out{k}", ContextGather(dims[0], cg))
         with gm.graph.inserting_before(node):
             whole.append(gm.graph.call_module(f"cp_out{k}", (value,)))

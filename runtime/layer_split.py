@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from runtime.axis_groups import AxisGroups, axis_groups, data_ranks, tensor_ranks
 from runtime.axis_reduce import AxisReductions, Reduction
 from runtime.context_graph import ContextGraph
-from runtime.context_parallel import parallelize_sequence
+from runtime.context_parallel import parallelize_sequence, split_boundaries
 from runtime.expert_parallel import ExpertDispatch, parallelize_experts
 from runtime.nccl_rules import collective_checks
 from runtime.plan import Plan, StagePlan
@@ -223,7 +223,7 @@ def expert_params(module: nn.Module) -> list[nn.Parameter]:
 def axis_rewrite(plan: Plan, split: RankSplit, gm: torch.fx.GraphModule, model: nn.Module) -> Rewrite:
     """runtime.stage's `rewrite` for this rank: split a stage's experts (runtime.expert_parallel), then its sequence
     (runtime.context_parallel, read off the whole graph `gm` once), on the groups `split` holds."""
-    found: list[ContextGraph] = []
+    found: list[tuple[ContextGraph, frozenset[str]]] = []
 
     def rewrite(module: torch.fx.GraphModule, index: int, device: torch.device) -> dict[int, nn.Parameter]:
         spec, swaps = plan.stages[index], {}
@@ -232,8 +232,10 @@ def axis_rewrite(plan: Plan, split: RankSplit, gm: torch.fx.GraphModule, model: 
                                         split.axes.checked)
         if spec.context > 1:
             if not found:
-                found.append(ContextGraph.of(gm))
-            parallelize_sequence(module, found[0], split.axes.context[index], spec.context_attention, device)
+                found.append((ContextGraph.of(gm), split_boundaries(gm, plan.stages)))
+            graph, boundaries = found[0]
+            parallelize_sequence(module, graph, split.axes.context[index], spec.context_attention, device,
+                                 boundaries)
         return swaps
 
     return rewrite

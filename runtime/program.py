@@ -30,10 +30,12 @@ m * d micro-batches: slice j of micro-batch i is piece i * d + j of the batch), 
 program to the w - 1 peers of its rank (`split_programs`; w = tensor x context, the ranks of a
 replica). A message from stage a (width wa) to stage b (width wb) goes to every rank k_b of b's
 replica from rank k_b mod wa of a's (values at a stage boundary are whole on every rank of a replica,
-split layers and sequences alike), so the sender's one SEND becomes a SEND to each such k_b, in rank
-order, and an all-reduce group moves to the ranks of the same index. The ops two ranks exchange at
-tick t are copies of those their leaders exchange at tick t, sorted by the leaders' key on both
-sides, and peers compute at their leader's ticks, so batch t still waits only for ticks below t.
+split layers and sequences alike, but a sequence kept split between stages of one width: rank k sends
+its tokens to rank k, [Note: boundaries that stay split] in runtime/context_parallel.py), so the
+sender's one SEND becomes a SEND to each such k_b, in rank order, and an all-reduce group moves to
+the ranks of the same index. The ops two ranks exchange at tick t are copies of those their leaders
+exchange at tick t, sorted by the leaders' key on both sides, and peers compute at their leader's
+ticks, so batch t still waits only for ticks below t.
 The collectives inside an F or B (DTensor's, over the tensor group; FSDP2's, over a sharded stage's
 replicas; the all-gathers of a split sequence; the all-to-alls of split experts, over sliced
 replicas) are posted by every rank of their group in the same op of the same program position: a

@@ -34,7 +34,7 @@ from partitioner import partition, plan  # noqa: E402
 from partitioner.capture.experts import find_experts  # noqa: E402
 from partitioner.capture.sequence import find_sequence_split  # noqa: E402
 from partitioner.capture.trace import trace  # noqa: E402
-from runtime.context_parallel import ContextAttention  # noqa: E402
+from runtime.context_parallel import ContextAttention, ContextGather, ContextSlice  # noqa: E402
 from runtime.expert_parallel import ExpertDispatch  # noqa: E402
 from runtime.layer_split import ShardedRun  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
@@ -138,6 +138,7 @@ def equivalence(case: str) -> bool:
     dispatches = sum(isinstance(m, ExpertDispatch) for m in modules)
     split = pipe.plan.stages[pipe.stages[0].index]
     attention = sum(isinstance(m, ContextAttention) for m in modules)
+    gathers, slices = (sum(isinstance(m, kind) for m in modules) for kind in (ContextGather, ContextSlice))
     ok = all(v < TOLERANCE for v in worst.values()) and bool(params)
     ok = ok and (dispatches > 0) == (split.expert > 1) and (attention > 0) == (split.context > 1 and bool(
         split.context_attention))  # split as planned, sharded by FSDP2 and recomputed where planned
@@ -146,7 +147,8 @@ def equivalence(case: str) -> bool:
     experts = sum(isinstance(q, DTensor) for q in params.values())
     errs = " ".join(f"{k}={v:.1e}" for k, v in worst.items())
     print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
-          f"dispatches={dispatches} attention={attention} dtensors={experts} params={len(params)} {errs} ok={ok}",
+          f"dispatches={dispatches} attention={attention} gathers={gathers} slices={slices} dtensors={experts} "
+          f"params={len(params)} {errs} ok={ok}",
           flush=True)
     return ok
 

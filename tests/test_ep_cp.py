@@ -82,6 +82,11 @@ def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_r
     # each with FSDP2 over the replicas and context ranks and recomputation; and Mixtral with both axes at once
     lines = check(equivalence, SEQUENCES)
     assert all(int(re.search(r"attention=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
+    # between the two stages the sequence stays split (rank k sends its own tokens to rank k, as priced): stage 0
+    # gathers nothing (its one slice is the caller's token ids), stage 1 slices nothing (its gather: the logits)
+    piped = [line for line in lines if ":pp2cp2" in line]
+    assert piped and all(("stages=[0]" in line and "gathers=0 slices=1" in line) or
+                         ("stages=[1]" in line and "gathers=1 slices=0" in line) for line in piped), piped
 
 
 def test_a_misordered_all_to_all_is_caught_before_it_runs() -> None:

@@ -50,3 +50,27 @@ def test_each_rank_holds_two_chunks_head_and_tail() -> None:
     assert positions(4, group).tolist() == [0, 1, 6, 7] and positions(4, group, rank=1).tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="multiple of 4"):
         positions(3, group)
+
+
+def test_a_sequence_stays_split_only_between_stages_of_one_context_and_tensor_degree() -> None:
+    from types import SimpleNamespace
+
+    from runtime.context_parallel import split_boundaries
+
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a = x + 1
+            b = a * 2
+            c = b - 3
+            return c, a  # `a` is also the model's output: whole
+
+    gm = torch.fx.symbolic_trace(Chain())
+
+    def stage(nodes: list[str], context: int, tensor: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(nodes=nodes, context=context, tensor=tensor)
+
+    same = [stage(["add"], 2), stage(["mul"], 2), stage(["sub"], 2)]
+    assert split_boundaries(gm, same) == {"mul"}  # `add` feeds the model output, `sub` is it
+    assert split_boundaries(gm, [stage(["add"], 2), stage(["mul"], 2), stage(["sub"], 2, tensor=2)]) == set()
+    assert split_boundaries(gm, [stage(["add"], 2), stage(["mul"], 4), stage(["sub"], 4)]) == {"mul"}
+    assert split_boundaries(gm, [stage(["add", "mul"], 1), stage(["sub"], 2)]) == set()  # the writer splits nothing

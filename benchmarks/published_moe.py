@@ -26,10 +26,11 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
 Models: benchmarks/published_moe_models.py (MoE decoders at their published shapes, every layer) and
 benchmarks/published_models.py's Llama (Llama 2 7B: 32 layers of 4096, 32 heads, SwiGLU 11008, vocabulary 32000).
 Each row's global batch and micro-batch size are its source's (DeepSeek's paper gives no micro-batch size:
-searched there); forced rows run the published micro-batch count (batch / MBS). Virtual
-stages (VP) are not searched here (the runtime does not run interleaving with replicas: the forced rows run
-without them); DualPipe is priced as 1F1B, and all-to-alls as the runtime runs them (BF16, not overlapped with
-compute); FP8 rows run their products at the FP8 rate (Precision.matmul, cost_model/analytic.py).
+searched there); forced rows run the published micro-batch count (batch / MBS). Virtual stages are priced where
+a row gives them (`virtual`: interleaved 1F1B, as published.py's forced rows price it; the runtime here does not
+interleave stages with replicas, so the free search never chooses them); DualPipe is priced as 1F1B, and
+all-to-alls as the runtime runs them (BF16, not overlapped with compute); FP8 rows run their products at the
+FP8 rate (Precision.matmul, cost_model/analytic.py).
 Long-context models are traced by torch.export (their sequence symbolic: what
 partitioner/capture/sequence.py reads). Forced: the published tensor, stage, expert and context degrees (the
 rest searched: cuts, micro-batches, recomputation; a row whose source splits its layers evenly over its stages,
@@ -106,6 +107,9 @@ class Row:
     precision: Precision = MIXED  # FP8 where the run's products were FP8
     max_nodes: int | None = None  # node-limited routing where the run's dispatch sends a token once a host
     even_layers: bool = False  # the run splits its layers evenly over its stages (embedding and loss not counted)
+    virtual: int = 1  # chunks per rank, interleaved 1F1B (priced only: the runtime interleaves no replicated stage)
+    sequence_parallel: bool = False  # beside TP (priced only), where the source's engine runs it
+    kernels: str = "eager"  # "fused": the engine saved flash attention's statistics and fused norms (issue 37)
 
 
 def _moe(shape: MoEShape) -> Callable[[], torch.nn.Module]:
@@ -128,18 +132,20 @@ ROWS = [
         "FP8; each token to at most 4 nodes (3.2.2)", precision=FP8, max_nodes=4),
     Row("DSv3-H100", _moe(DEEPSEEK_V3), 1024, 8192, 4096, (2, 8, 64, 1, "zero1"), 1297,
         {"hosts": 128, **H100}, "Megatron-Bridge performance summary 25.09: GBS 8192 MBS 1, TP2 PP8 VP4 EP64, FP8",
-        mbs=1, precision=FP8),
+        mbs=1, precision=FP8, virtual=4),
     Row("Qwen3-235B", _moe(QWEN3_235B), 256, 8192, 4096, (2, 8, 16, 1, "zero1"), 1633,
         {"hosts": 32, **H100}, "Megatron-Bridge performance summary 26.02: GBS 8192 MBS 1, TP2 PP8 VP4 EP32, FP8; "
         "EP 32 spans Megatron's TP x DP ranks, here experts split over the 16 replicas (EP 16)", mbs=1,
-        precision=FP8),
+        precision=FP8, virtual=4),
     Row("GPT-OSS-120B", _moe(GPT_OSS_120B), 64, 1280, 4096, (1, 4, 8, 1, "zero1"), 5993,
         {"hosts": 8, **H100}, "Megatron-Bridge performance summary 26.02: GBS 1280 MBS 1, PP4 EP8, BF16; 9 layers a "
         "stage (recipes/gpt_oss/gpt_oss.py: account_for_embedding/loss_in_pipeline_split False)", mbs=1,
         even_layers=True),
     Row("405B-128k", _llama(LLAMA3_405B_128K), 16384, 128, 131072, (8, 16, 1, 16, "zero1"),
         0.38 * 989e12 / _per_token_405b(), {"hosts": 2048, **H100},
-        "arXiv 2407.21783 Table 4: TP8 CP16 PP16 DP8 at 131072 tokens, 38% MFU, 16M tokens a step", export=True),
+        "arXiv 2407.21783 Table 4: TP8 CP16 PP16 DP8 at 131072 tokens, 38% MFU, 16M tokens a step; the 8K rows' engine "
+        "(benchmarks/published.py's LLAMA): interleaved v 8, sequence parallelism, fused kernels", export=True,
+        virtual=8, sequence_parallel=True, kernels="fused"),
     Row("7B-128k", _llama(LLAMA2_7B), 128, 32, 131072, (4, 1, 1, 4, "zero1"), 1.31, {"hosts": 16, **H100},
         "NeMo long context (as issue 39 quotes it): TP4 CP4 DP8 at 128k, 1.31x over no CP", export=True,
         baseline=(4, 1, 1, 1, "zero1")),
@@ -196,12 +202,12 @@ def forced(row: Row, parts: tuple, config: tuple[int, int, int, int, str]) -> Sp
     counts = row.batch // row.mbs if row.mbs else None  # the published micro-batch size: batch / MBS in all
     # Megatron-LM runs TP beside EP only with sequence parallelism (megatron/core/transformer/transformer_config.py:
     # "When using expert parallelism and tensor parallelism, sequence parallelism must be used"): priced only
-    sequence = t > 1 and e > 1
+    sequence = t > 1 and (e > 1 or row.sequence_parallel)
     space = SearchSpace(counts, recompute="auto", precision=row.precision, tensor=(t,), sharding=(mode,),
-                        sequence_parallel=sequence)
+                        sequence_parallel=sequence, kernels=row.kernels)
     bounds = layer_bounds(graph, order, p) if row.even_layers else None
     return search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=e, context=c,
-                        stages=p, max_nodes=row.max_nodes, bounds=bounds)
+                        stages=p, max_nodes=row.max_nodes, bounds=bounds, virtual=row.virtual)
 
 
 def rate(row: Row, split: Split) -> float:
@@ -223,7 +229,8 @@ def shown(split: Split) -> str:
     s = split.solution
     kinds = max(split.kinds, key=lambda k: sum(k.values()))
     by_kind = ", ".join(f"{k} {v / GIB:.1f}" for k, v in kinds.items() if v > 0)
-    return (f"t{s.tensor} p{s.stages} e{split.expert} c{split.context} d{s.replicas}"
+    return (f"t{s.tensor} p{s.stages}{f' v{s.virtual}' if s.virtual > 1 else ''} e{split.expert} c{split.context} "
+            f"d{s.replicas}"
             f"{', ' + s.sharding if s.sharding != 'none' else ''}, m {s.micro_batches}, recompute "
             f"{s.choice.get('recompute', 'none')}; memory per GPU {max(s.memory) / GIB:.1f} GiB ({by_kind} GiB)")
 

@@ -119,14 +119,15 @@ def search_split(
     space: SearchSpace | None = None, precision: Precision | None = None, shardable: Shardable | None = None,
     skew: float = 1.0, expert: int | None = None, context: int | None = None, headroom: float = 0.9,
     optimizer: str = "adam", stages: int | None = None, max_nodes: int | None = None,
-    bounds: Sequence[int] | None = None,
+    bounds: Sequence[int] | None = None, virtual: int = 1,
 ) -> Split:
     """The best plan counts over expert and context degrees and every other axis the cluster search prices
     (module docstring). `expert`/`context`/`stages`: force that degree or stage count (the space: the tensor degree
     and sharding). `max_nodes`: node-limited routing, each token's experts on at most that many hosts and sent
     once a host (cost_model.all_to_all.NodeLimited; DeepSeek-V3: 4). `bounds`: a run's own stage boundaries (positions
-    in `order`, 0 and len(order) included): the stages are those, not searched. Raises InfeasibleError where nothing
-    fits."""
+    in `order`, 0 and len(order) included): the stages are those, not searched. `virtual`: chunks per rank,
+    interleaved 1F1B as Megatron-LM runs it (priced only: the runtime interleaves no stage with replicas). Raises
+    InfeasibleError where nothing fits."""
     if bounds is not None:
         stages = len(bounds) - 1
     routing = NodeLimited(max_nodes, facts.top_k) if max_nodes is not None else None
@@ -150,7 +151,7 @@ def search_split(
             for e in es:
                 try:
                     found, choice = search_choices(allowed, _Pair(prepared, nodes, view, cluster, facts, allowed, e, c,
-                                                                  skew, scale, stages, routing, bounds))
+                                                                  skew, scale, stages, routing, bounds, virtual))
                 except InfeasibleError as exc:
                     failure = exc
                     tried.setdefault((e, c), float("inf"))
@@ -165,7 +166,7 @@ def search_split(
     nodes = prepared.nodes(graph, order, cost)
     problem, axes = prepared.priced(choice, nodes)
     chosen = _Pair(prepared, nodes, view, cluster, facts, space, e, c, skew, scale, stages, routing,
-                   bounds).axes(choice)
+                   bounds, virtual).axes(choice)
     plain = axes.degree(found.tensor).problem
     return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision), view,
                  chosen, plain, prepared.groups.get(found.tensor, []))
@@ -177,8 +178,9 @@ class _Pair:
 
     def __init__(self, prepared: Prepared, nodes: NodeFacts, view: Cluster, cluster: Cluster, facts: SplitFacts,
                  space: SearchSpace, e: int, c: int, skew: float, scale: float, stages: int | None = None,
-                 routing: NodeLimited | None = None, bounds: Sequence[int] | None = None) -> None:
+                 routing: NodeLimited | None = None, bounds: Sequence[int] | None = None, virtual: int = 1) -> None:
         self.prepared, self.nodes, self.view, self.facts, self.space = prepared, nodes, view, facts, space
+        self.virtual = virtual
         self.bounds = np.asarray(bounds, dtype=np.int64) if bounds is not None else None
         self.e, self.c, self.skew, self.scale, self.size, self.stages = e, c, skew, scale, cluster.size, stages
         tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
@@ -205,7 +207,7 @@ class _Pair:
         found = search_cluster(axes.degrees.degrees[0].problem, self.view, micro_batches=self.prepared.micro_batches,
                                schedules=self.space.schedules, axes=axes, better_than=bound, stages=self.stages,
                                cuts=self.prepared.cuts if self.bounds is None else self.bounds,
-                               refine_cuts=self.bounds is None,
+                               refine_cuts=self.bounds is None, virtual=self.virtual,
                                orders=("replicas-together",) if self.e > 1 else
                                ("replicas-together", "pipelines-together"))
         return found, found.step_s

@@ -13,7 +13,9 @@ Context degree c (runtime/context_parallel.py: two load-balanced chunks of 2c pe
     (a replica of m / d micro-batches pays it / d, where its replicas' own all-reduce crosses the same
     links). Ring attention (K/V passed in c - 1 steps
     under the compute) is not built, so it is not priced. Weights stay whole on every context rank; values
-    between stages are whole (the runtime gathers a stage's output), so `value_bytes` is unchanged.
+    between stages are / c too (`value_bytes`: their messages and the buffers in flight), as the runtime keeps
+    a sequence split between stages of one degree ([Note: boundaries that stay split] in
+    runtime/context_parallel.py; every stage of a split plan has the one context degree).
 Expert degree e (runtime/expert_parallel.py, dropless): each stack's weights / e (and with them its
     gradients and optimizer states, which the searches count from `param_bytes`); per micro-batch four
     all-to-alls per layer (dispatch and combine, forward and backward) of tokens x top-k x hidden bytes
@@ -202,7 +204,7 @@ def split_problem(problem: SearchProblem, facts: SplitFacts, *, expert: int = 1,
     if c > 1:
         size = {k: v / c for k, v in (out.size_times or {}).items()}
         out = dataclasses.replace(out, batch_times=out.batch_times / c, size_times=size or None,
-                                  saved_bytes=out.saved_bytes / c,
+                                  saved_bytes=out.saved_bytes / c, value_bytes=out.value_bytes / c,
                                   out_bytes=out.out_bytes / c if out.out_bytes is not None else None)
         latency, slope = gather
         kv = facts.kv_bytes / max(1, tensor)  # heads split over the tensor ranks

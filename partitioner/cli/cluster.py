@@ -1,15 +1,8 @@
 """`plan --cluster 16x8xH100`: plan for GPUs that are not here, check the plan fits, and report its throughput.
 
-    samples/s = global batch / predicted step             tokens/s = samples/s x sequence (token-id inputs)
-    MFU       = 3 x forward FLOPs of the global batch / (step s x GPUs x the table's dense peak at the
-                precision products run in: the plan's --precision (bf16 under "mixed", whatever the
-                model's dtype; FP8 where it says so), else --dtype)
-
-Forward FLOPs are the plan graph's (torch's FlopCounterMode per node, one micro-batch) times the
-micro-batches; forward + backward counts as 3 x forward, without recomputation (model FLOPs).
---dtype casts the model's weights and floating inputs before tracing (bf16, fp16), so the
-analytic model prices products and memory at that dtype; tf32 keeps fp32 tensors and prices
-fp32 products on the TF32 peak.
+Throughput (samples/s, tokens/s, MFU) as partitioner/cli/throughput.py counts it. --dtype casts the
+model's weights and floating inputs before tracing (bf16, fp16), so the analytic model prices products
+and memory at that dtype; tf32 keeps fp32 tensors and prices fp32 products on the TF32 peak.
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ from cost_model.precision import Precision
 from partitioner.api import plans as make_plans
 from partitioner.arguments import cluster_devices
 from partitioner.cli.inputs import Example, UsageError, load_example
+from partitioner.cli.throughput import Throughput, throughput
 from partitioner.errors import PartitionError
 from partitioner.place.planning import device_capacity
 from partitioner.place.search.progress import reporting
@@ -284,43 +278,6 @@ class _progress:
 
     def __exit__(self, *exc: object) -> None:
         self.bar.stop()
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """What one predicted step means: samples and tokens per second, model FLOPs and MFU."""
-
-    step_ms: float
-    samples_per_s: float
-    tokens_per_s: float | None  # None: the input is not token ids
-    flops_per_step: float  # 3 x forward FLOPs of the global batch
-    peak_flops: float  # per GPU, dense, at `peak_precision`
-    mfu: float
-    peak_precision: str  # the precision products run in (`product_precision`)
-
-
-def product_precision(plan: Plan, dtype: str) -> str:
-    """The precision the plan's products run in, whose peak MFU divides by: its precision's product dtype (a mixed
-    plan of an fp32 model runs them in bf16), else `dtype` (--dtype, or the model's)."""
-    if not plan.precision:
-        return dtype
-    key = precision_of((given := Precision.from_dict(plan.precision)).matmul or given.compute)
-    return dtype if key == "fp32" and precision_of(dtype) == "tf32" else key  # fp32 products on the TF32 peak
-
-
-def throughput(plan: Plan, example: Example, cluster: Cluster, dtype: Dtype) -> Throughput:
-    """The plan's step as samples/s, tokens/s and MFU (module docstring)."""
-    nodes = (plan.graph or {}).get("nodes", [])
-    forward = float(sum(n.get("flops") or 0 for n in nodes)) * plan.pieces  # the graph is one micro-batch's
-    step_s = plan.predicted_step_ms / 1e3
-    first = example.args[0] if example.args else None
-    tokens = None
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        tokens = example.batch * int(first.shape[1]) / step_s
-    products = product_precision(plan, dtype)
-    peak = cluster.gpu.peak(products)
-    return Throughput(plan.predicted_step_ms, example.batch / step_s, tokens, 3 * forward, peak,
-                      3 * forward / (step_s * cluster.size * peak), products)
 
 
 def cluster_report(out: Console, made: ClusterPlan) -> None:

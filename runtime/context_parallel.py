@@ -23,8 +23,12 @@ Load balance: the sequence is cut into 2c equal chunks and rank r of c holds chu
     c = 2, the sequence in 4 chunks:   | 0 | 1 | 2 | 3 |    rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
 
 Keys and values are all-gathered, not passed around a ring: one collective per attention in each
-direction (backward: a reduce-scatter of their gradients), O(S) keys per rank, the mask applied by
-torch's own scaled_dot_product_attention; a ring (K/V in c - 1 steps overlapping compute) is not built.
+direction (backward: a reduce-scatter of their gradients), O(S) keys per rank; a ring (K/V in c - 1
+steps overlapping compute) is not built. Each of a rank's two query chunks attends over the prefix of
+the sequence its causal mask reaches (`causal_chunks`, the block's mask a boolean tensor: torch's
+CausalBias tensor subclass failed to be made inside these stages), so a rank computes (2c + 1) / 4c of
+its queries x every key: about the causal half the planner prices (cost_model/analytic.py halves a
+causal attention), where one masked product over every key did all of it.
 
 Gradients: a stage input's gradient is every rank's rows all-gathered (whole on every rank, as the
 pipeline sends it back); an output's gradient is whole on every rank and each keeps its rows; weights
@@ -50,7 +54,7 @@ from torch import nn
 
 from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
 
-__all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice",
+__all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice", "causal_chunks",
            "parallelize_sequence", "positions", "split_boundaries"]
 
 
@@ -195,10 +199,24 @@ class ContextAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                 enable_gqa: bool = False) -> torch.Tensor:
         keys, values = _GatherKeys.apply(k, self.cg), _GatherKeys.apply(v, self.cg)
-        mine = positions(q.shape[-2], self.cg, device=q.device)
-        every = _every(k.shape[-2], self.cg, q.device)
-        mask = every.unsqueeze(0) <= mine.unsqueeze(1)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return causal_chunks(q, keys, values, self.cg, scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cg: ContextGroup, *,
+                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention of group rank cg.index's queries (its chunks r and 2c - 1 - r, along dim -2) over every
+    rank's keys and values (gathered in group order): each chunk over the keys up to its own last position, in
+    sequence order, with the causal mask of that block (module docstring)."""
+    half = q.shape[-2] // 2
+    order = torch.argsort(_every(keys.shape[-2] // cg.degree, cg, q.device))
+    keys, values = keys.index_select(-2, order), values.index_select(-2, order)  # sequence order
+    out = []
+    for chunk, queries in zip((cg.index, 2 * cg.degree - 1 - cg.index), q.split(half, dim=-2)):
+        reach = (chunk + 1) * half  # the keys this chunk's last query sees
+        seen = torch.arange(reach, device=q.device) <= torch.arange(reach - half, reach, device=q.device)[:, None]
+        out.append(F.scaled_dot_product_attention(queries, keys[..., :reach, :], values[..., :reach, :],
+                                                  attn_mask=seen, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=-2)
 
 
 def _arg(node: torch.fx.Node, index: int, key: str, default: Any = None) -> Any:

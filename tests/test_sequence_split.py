@@ -74,3 +74,30 @@ def test_a_sequence_stays_split_only_between_stages_of_one_context_and_tensor_de
     assert split_boundaries(gm, [stage(["add"], 2), stage(["mul"], 2), stage(["sub"], 2, tensor=2)]) == set()
     assert split_boundaries(gm, [stage(["add"], 2), stage(["mul"], 4), stage(["sub"], 4)]) == {"mul"}
     assert split_boundaries(gm, [stage(["add", "mul"], 1), stage(["sub"], 2)]) == set()  # the writer splits nothing
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_each_rank_attends_over_the_prefix_its_chunks_reach_as_whole_causal_attention_does(degree: int) -> None:
+    # rank r's queries (chunks r and 2c - 1 - r) over every rank's keys and values, gathered in group order (what
+    # ContextAttention hands causal_chunks): its rows and, summed over the ranks, every gradient equal causal
+    # attention over the whole sequence (grouped-query heads: 4 query heads over 2 key/value heads)
+    import torch.nn.functional as F
+
+    from runtime.context_parallel import causal_chunks
+
+    torch.manual_seed(0)
+    seq = 8 * degree
+    q, k, v = (torch.randn(2, h, seq, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(2, 4, seq, 8, dtype=torch.float64)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+    expected = torch.autograd.grad((whole * weight).sum(), (q, k, v))
+    every = torch.cat([positions(seq // degree, ContextGroup(None, r, degree)) for r in range(degree)])
+    total = torch.zeros((), dtype=torch.float64)
+    for r in range(degree):
+        cg = ContextGroup(None, r, degree)
+        mine = positions(seq // degree, cg)
+        out = causal_chunks(q[..., mine, :], k[..., every, :], v[..., every, :], cg, scale=0.3, enable_gqa=True)
+        assert torch.allclose(out, whole[..., mine, :], atol=1e-12)
+        total = total + (out * weight[..., mine, :]).sum()
+    for got, want in zip(torch.autograd.grad(total, (q, k, v)), expected):
+        assert torch.allclose(got, want, atol=1e-12)

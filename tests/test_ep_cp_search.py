@@ -290,3 +290,20 @@ def test_a_replicas_context_ranks_shard_its_states_too() -> None:
     assert over_context == pytest.approx(alone / 2)  # zero3: every state / (4 replicas x 2 context ranks)
     assert lower_static_bytes(1e9, dataclasses.replace(rule, shard_degree=2), "zero3", 8, 1) == pytest.approx(
         over_context / 2)
+
+
+def test_a_split_plan_that_does_not_fit_names_the_cluster_given_and_more_micro_batches() -> None:
+    # the search runs on the cluster one context rank sees (4x1xH100 for 4x8xH100 split 8 ways); the error names the
+    # user's, and where the micro-batch count was given below the batch, more micro-batches as a fix (8 fit)
+    from benchmarks.published_models import Llama, LlamaShape
+    from partitioner import plan
+    from partitioner.place.search.infeasible import InfeasibleError
+
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=4, width=4096, ffn=14336, heads=32, kv_heads=8, seq=131072)).to(torch.bfloat16)
+    tokens = torch.zeros(8, 131072, dtype=torch.long, device="meta")
+    with pytest.raises(InfeasibleError) as caught:
+        plan(model, cluster="4x8xH100", example_inputs=(tokens,), micro_batches=1, replicas="auto", schedule="auto",
+             precision="mixed")
+    text = str(caught.value)
+    assert "does not fit on 4x8xH100-SXM (its sequence split" in text and "micro_batches up to 8" in text, text

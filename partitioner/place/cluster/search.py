@@ -209,10 +209,14 @@ def _infeasible(
     gib = 1024**3
     how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "") + (
         f", {virtual} chunks a rank, interleaved" if virtual > 1 else "")
+    batch = problem.batch or 0
+    smaller = f"more micro-batches (micro_batches up to {batch}: smaller ones), " if max(micro_batches) < batch else ""
+    tried = f"micro-batches {list(micro_batches)}" if len(micro_batches) < 4 else "micro-batches"
     return InfeasibleError(
-        f"the model does not fit on {cluster.shape}: under every choice of stages, replicas and micro-batches "
+        f"the model does not fit on {cluster.shape}: under every choice of stages, replicas and {tried} "
         f"some stage is over the memory per GPU. At least {need / gib:.1f} GiB per GPU is needed ({p} stages x "
         f"{d} replicas, {m} micro-batches, {mode}{how}); a {cluster.gpu.name} has {capacity / gib:.1f} GiB usable. "
-        "Fix: more GPUs (more stages), GPUs with more memory, an optimizer with fewer states, or recomputation.",
+        f"Fix: {smaller}more GPUs (more stages), GPUs with more memory, an optimizer with fewer states, or "
+        "recomputation.",
         [int(math.ceil(need))] * cluster.size,
     )

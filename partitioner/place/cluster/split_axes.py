@@ -153,7 +153,7 @@ def search_split(
                     found, choice = search_choices(allowed, _Pair(prepared, nodes, view, cluster, facts, allowed, e, c,
                                                                   skew, scale, stages, routing, bounds, virtual))
                 except InfeasibleError as exc:
-                    failure = exc
+                    failure = _seen_whole(exc, view, cluster, c)
                     tried.setdefault((e, c), float("inf"))
                     continue
                 tried[e, c] = min(tried.get((e, c), float("inf")), found.step_s)
@@ -170,6 +170,14 @@ def search_split(
     plain = axes.degree(found.tensor).problem
     return Split(found, e, c, choice, tried, memory_kinds(found, graph, order, facts, e, c, space.precision), view,
                  chosen, plain, prepared.groups.get(found.tensor, []))
+
+
+def _seen_whole(exc: InfeasibleError, view: Cluster, cluster: Cluster, c: int) -> InfeasibleError:
+    """`exc` from the search on `view` (one context rank's cluster), naming the cluster the caller gave."""
+    if view is cluster or view.shape == cluster.shape:
+        return exc
+    text = str(exc).replace(f"on {view.shape}:", f"on {cluster.shape} (its sequence split {c} ways):", 1)
+    return InfeasibleError(text, exc.needed_bytes)
 
 
 class _Pair:

@@ -208,8 +208,7 @@ def causal_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cg:
     rank's keys and values (gathered in group order): each chunk over the keys up to its own last position, in
     sequence order, with the causal mask of that block (module docstring)."""
     half = q.shape[-2] // 2
-    order = torch.argsort(_every(keys.shape[-2] // cg.degree, cg, q.device))
-    keys, values = keys.index_select(-2, order), values.index_select(-2, order)  # sequence order
+    keys, values = _ordered(keys, -2, cg), _ordered(values, -2, cg)  # sequence order
     out = []
     for chunk, queries in zip((cg.index, 2 * cg.degree - 1 - cg.index), q.split(half, dim=-2)):
         reach = (chunk + 1) * half  # the keys this chunk's last query sees

@@ -259,16 +259,22 @@ def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None
 
 
 @pytest.mark.timeout(300)
+def _llama_at_131k() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 4-layer Llama 3 8B shape on meta (fx can trace it) and 8 sequences of 131,072 token ids."""
+    from benchmarks.published_models import Llama, LlamaShape
+
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=4, width=4096, ffn=14336, heads=32, kv_heads=8, seq=131072)).to(torch.bfloat16)
+    return model, torch.zeros(8, 131072, dtype=torch.long, device="meta")
+
+
 def test_the_front_door_splits_the_long_sequence_of_an_fx_traceable_llama_within_memory() -> None:
     # plan(): a Llama fx can trace, at 131,072 tokens, is exported (its sequence free) and planned with a context
     # degree; recompute="auto" keeps the search's choice for the split stage, whose memory the search counted per
     # rank (the whole graph's count judged it over and recomputed it to 102.5 GiB per GPU of 72)
-    from benchmarks.published_models import Llama, LlamaShape
     from partitioner import plan
 
-    with torch.device("meta"):
-        model = Llama(LlamaShape(layers=4, width=4096, ffn=14336, heads=32, kv_heads=8, seq=131072)).to(torch.bfloat16)
-    tokens = torch.zeros(8, 131072, dtype=torch.long, device="meta")
+    model, tokens = _llama_at_131k()
     made = plan(model, cluster="4x8xH100", example_inputs=(tokens,), micro_batches=8, replicas="auto",
                 schedule="auto", precision="mixed", recompute="auto")
     made.check()
@@ -295,13 +301,10 @@ def test_a_replicas_context_ranks_shard_its_states_too() -> None:
 def test_a_split_plan_that_does_not_fit_names_the_cluster_given_and_more_micro_batches() -> None:
     # the search runs on the cluster one context rank sees (4x1xH100 for 4x8xH100 split 8 ways); the error names the
     # user's, and where the micro-batch count was given below the batch, more micro-batches as a fix (8 fit)
-    from benchmarks.published_models import Llama, LlamaShape
     from partitioner import plan
     from partitioner.place.search.infeasible import InfeasibleError
 
-    with torch.device("meta"):
-        model = Llama(LlamaShape(layers=4, width=4096, ffn=14336, heads=32, kv_heads=8, seq=131072)).to(torch.bfloat16)
-    tokens = torch.zeros(8, 131072, dtype=torch.long, device="meta")
+    model, tokens = _llama_at_131k()
     with pytest.raises(InfeasibleError) as caught:
         plan(model, cluster="4x8xH100", example_inputs=(tokens,), micro_batches=1, replicas="auto", schedule="auto",
              precision="mixed")

@@ -78,6 +78,7 @@ def search_cluster(
     virtual: int | Sequence[int] = 1,
     better_than: float = math.inf,
     refine_cuts: bool = True,
+    named: str | None = None,
 ) -> ClusterSolution:
     """The counts, rank order and cuts with the smallest objective (module docstring) on all of `cluster`.
 
@@ -94,6 +95,8 @@ def search_cluster(
             skipped, and InfeasibleError (no memory named) says when nothing beats it.
         refine_cuts: False: the cuts are chosen among `cuts` alone, not refined around them (a run's own stage
             boundaries: `cuts` holds exactly them and `stages` their count).
+        named: the cluster as errors name it, where `cluster` is one rank's view of the caller's (a context
+            group's: cluster/split_axes.py); default `cluster.shape`.
 
     Raises:
         PartitionError: bad arguments; InfeasibleError (memory per GPU named) when nothing fits.
@@ -165,7 +168,8 @@ def search_cluster(
     if best is None and math.isfinite(better_than):
         raise InfeasibleError(f"nothing fits with an objective below {better_than:.4g} s", [])
     if best is None:
-        raise _infeasible(space, cluster, micro_batches, mode, pricers, capacity, stages, replicate, vs[0])
+        raise _infeasible(space, cluster, micro_batches, mode, pricers, capacity, stages, replicate, vs[0],
+                          named or cluster.shape)
     found.sort(key=lambda c: c[0].step)
     distinct: dict[tuple[int, int, int, str], Candidate] = {}  # the best of each (stages, replicas, tensor, sharding)
     for candidate, v in found:
@@ -182,7 +186,7 @@ def search_cluster(
 
 def _infeasible(
     space: Axes, cluster: Cluster, micro_batches: Sequence[int], mode: str, pricers: dict[int, Pricer],
-    capacity: float, stages: int | None, replicate: bool, virtual: int = 1,
+    capacity: float, stages: int | None, replicate: bool, virtual: int, named: str,
 ) -> InfeasibleError:
     """The error naming the memory per GPU the least demanding configuration would need."""
     least: tuple[float, int, int, int, int, str] | None = None
@@ -202,7 +206,7 @@ def _infeasible(
     problem = space.degrees.degrees[0].problem
     if least is None:
         return InfeasibleError(
-            f"no configuration puts all {cluster.size} GPUs of {cluster.shape} to work: stages x replicas must be "
+            f"no configuration puts all {cluster.size} GPUs of {named} to work: stages x replicas must be "
             f"{cluster.size}, with at most {problem.n} stages and replicas dividing the micro-batches "
             f"{list(micro_batches)[:12]}; allow other micro-batch counts or use another cluster size", [])
     need, p, d, m, t, sharding = least
@@ -213,7 +217,7 @@ def _infeasible(
     smaller = f"more micro-batches (micro_batches up to {batch}: smaller ones), " if max(micro_batches) < batch else ""
     tried = f"micro-batches {list(micro_batches)}" if len(micro_batches) < 4 else "micro-batches"
     return InfeasibleError(
-        f"the model does not fit on {cluster.shape}: under every choice of stages, replicas and {tried} "
+        f"the model does not fit on {named}: under every choice of stages, replicas and {tried} "
         f"some stage is over the memory per GPU. At least {need / gib:.1f} GiB per GPU is needed ({p} stages x "
         f"{d} replicas, {m} micro-batches, {mode}{how}); a {cluster.gpu.name} has {capacity / gib:.1f} GiB usable. "
         f"Fix: {smaller}more GPUs (more stages), GPUs with more memory, an optimizer with fewer states, or "

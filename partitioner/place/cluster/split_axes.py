@@ -153,7 +153,7 @@ def search_split(
                     found, choice = search_choices(allowed, _Pair(prepared, nodes, view, cluster, facts, allowed, e, c,
                                                                   skew, scale, stages, routing, bounds, virtual))
                 except InfeasibleError as exc:
-                    failure = _seen_whole(exc, view, cluster, c)
+                    failure = exc
                     tried.setdefault((e, c), float("inf"))
                     continue
                 tried[e, c] = min(tried.get((e, c), float("inf")), found.step_s)
@@ -172,14 +172,6 @@ def search_split(
                  chosen, plain, prepared.groups.get(found.tensor, []))
 
 
-def _seen_whole(exc: InfeasibleError, view: Cluster, cluster: Cluster, c: int) -> InfeasibleError:
-    """`exc` from the search on `view` (one context rank's cluster), naming the cluster the caller gave."""
-    if view is cluster or view.shape == cluster.shape:
-        return exc
-    text = str(exc).replace(f"on {view.shape}:", f"on {cluster.shape} (its sequence split {c} ways):", 1)
-    return InfeasibleError(text, exc.needed_bytes)
-
-
 class _Pair:
     """The cluster search of one (expert, context) degree pair on `view` (one of views(cluster, c)): a `run` for
     search_choices, and the axes it prices under a choice."""
@@ -189,6 +181,8 @@ class _Pair:
                  routing: NodeLimited | None = None, bounds: Sequence[int] | None = None, virtual: int = 1) -> None:
         self.prepared, self.nodes, self.view, self.facts, self.space = prepared, nodes, view, facts, space
         self.virtual = virtual
+        # errors name the caller's cluster, not the view one context rank sees
+        self.named = cluster.shape if view.shape == cluster.shape else f"{cluster.shape} (its sequence split {c} ways)"
         self.bounds = np.asarray(bounds, dtype=np.int64) if bounds is not None else None
         self.e, self.c, self.skew, self.scale, self.size, self.stages = e, c, skew, scale, cluster.size, stages
         tensors = [t for t in prepared.axes.degrees.tensors if e * t * c <= cluster.size]
@@ -215,7 +209,7 @@ class _Pair:
         found = search_cluster(axes.degrees.degrees[0].problem, self.view, micro_batches=self.prepared.micro_batches,
                                schedules=self.space.schedules, axes=axes, better_than=bound, stages=self.stages,
                                cuts=self.prepared.cuts if self.bounds is None else self.bounds,
-                               refine_cuts=self.bounds is None, virtual=self.virtual,
+                               refine_cuts=self.bounds is None, virtual=self.virtual, named=self.named,
                                orders=("replicas-together",) if self.e > 1 else
                                ("replicas-together", "pipelines-together"))
         return found, found.step_s

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from runtime.batchnorm import DeferredBatchNorm, DeferredBatchNormOp
+from runtime.loss_split import mark_loss_outputs
 from runtime.mutation import after, check_cuts, mutated_inputs
 from runtime.plan import Plan
 from runtime.recompute import wrap
@@ -372,6 +373,8 @@ def _build_one(
     if axes is not None:  # experts and sequence split, on the graph the tensor split left
         rewrite, roots, swapped = axes
         swapped += rebind(roots, rewrite(module, s, device))
+    if split is not None and plan.stages[s].tensor > 1:
+        mark_loss_outputs(module)  # on the final graph: logits the loss may take split (runtime.loss_split)
     if plan.recomputes:  # every stage, "none" ones too: see [Note: recomputation replays the stage's random numbers]
         module = wrap(module, plan.stages[s].recompute, device, deferred, writes)
     return Stage(s, device, module, inputs, outputs, deferred, writes)

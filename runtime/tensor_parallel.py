@@ -14,7 +14,9 @@ rewrites it in place:
   one's, and those uses: values entering it become replicated DTensors (`ToDTensor`), values leaving
   it plain whole tensors (`ToPlain`: DTensor's redistribute, so an all-reduce after a rowwise layer or
   a vocabulary lookup, an all-gather after an LM head), so stage inputs and outputs stay plain and
-  pipeline transfers are unchanged;
+  pipeline transfers are unchanged; a model output (the graph's output its only reader: an LM head's logits)
+  leaves through a ToPlain of its own, which training steps of the last stage turn off for values split by
+  vocabulary: the loss reads them split (runtime.loss_split);
 - inside a region, `scaled_dot_product_attention` runs per head (`LocalAttention`) and the split of a
   fused q/k/v output keeps each rank's heads (`FusedSplit`), see runtime.tensor_parallel_ops.
 
@@ -35,7 +37,8 @@ different orders. Here that order is the same on every TP rank by construction:
   fixed nodes), backward in autograd's order for that one graph on one device;
 - setting up (`distribute_tensor` scatters each parameter from the group's first rank) walks the
   groups and their parameters in the given order, and `checkpoint_state` its keys sorted.
-No code path here branches on the rank; random ops on split values (dropout with p > 0 inside a
+No code path here branches on the rank (whether logits leave split depends on the step's mode, the same on
+every rank of the group); random ops on split values (dropout with p > 0 inside a
 region) use DTensor's own RNG tracker and are not bitwise equal to the plain model.
 """
 
@@ -270,8 +273,12 @@ def _rewrite(gm: torch.fx.GraphModule, group: TensorParallelGroup, mesh: DeviceM
     for node in order:  # values leaving the group: whole plain tensors
         outside = [u for u in node.users if u not in inside]
         if outside:
+            target = f"{prefix}_out"
+            if all(u.op == "output" for u in outside):  # a model output: the loss may take it split
+                target = f"{prefix}_loss_out{node.name}"
+                gm.add_submodule(target, ToPlain(to_loss=True))
             with gm.graph.inserting_after(node):
-                plain = gm.graph.call_module(f"{prefix}_out", (node,))
+                plain = gm.graph.call_module(target, (node,))
             for user in outside:
                 user.replace_input_with(node, plain)
     distributed = {id(p) for p in gm.parameters() if isinstance(p, DTensor)}

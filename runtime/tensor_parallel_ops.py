@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["FusedLinear", "FusedSplit", "LocalAttention", "ToDTensor", "ToPlain"]
+__all__ = ["FusedLinear", "FusedSplit", "LocalAttention", "ToDTensor", "ToPlain", "split_classes"]
 
 
 class ToDTensor(nn.Module):
@@ -38,16 +38,33 @@ class ToDTensor(nn.Module):
 
 class ToPlain(nn.Module):
     """A DTensor leaving a group becomes the whole plain tensor: partial sums are all-reduced (rowwise,
-    vocab lookups), split values all-gathered (an LM head); a replicated one costs nothing."""
+    vocab lookups), split values all-gathered (an LM head); a replicated one costs nothing.
+
+    `to_loss` marks one whose value is a model output (the graph's output reads it, nothing else): while
+    `keep_split` is on (a training step of the last stage, runtime.loss_split), a value split on its last
+    dimension (logits split by vocabulary) leaves as it is, for the loss to run on DTensor's loss_parallel."""
+
+    def __init__(self, to_loss: bool = False) -> None:
+        super().__init__()
+        self.to_loss = to_loss
+        self.keep_split = False
 
     def forward(self, value: Any) -> Any:
         def lower(t: torch.Tensor) -> torch.Tensor:
             if not isinstance(t, DTensor):
                 return t
+            if self.keep_split and split_classes(t):
+                return t
             whole = [Replicate()] * t.device_mesh.ndim
             return t.redistribute(t.device_mesh, whole).to_local()
 
         return pytree.tree_map_only(torch.Tensor, lower, value)
+
+
+def split_classes(t: DTensor) -> bool:
+    """A DTensor split on its last dimension alone (an LM head's logits: by vocabulary), as loss_parallel takes."""
+    return t.dim() > 0 and len(t.placements) == 1 and type(t.placements[0]) is Shard \
+        and t.placements[0].dim % t.dim() == t.dim() - 1
 
 
 class LocalAttention(nn.Module):

@@ -16,8 +16,9 @@ shards the replicas' weights with FSDP2 ("zero3+every": the plan's gradient_sync
 gradients reduce-scattered after each micro-batch, only the shard kept); RECOMPUTE "full" or "selective"
 recomputes every stage as well ("a/b": one mode per stage; "none": not); MODE "eval" runs the partitioned and
 the plain model in eval mode (a model traced in training whose forward reads self.training runs its other graph:
-"modes" scales by 1.5 in training only); "mixed" trains in mixed precision (FSDP2 computes in bf16 over fp32
-master weights): one step, the loss and every gradient (against the largest) within 3e-2 of the fp32 plain
+"modes" scales by 1.5 in training only); "onehot" trains on a loss DTensor cannot run on logits split by
+vocabulary (they are gathered for it, with a warning); "mixed" trains in mixed precision (FSDP2 computes in bf16
+over fp32 master weights): one step, the loss and every gradient (against the largest) within 3e-2 of the fp32 plain
 model's. Rank 0
 plans the stages with partitioner.plan (then every rank reads its plan), the split fields are set by hand (the
 groups partitioner.capture.shardable finds within each stage). `equivalence` compares the loss, every gradient
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -138,9 +140,20 @@ MODELS: dict[str, Callable[[], Case]] = {"gpt": gpt, "gpt4": lambda: gpt(4), "ll
 EXPORTED = {"llama", "gpt2", "gpt2x4"}  # traced by torch.export (Hugging Face models)
 
 
+SPLIT_LOGITS: list[bool] = []  # per call of loss_fn: were the logits it read split by vocabulary (a DTensor)?
+
+
 def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
     out = getattr(out, "logits", out)
+    SPLIT_LOGITS.append(isinstance(out, DTensor))
     return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+def onehot_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """A loss DTensor cannot run on split logits (a plain one-hot tensor of their shape beside them)."""
+    out = getattr(out, "logits", out)
+    SPLIT_LOGITS.append(isinstance(out, DTensor))
+    return (out.float() - F.one_hot(y, out.shape[-1]).float()).pow(2).mean()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -288,6 +301,7 @@ def equivalence(case: str) -> bool:
     mixed = case.endswith(":mixed")  # bf16 compute: one step, gradients against the largest (Adam would amplify
     steps = 3 if sharding != "none" and not mixed else 1  # the bf16 noise of gradients that are only noise)
     calls = count_calls(model)
+    loss_of = onehot_loss if case.endswith(":onehot") else loss_fn
     worst_fresh = fresh_weights(model, reference, params)
     opt, ref_opt = adam(params.values() or [torch.zeros(1, requires_grad=True)]), adam(reference.parameters())
     ref_params = dict(reference.named_parameters())
@@ -295,8 +309,13 @@ def equivalence(case: str) -> bool:
     for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
-        loss = pipe.train_step(x, y, loss_fn)
-        ref_loss = loss_fn(reference(x), y)
+        SPLIT_LOGITS.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = pipe.train_step(x, y, loss_of)
+        split_logits = sorted(set(SPLIT_LOGITS))  # what the last stage's loss read (nothing: not this rank's)
+        whole_again = sum("runs on the whole logits instead" in str(w.message) for w in caught)
+        ref_loss = loss_of(reference(x), y)
         ref_loss.backward()
         if loss is not None:
             worst["loss"] = max(worst["loss"], rel(loss, ref_loss.detach()))
@@ -337,7 +356,8 @@ def equivalence(case: str) -> bool:
     errs = " ".join(f"{k}={v:.1e}" for k, v in worst.items())
     print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
           f"tensor={[s.tensor for s in plan_.stages]} params={len(params)} dtensors={split} "
-          f"units={[len(u) for u in units]} linear_calls={sorted(set(calls.values()))} {errs} ok={ok}",
+          f"units={[len(u) for u in units]} linear_calls={sorted(set(calls.values()))} "
+          f"split_logits={split_logits} whole_again={whole_again} {errs} ok={ok}",
           flush=True)
     return ok
 

@@ -48,13 +48,14 @@ FAMILIES = ["hf-persimmon:1f1b:pp2dp2:zero3", "hf-phi:1f1b:tp2dp2:zero1", "hf-st
 MEMORY = ["gpt:1f1b:pp2dp2:zero1", "gpt:1f1b:pp2dp2:zero2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:pp2dp2:zero3:full",
           "gpt:1f1b:pp2dp2:zero2:selective"]
 FULL_SHARD = "gpt:1f1b:pp2dp2:zero3+every"
+ONEHOT = "llama:1f1b:tp2pp2:none:none:onehot"  # a loss DTensor cannot run on split logits
 CHECKPOINT = ["gpt:1f1b:tp2pp2", "gpt2:1f1b:tp2dp2", "gpt:1f1b:pp2dp2:zero3", "gpt:1f1b:tp2dp2:zero3"]
 # memory is measured on the production transport: the emulation's threads free message buffers at times of their own
 PRODUCTION = {NCCL_RULES_ENV: "0"}
 
 
 def jobs(checkpoints: Path) -> list[Job]:
-    equivalence = [*TENSOR, *HUGGING_FACE, *CNN, *FSDP, *MODES, *MIXED, *FAMILIES, FULL_SHARD]
+    equivalence = [*TENSOR, *HUGGING_FACE, *CNN, *FSDP, *MODES, *MIXED, *FAMILIES, FULL_SHARD, ONEHOT]
     return [*(Job(f"equivalence {c}", "equivalence", [c]) for c in equivalence),
             *(Job(f"memory {c}", "memory", [c], PRODUCTION) for c in [*MEMORY, FULL_SHARD]),
             *(Job(f"checkpoint {c}", "checkpoint", [str(checkpoints), c]) for c in CHECKPOINT)]
@@ -90,6 +91,26 @@ def test_gpt_tensor_by_pipeline_and_by_data_with_1f1b_and_interleaved(four_ranks
 @pytest.mark.timeout(TEST_S)
 def test_hugging_face_llama_gqa_and_gpt2_conv1d(four_ranks: Launch) -> None:
     check(four_ranks, "equivalence", HUGGING_FACE)
+
+
+def _last_stage(lines: list[str], case: str) -> list[str]:
+    """The lines of `case` from the ranks of its last stage (the ones that ran the loss)."""
+    return [line for line in lines if f"case={case} " in line and "split_logits=[]" not in line]
+
+
+@pytest.mark.timeout(TEST_S)
+def test_the_loss_reads_logits_split_by_vocabulary(four_ranks: Launch) -> None:
+    # an untied LM head split over 2 tensor ranks: its logits stay split into the loss (DTensor's loss_parallel)
+    # and the results equal the plain model's, with pipelines, replicas, FSDP2 and recomputation
+    lines = check(four_ranks, "equivalence", [*HUGGING_FACE[:2], FAMILIES[-1]])
+    for case in [*HUGGING_FACE[:2], FAMILIES[-1]]:
+        ran = _last_stage(lines, case)
+        assert len(ran) == (2 if "pp2" in case else 4), "\n".join(lines)
+        assert all("split_logits=[True] whole_again=0" in line for line in ran), "\n".join(ran)
+    # a loss DTensor cannot run on them runs on the whole logits, with a warning, and is still equal
+    lines = check(four_ranks, "equivalence", [ONEHOT])
+    ran = _last_stage(lines, ONEHOT)
+    assert len(ran) == 2 and all("split_logits=[False, True] whole_again=1" in line for line in ran), "\n".join(ran)
 
 
 @pytest.mark.timeout(TEST_S)

@@ -106,3 +106,37 @@ def test_sequence_parallelism_splits_the_other_nodes_by_the_sequence(
         (norm.get("flops", 0) or 0) / 2, norm["out_bytes"] / 2)
     assert sequence.nodes["blocks_0_proj"]["out_bytes"] == tensor.nodes["blocks_0_proj"]["out_bytes"] / 2 == 262144
     assert sequence.nodes["blocks_0_qkv"] == tensor.nodes["blocks_0_qkv"]
+
+
+class _Head(torch.nn.Module):
+    """Embedding, a norm, an untied LM head; `upcast` returns float logits (the head's output read by a cast)."""
+
+    def __init__(self, upcast: bool) -> None:
+        super().__init__()
+        self.upcast = upcast
+        self.tok = torch.nn.Embedding(256, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.tok(x)))
+        return logits.float() * 1.0 if self.upcast else logits
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_logits_into_the_loss_stay_split(upcast: bool) -> None:
+    # an LM head whose logits are the model's output: the loss reads them split by vocabulary (runtime/loss_split.py),
+    # so each of t ranks holds 1/t of them and nothing gathers them; read by another op first, they are gathered
+    x = torch.randint(0, 256, (4, 16))
+    traced = trace(_Head(upcast), (x,), {})
+    graph = build_graph(traced.graph_module, [x])
+    head = next(g for g in find_shardable(traced.graph_module, graph).groups if g.name == "head")
+    (node,) = head.nodes
+    logits = float(graph.nodes[node]["out_bytes"])
+    assert logits == 4 * 16 * 256 * 4
+    assert head.loss_outputs == (() if upcast else (node,))
+    assert [c.kind for c in head.collectives if c.phase == "forward"] == ["all_gather"]  # a forward-only run's
+    split = split_graph(graph, [head], 4)
+    assert split.nodes[node]["out_bytes"] == (logits if upcast else logits / 4)
+    forward, backward = collective_seconds(graph, head, (1e-5, 1e-9), 4)
+    assert backward > 0 and (forward > 0) == upcast  # the head's input gradient is all-reduced either way

@@ -62,6 +62,9 @@ class ShardGroup:
     outputs: tuple[tuple[str, int], ...]
     collectives: tuple[Collective, ...]
     sequence_collectives: tuple[Collective, ...]
+    # gathered outputs that are model outputs (the graph's output reads them, nothing else): a training step's loss
+    # reads them split by their last dimension, not gathered (runtime/loss_split.py); forward-only runs gather them
+    loss_outputs: tuple[str, ...] = ()
 
     def spec(self) -> TensorParallelGroup:
         """The plain data runtime.tensor_parallel splits it by."""
@@ -198,5 +201,6 @@ def build_group(
         split_bytes=sum(_bytes(graph, n.name) for n in nodes if n.name not in whole),
         inputs=tuple(inputs.items()), side_inputs=tuple(side.items()), outputs=tuple(outputs.items()),
         collectives=tuple(forward + backward), sequence_collectives=tuple(seq),
+        loss_outputs=tuple(n.name for n in gathered if n.users and all(u.op == "output" for u in n.users)),
     )
 

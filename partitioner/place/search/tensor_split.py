@@ -7,6 +7,7 @@ rank of the group runs every node of it on 1/t of the values:
     output split (colwise, heads) / t     / t            linear: N / t (last dim); batched matmul: heads / t
     output summed (rowwise, vocab) / t    whole          whole (K / t: FLOPs / (2 M N))
     output gathered (lone head)   / t     whole          whole
+    model output (head into loss) / t     / t            linear: N / t   (not gathered: runtime/loss_split.py)
 
 so a GEMM of 1/t the width is priced at its own shape's efficiency (cost_model.ops.gemm_efficiency),
 not at 1/t the time, and memory-bound ops at 1/t of their bytes. Weights split by the group are / t
@@ -16,7 +17,10 @@ replicated input whole. Nodes outside the groups (norms, residual adds) run whol
 eager DTensor without sequence parallelism runs them. Each group adds its collectives
 (`ShardGroup.collectives`: an all-reduce of the summed outputs in forward and of the inputs'
 gradients in backward, an all-gather of gathered outputs) on the tensor group's ring, not
-overlapped with compute (eager DTensor waits for each).
+overlapped with compute (eager DTensor waits for each). A gathered output that is a model output (an LM head's
+logits) is not gathered in training: the loss reads it split by vocabulary (DTensor's loss_parallel), its
+reductions over the vocabulary (its maximum, the sum of exponentials, the target's logit: three all-reduces of
+b x s fp32 numbers, 12 b s bytes against the 2 b s V of the bf16 all-gather they replace) are not priced.
 
 With sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 https://arxiv.org/abs/2205.05198: what Megatron-LM and Llama 3 run beside tensor parallelism) the nodes outside
@@ -71,7 +75,7 @@ def split_attrs(attrs: dict[str, Any], t: int, role: str) -> dict[str, Any]:
 
 
 def _roles(group: ShardGroup) -> dict[str, str]:
-    outputs = {name for name, _ in group.outputs}
+    outputs = {name for name, _ in group.outputs} - set(group.loss_outputs)  # logits into the loss stay split
     gathered = {c.value for c in group.collectives if c.kind == "all_gather" and c.phase == "forward"}
     return {n: ("gathered" if n in gathered else "summed") if n in outputs else "split" for n in group.nodes}
 
@@ -118,6 +122,8 @@ def collective_seconds(graph: nx.DiGraph, group: ShardGroup, ring: Ring, size: f
     times = {"forward": 0.0, "backward": 0.0}
     price = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
     for c in group.collectives:
+        if c.value in group.loss_outputs:  # not gathered: the loss reduces them split (b x s numbers, not priced)
+            continue
         nbytes = float(graph.nodes[c.value].get("out_bytes", 0) or 0) * scale if c.value in graph else c.bytes
         times[c.phase] += float(price[c.kind](ring, nbytes))
     return times["forward"], times["backward"]

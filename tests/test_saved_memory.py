@@ -144,3 +144,32 @@ def test_unrecorded_module_kinds_are_priced_as_products(name: str, within: float
         assert abs(predicted - measured) <= within * measured, (name, predicted, measured)
     else:
         assert measured <= predicted <= every_output, (name, predicted, measured, every_output)
+
+
+class _Dropouts(nn.Module):
+    """A dropout module and a functional one between two Linears (p = 0 returns its input: nothing kept)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.fc1, self.drop, self.fc2 = nn.Linear(64, 64), nn.Dropout(p), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.dropout(self.drop(torch.relu(self.fc1(x))), p=self.p, training=True))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_a_dropout_of_zero_keeps_nothing(p: float) -> None:
+    # Hugging Face and MPT configurations train with dropout 0: torch returns the input, no mask is made or kept
+    model, x = _Dropouts(p).train(), torch.randn(32, 64)
+    graph, order = traced_graph(model, x)
+    drops = [graph.nodes[n] for n in order if "dropout_p" in graph.nodes[n]]
+    assert [d["dropout_p"] for d in drops] == [p, p]
+    assert {classify(d) for d in drops} == ({"view"} if p == 0 else {"dropout"})
+    measured = autograd_saved_bytes(model, x)
+    predicted = saved_activation_bytes(graph_nodes(graph, order))
+    assert predicted == measured, (predicted, measured)
+    cost = AnalyticCostModel()
+    unstated = {k: v for k, v in drops[0].items() if k != "dropout_p"}  # priced as a dropout of some p > 0
+    forward, dropout = (cost.forward_time(n, torch.device("cpu")) for n in (drops[0], unstated))
+    assert (forward < 0.5 * dropout) == (p == 0), (forward, dropout)

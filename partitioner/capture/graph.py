@@ -5,7 +5,8 @@ One vertex per fx node (keyed by node name) carrying:
   shapes, dtypes, out_bytes (bytes of the node's output tensors),
   input_ratio (bytes of its tensor arguments over out_bytes, where both are nonzero: a ratio, so it
   holds when a batch or a tensor split scales out_bytes; cost_model/ops.py prices reductions by it),
-  param_bytes (parameters and buffers first used here), flops (forward).
+  param_bytes (parameters and buffers first used here), flops (forward),
+  dropout_p (a dropout's probability, where the graph states it).
 Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
 """
 
@@ -75,7 +76,26 @@ class _Recorder(torch.fx.Interpreter):
         }
         if read and out_bytes:
             self.info[n.name]["input_ratio"] = read / out_bytes
+        p = _dropout_p(self.module, n)
+        if p is not None:
+            self.info[n.name]["dropout_p"] = p
         return result
+
+
+_DROPOUT_FNS = {torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default,
+                torch.ops.aten.native_dropout.default}
+
+
+def _dropout_p(gm: torch.nn.Module, n: torch.fx.Node) -> float | None:
+    """A dropout's probability where the graph states it (a Dropout module's p, a dropout call's constant p);
+    p = 0 returns its input, keeping no mask (cost_model.ops prices it as a view)."""
+    if n.op == "call_module":
+        module = gm.get_submodule(str(n.target))
+        return float(module.p) if isinstance(module, torch.nn.modules.dropout._DropoutNd) else None
+    if n.op == "call_function" and n.target in _DROPOUT_FNS:
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        return float(p) if isinstance(p, (int, float)) else None
+    return None
 
 
 def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) -> int:

@@ -7,7 +7,8 @@ what runtime.context_graph found in the whole graph ([Note: splitting the sequen
       positions: arange(my length) ─► ContextPositions: the global positions of my tokens (RoPE, tables)
       attention:  q (mine) x K, V ─► ContextAttention: K and V all-gathered from the group, causal mask
                                      from the global positions of the queries and keys
-    stage output ◄─ ContextGather: every rank's tokens, back in sequence order (whole, as it was)
+    stage output ◄─ ContextGather: every rank's tokens, back in sequence order (whole, as it was); the last
+                    stage's in a training step: this rank's tokens, the loss over them (runtime.loss_tokens)
 
 [Note: boundaries that stay split] Between two stages of one context and tensor degree the sequence
 stays split: rank k of the writer's replica sends to rank k of the reader's (runtime/program.py), the
@@ -55,7 +56,7 @@ from torch import nn
 from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
 
 __all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice", "causal_chunks",
-           "parallelize_sequence", "positions", "split_boundaries"]
+           "gather_tokens", "parallelize_sequence", "positions", "split_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -154,14 +155,26 @@ class ContextSlice(nn.Module):
 
 
 class ContextGather(nn.Module):
-    """This rank's tokens along `dim` -> the whole stage output, in sequence order."""
+    """This rank's tokens along `dim` -> the whole stage output, in sequence order. While `keep_split` is on (a
+    training step of the last stage: runtime.loss_tokens) they leave as they are, for the loss over this rank's
+    tokens, and `local` holds them until that loss reads them."""
 
     def __init__(self, dim: int, cg: ContextGroup) -> None:
         super().__init__()
         self.dim, self.cg = dim, cg
+        self.keep_split = False
+        self.local: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, _Gather.apply(x, self.dim, self.cg))
+        if self.keep_split:
+            self.local = x
+            return x
+        return gather_tokens(x, self.dim, self.cg)
+
+
+def gather_tokens(x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+    """Every rank's tokens of `x` along `dim`, in sequence order (backward: this rank's rows of the gradient)."""
+    return cast(torch.Tensor, _Gather.apply(x, dim, cg))
 
 
 class ContextPositions(nn.Module):

@@ -251,18 +251,22 @@ class DistributedPipeline(Calibratable, nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        loss_per_token: bool = False,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch over all ranks; every rank calls it with the same batch.
 
         Gradients equal `loss_fn(model(inputs), targets).backward()` on the whole batch (see
-        runtime.steps for `loss_reduction`). Returns that loss on the ranks of the last stage,
+        runtime.steps for `loss_reduction`). `loss_per_token`: the loss is a mean or sum over tokens of
+        terms each reading its own token's outputs and targets (cross-entropy of targets already shifted, not
+        shifted inside loss_fn), so a sequence split over context ranks runs it on each rank's tokens instead
+        of gathering the outputs whole (runtime.loss_tokens). Returns that loss on the ranks of the last stage,
         None elsewhere; the optimizer then steps on local weights. With `plan.update` "2bw" or
         "stash" the runtime steps `optimizer` (required) inside the call, and the last stage's
         ranks get the previous batch's loss (runtime.async_updates; `flush` ends the stream).
         """
         step = train_step_inputs(self._flatten, self._input_names, inputs, targets, loss_fn, input_kwargs,
                                  self._pieces, loss_reduction, self._mutated, self._input_dims,
-                                 leaf_writes=self._leaf_writes)
+                                 leaf_writes=self._leaf_writes, per_token=loss_per_token and self.plan.update == "sync")
         self.remember_step(StepCall(inputs, targets, loss_fn, input_kwargs, loss_reduction))
         if self.plan.update != "sync":
             return self._trainer().train_step(step, optimizer, self.model.training, self._mutated, self._run_segment)
@@ -295,6 +299,7 @@ class DistributedPipeline(Calibratable, nn.Module):
         loss = interpreter.loss
         if loss is None:
             return None
+        interpreter.logits.reduce(loss)  # over the context ranks, where each one's loss covered its tokens
         if self._loss_group is not None:
             try:
                 dist.all_reduce(loss, group=self._loss_group)

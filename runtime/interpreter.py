@@ -96,7 +96,7 @@ class Interpreter:
         self._reads, self._sends, self._moves = routes.walks(stages)  # what a forward walks, worked out once
         self._output = output_builder(output_node, self._constants)
         self._rare = {s.index for s in stages if s.writes} | self._restores | set(self.self_computed)
-        self._logits = SplitLogits(self.stages[self.last].module if self.last in self.stages else None)
+        self.logits = SplitLogits(self.stages[self.last].module if self.last in self.stages else None)
 
     @property
     def trace(self) -> list[dict[str, Any]]:
@@ -126,7 +126,7 @@ class Interpreter:
             self.outputs = {}
         train_last = step.mode == "train" and self.last in self.stages
         self.loss = torch.zeros((), device=self._device()) if train_last else None
-        self._logits.begin(train_last)
+        self.logits.start(train_last)
         self._streaming = False
 
     def end(self) -> None:
@@ -136,7 +136,7 @@ class Interpreter:
         self.envs = {}
         self._micro = {}
         self.local = {}
-        self._logits.begin(False)
+        self.logits.start(False)
         if self.saved or self.weight_work or self.outgoing or self._batch:  # a failed step
             self.saved, self.weight_work, self.outgoing, self._batch = {}, {}, {}, []
         self.step = _NO_STEP
@@ -312,7 +312,8 @@ class Interpreter:
         if s == self.last:
             out = self._output(env)
             if train:  # the loss sees what the model returns; pipe(x) gathers raw outputs, then unflattens
-                raw = self._logits.loss(i, lambda o: micro_batch_loss(step, j, o, stage.device), self._unflatten(out))
+                raw = self.logits.loss(i, lambda o, t: micro_batch_loss(step, j, o, stage.device, t),
+                                        self._unflatten(out), step.targets[j], step.reduction, step.per_token)
                 loss = raw * step.weights[j]
                 self._count_loss(i, loss.detach())
                 if not self.weighted_backward:
@@ -357,7 +358,7 @@ class Interpreter:
                     grads.append(grad.to(value.device))
         if roots:
             start = self._mark()
-            with self._logits.backward(i if loss is not None else None):
+            with self.logits.backward(i if loss is not None else None):
                 if split and self.weight_grad_hook is None:  # see runtime.split_backward
                     inputs = [x for x in leaves(received) if isinstance(x, torch.Tensor) and x.requires_grad]
                     self.weight_work[(s, i)] = backward_input(roots, grads, inputs)

@@ -17,7 +17,7 @@ before), with a warning: results are the same, only the memory the plan counted 
 Every rank of a tensor group runs the same stage on values of the same shapes, so the same ops of the
 loss, and its failure, if it fails, at the same op: the fallback is taken by all ranks or none. The
 backward of the loss's ops must run under loss_parallel too (their custom backward rules); the last
-stage's backward does (`backward_context`).
+stage's backward does (`SplitLogits.backward`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from runtime.context_parallel import ContextGather, ContextGroup
+from runtime.loss_tokens import keep_tokens, reduce_over_tokens, token_loss
 from runtime.tensor_parallel_ops import ToPlain
 
 __all__ = ["SplitLogits", "mark_loss_outputs", "split_loss"]
@@ -69,7 +71,7 @@ _warned: set[str] = set()
 def split_loss(compute: Callable[[Any], torch.Tensor], output: Any) -> tuple[torch.Tensor, bool]:
     """`compute(output)` (the user's loss on one micro-batch's output) where `output` may hold logits split by
     vocabulary: under loss_parallel, else on the whole logits (module docstring). Returns the loss as a plain
-    tensor and whether it ran split (its backward then needs `backward_context(True)`)."""
+    tensor and whether it ran split (its backward then runs under loss_parallel: `SplitLogits.backward`)."""
     if not any(isinstance(t, DTensor) for t in pytree.tree_leaves(output)):
         return compute(output), False
     try:
@@ -92,21 +94,34 @@ def split_loss(compute: Callable[[Any], torch.Tensor], output: Any) -> tuple[tor
 
 
 class SplitLogits:
-    """One rank's last stage through a step: its logits left split in training steps (`begin(True)`), each
-    micro-batch's loss on them (`loss`), and which of those backward must run under loss_parallel."""
+    """One rank's last stage through a step: its logits left split in training steps (`start(True)`), split by
+    vocabulary (this module) and by the sequence (runtime.loss_tokens); each micro-batch's loss on them (`loss`);
+    which of those backward must run under loss_parallel; the group the step's loss is summed over."""
 
     def __init__(self, last: nn.Module | None) -> None:
         self.last = last  # this rank's module of the last stage, or None
-        self.split: set[int] = set()  # micro-batches whose loss ran split, their backward not run yet
+        self.split: set[int] = set()  # micro-batches whose loss ran split by vocabulary, their backward not run yet
+        self.gathers: list[ContextGather] = []
+        self.tokens: ContextGroup | None = None  # the context group whose ranks' losses covered their own tokens
 
-    def begin(self, train: bool) -> None:
+    def start(self, train: bool) -> None:
         """A step starts (train: a training step on this rank's last stage) or ends (False)."""
         self.split.clear()
+        if train:
+            self.tokens = None
         if self.last is not None:
             keep_loss_outputs(self.last, train)
+            self.gathers = keep_tokens(self.last, train)
 
-    def loss(self, i: int, compute: Callable[[Any], torch.Tensor], output: Any) -> torch.Tensor:
-        loss, split = split_loss(compute, output)
+    def loss(self, i: int, compute: Callable[[Any, Any], torch.Tensor], output: Any, targets: Any,
+             reduction: str, per_token: bool) -> torch.Tensor:
+        """Micro-batch i's loss `compute(output, targets)`, on what the last stage left split."""
+        def on_tokens(out: Any) -> torch.Tensor:
+            value, group = token_loss(compute, out, targets, self.gathers, reduction, per_token)
+            self.tokens = group or self.tokens
+            return value
+
+        loss, split = split_loss(on_tokens, output)
         if split:
             self.split.add(i)
         return loss
@@ -117,3 +132,7 @@ class SplitLogits:
             return contextlib.nullcontext()
         self.split.discard(i)
         return loss_parallel()
+
+    def reduce(self, loss: torch.Tensor) -> None:
+        """The step's loss (in place) summed over the context ranks whose losses covered their own tokens."""
+        reduce_over_tokens(loss, self.tokens)

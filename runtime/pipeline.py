@@ -216,8 +216,10 @@ class Pipeline(Calibratable, nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        loss_per_token: bool = False,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch under the plan's schedule; returns the batch's loss.
+        (`loss_per_token`: see DistributedPipeline.train_step; one process splits no sequence.)
 
         `plan.update == "sync"`: gradients land in the model's parameters as
         `loss_fn(model(inputs), targets).backward()` would put them (see runtime.steps); then

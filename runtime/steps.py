@@ -26,6 +26,8 @@ class StepInputs:
     weights: list[float] = field(default_factory=list)
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     written: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's inputs the graph writes into
+    reduction: Literal["mean", "sum"] = "mean"  # train_step's loss_reduction
+    per_token: bool = False  # train_step's loss_per_token (runtime.loss_tokens)
 
 
 def forward_step(
@@ -117,6 +119,7 @@ def train_step_inputs(
     dims: Sequence[SplitDim] | None = None,
     *,
     leaf_writes: Collection[str] = (),
+    per_token: bool = False,
 ) -> StepInputs:
     """Micro-batches of inputs and targets; each micro-batch's loss weighted so gradients equal
     `loss_fn(model(inputs), targets).backward()` on the whole batch ("mean": by its share of
@@ -132,7 +135,8 @@ def train_step_inputs(
     check_leaf_writes(flat, input_names, leaf_writes)
     envs = _envs(flat, input_names, micro_batches, dims)
     if micro_batches == 1:  # the whole batch: loss_fn sees what it sees on the plain model
-        return StepInputs(envs, "train", [targets], [1.0], loss_fn, _written(flat, input_names, mutated))
+        return StepInputs(envs, "train", [targets], [1.0], loss_fn, _written(flat, input_names, mutated),
+                          loss_reduction, per_token)
     tensors = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
     if not tensors:  # nothing to split (say targets=None): every micro-batch's loss gets them whole
         sizes = step_sizes(StepInputs(envs, "train"), dims)
@@ -143,7 +147,8 @@ def train_step_inputs(
         sizes = [batch_size(c[0]) for c in target_chunks]
         targets_of = [c[0] for c in target_chunks]
     weights = [n / sum(sizes) if loss_reduction == "mean" else 1.0 for n in sizes]
-    return StepInputs(envs, "train", targets_of, weights, loss_fn, _written(flat, input_names, mutated))
+    return StepInputs(envs, "train", targets_of, weights, loss_fn, _written(flat, input_names, mutated),
+                      loss_reduction, per_token)
 
 
 def _input_batch(flat: list[Any], dims: Sequence[SplitDim] | None) -> int | None:
@@ -172,14 +177,16 @@ def _check_target_batch(first: torch.Tensor, batch: int | None) -> None:
         )
 
 
-def micro_batch_loss(step: StepInputs, j: int, output: Any, device: torch.device) -> torch.Tensor:
-    """`loss_fn` on micro-batch j's output and targets (unweighted), checked to be one number.
+def micro_batch_loss(step: StepInputs, j: int, output: Any, device: torch.device, targets: Any = None
+                     ) -> torch.Tensor:
+    """`loss_fn` on micro-batch j's output and targets (`targets`: those, cut as the output was: runtime.loss_tokens;
+    unweighted), checked to be one number.
 
     Raises:
         PartitionError: the loss is not a tensor of one element (backward needs a scalar).
     """
     assert step.loss_fn is not None  # a training step always has one
-    loss = step.loss_fn(output, to_device(step.targets[j], device))
+    loss = step.loss_fn(output, to_device(step.targets[j] if targets is None else targets, device))
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss if loss.dim() == 0 else loss.reshape(())
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"

@@ -8,11 +8,12 @@ torch.export), "moe" (tests.zoo.PlainMoEModel, torch.fx), "llama256" (Hugging Fa
 "pp2ep2" (2 stages x 2 sliced replicas, each stage's experts split over its 2), "dp4ep2" (one stage, 4 sliced
 replicas, experts split over pairs: each expert on 2 replicas), "pp2cp2" (2 stages, each one replica whose sequence
 is split over 2 ranks), "dp2cp2" (one stage, 2 sliced replicas x 2 context ranks). SHARDING zero1/2/3 shards the
-replicas (and context ranks) with FSDP2; RECOMPUTE "full" or "selective" recomputes every stage. Rank 0 plans the
-stages with partitioner.plan (the planner does not choose experts or sequences yet); the expert and context fields
-are set by hand from what partitioner.capture.experts and partitioner.capture.sequence find. Compares the loss,
-every gradient this rank holds and the weights after one Adam step with the plain model (relative 1e-4); prints
-'RESULT ... ok=...' per case and rank.
+replicas (and context ranks) with FSDP2; RECOMPUTE "full" or "selective" recomputes every stage; a last field
+"whole" trains without `loss_per_token` (the loss on the outputs gathered whole; else on each rank's tokens).
+Rank 0 plans the stages with partitioner.plan (the planner does not choose experts or sequences yet); the expert
+and context fields are set by hand from what partitioner.capture.experts and partitioner.capture.sequence find.
+Compares the loss, every gradient this rank holds and the weights after one Adam step with the plain model
+(relative 1e-4); prints 'RESULT ... ok=...' per case and rank.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import operator
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,7 +126,17 @@ def equivalence(case: str) -> bool:
     params = held(pipe, model)
     opt, ref_opt = adam(params.values()), adam(reference.parameters())
     ref_params = dict(reference.named_parameters())
-    loss = pipe.train_step(x, y, loss_fn)
+    tokens: list[int] = []  # the sequence length of the logits each micro-batch's loss read on this rank
+
+    def counted(out: Any, y: torch.Tensor) -> torch.Tensor:
+        tokens.append(int(getattr(out, "logits", out).shape[-2]))
+        return loss_fn(out, y)
+
+    per_token = ":whole" not in case  # "whole": the loss's default, outputs gathered whole for it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = pipe.train_step(x, y, counted, loss_per_token=per_token)
+    gathered = sum("gathered over the context ranks" in str(w.message) for w in caught)
     ref_loss = loss_fn(reference(x), y)
     ref_loss.backward()
     worst = {"loss": rel(loss, ref_loss.detach()) if loss is not None else 0.0, "grad": 0.0, "weight": 0.0}
@@ -148,7 +160,7 @@ def equivalence(case: str) -> bool:
     errs = " ".join(f"{k}={v:.1e}" for k, v in worst.items())
     print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
           f"dispatches={dispatches} attention={attention} gathers={gathers} slices={slices} dtensors={experts} "
-          f"params={len(params)} {errs} ok={ok}",
+          f"params={len(params)} loss_tokens={sorted(set(tokens))} gathered={gathered} {errs} ok={ok}",
           flush=True)
     return ok
 

@@ -32,7 +32,7 @@ def run(ranks: int, *args: str, cases: int) -> list[str]:
 EXPERTS = ["mixtral:1f1b:pp2ep2", "qwen3_moe:gpipe:dp4ep2", "gpt_oss:1f1b:pp2ep2", "moe:1f1b:pp2ep2"]
 EXPERTS_SHARDED = ["mixtral:1f1b:pp2ep2:zero3:full", "qwen3_moe:gpipe:dp4ep2:zero1", "moe:1f1b:pp2ep2:none:full",
                    "qwen3_moe:1f1b:pp2ep2:zero2:selective"]
-SEQUENCES = ["llama256:1f1b:pp2cp2", "llama256:gpipe:dp2cp2", "llama256:1f1b:pp2cp2:zero3:full",
+SEQUENCES = ["llama256:1f1b:pp2cp2", "llama256:gpipe:dp2cp2:none:none:whole", "llama256:1f1b:pp2cp2:zero3:full",
              "llama256:gpipe:dp2cp2:zero2:selective", "mixtral64:1f1b:dp2cp2ep2"]
 
 
@@ -87,6 +87,15 @@ def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_r
     piped = [line for line in lines if ":pp2cp2" in line]
     assert piped and all(("stages=[0]" in line and "gathers=0 slices=1" in line) or
                          ("stages=[1]" in line and "gathers=1 slices=0" in line) for line in piped), piped
+    # with train_step(..., loss_per_token=True) the last stage's ranks run the loss on their own tokens (half the
+    # sequence), the logits never gathered; without it ("whole") on the whole gathered logits, with a warning
+    for line in lines:
+        if "loss_tokens=[]" in line:
+            continue  # not the last stage
+        whole = ":whole" in line
+        seq = 64 if "mixtral64" in line else 256
+        assert f"loss_tokens=[{seq if whole else seq // 2}] gathered={int(whole)}" in line, line
+    assert sum(":whole" in line for line in lines) == 4
 
 
 def test_a_misordered_all_to_all_is_caught_before_it_runs() -> None:

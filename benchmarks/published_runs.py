@@ -149,18 +149,23 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
     cost.prepare(gm)
     f = Fixed(**args.fixed)
     recompute = "auto" if str(f.recompute) == "selective" else f.recompute
-    space = SearchSpace(run.global_batch // f.micro_batch_size, recompute=recompute, precision=precision,
-                        tensor=(f.tensor,), sharding=(f.sharding,), kernels=args.kernels,
-                        sequence_parallel=f.sequence_parallel)
+    unstated = run.parallel.recompute is None and recompute == "none"  # then full, as `variants` tries it
     tokens_n = run.global_batch * run.seq
-    try:
-        made = search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=1,
-                            context=args.context, stages=f.stages)
+    for mode in (recompute, "full") if unstated else (recompute,):
+        space = SearchSpace(run.global_batch // f.micro_batch_size, recompute=mode, precision=precision,
+                            tensor=(f.tensor,), sharding=(f.sharding,), kernels=args.kernels,
+                            sequence_parallel=f.sequence_parallel)
+        try:  # interleaved as run (v: priced, search_split's `virtual`)
+            made = search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=1,
+                                context=args.context, stages=f.stages, virtual=f.virtual_stages)
+        except InfeasibleError as exc:
+            out.over = out.over or str(exc).splitlines()[0][:160]
+            continue
+        out.over = ""
         out.forced = tokens_n / made.solution.step_s / run.gpus
         out.memory = max(made.solution.memory) / GIB
         out.forced_config += f" (recompute {made.solution.choice.get('recompute', 'none')})"
-    except InfeasibleError as exc:
-        out.over = str(exc).splitlines()[0][:160]
+        break
     if free:
         try:
             best = search_split(graph, order, cluster, cost, facts, space=SearchSpace(

@@ -116,7 +116,11 @@ class SplitLogits:
     def loss(self, i: int, compute: Callable[[Any, Any], torch.Tensor], output: Any, targets: Any,
              reduction: str, per_token: bool) -> torch.Tensor:
         """Micro-batch i's loss `compute(output, targets)`, on what the last stage left split."""
+        kept = [(g, g.local) for g in self.gathers]  # this micro-batch's tokens, again for a second try
+
         def on_tokens(out: Any) -> torch.Tensor:
+            for g, local in kept:
+                g.local = local
             value, group = token_loss(compute, out, targets, self.gathers, reduction, per_token)
             self.tokens = group or self.tokens
             return value

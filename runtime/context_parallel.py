@@ -6,7 +6,8 @@ what runtime.context_graph found in the whole graph ([Note: splitting the sequen
     stage input (whole, as the pipeline sends it) ─► ContextSlice: my tokens (two chunks, below)
       positions: arange(my length) ─► ContextPositions: the global positions of my tokens (RoPE, tables)
       attention:  q (mine) x K, V ─► ContextAttention: K and V all-gathered from the group, causal mask
-                                     from the global positions of the queries and keys
+                                     from the global positions of the queries and keys (a stage split by
+                                     tensor ranks too: ContextHeads inside its per-head LocalAttention)
     stage output ◄─ ContextGather: every rank's tokens, back in sequence order (whole, as it was); the last
                     stage's in a training step: this rank's tokens, the loss over them (runtime.loss_tokens)
 
@@ -55,8 +56,8 @@ from torch import nn
 
 from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
 
-__all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextPositions", "ContextSlice", "causal_chunks",
-           "gather_tokens", "parallelize_sequence", "positions", "split_boundaries"]
+__all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextHeads", "ContextPositions", "ContextSlice",
+           "causal_chunks", "gather_tokens", "parallelize_sequence", "positions", "split_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,21 @@ class ContextAttention(nn.Module):
         return causal_chunks(q, keys, values, self.cg, scale=scale, enable_gqa=enable_gqa)
 
 
+class ContextHeads(nn.Module):
+    """ContextAttention where tensor parallelism already runs attention per head (runtime.tensor_parallel_ops
+    LocalAttention calls it with this rank's heads, in scaled_dot_product_attention's arguments): the causal mask is
+    rebuilt from the global positions, so a mask and is_causal are dropped; the scale and enable_gqa are kept."""
+
+    def __init__(self, cg: ContextGroup) -> None:
+        super().__init__()
+        self.inner = ContextAttention(cg)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        scale = args[3] if len(args) > 3 else kwargs.get("scale")
+        gqa = args[4] if len(args) > 4 else kwargs.get("enable_gqa", False)
+        return cast(torch.Tensor, self.inner(q, k, v, scale=scale, enable_gqa=gqa))
+
+
 def causal_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cg: ContextGroup, *,
                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """Causal attention of group rank cg.index's queries (its chunks r and 2c - 1 - r, along dim -2) over every
@@ -295,6 +311,9 @@ def parallelize_sequence(gm: torch.fx.GraphModule, found: ContextGraph, cg: Cont
             _call(gm, node, f"cp_{node.name}", ContextTable(cg, dim), tuple(node.args))
         elif node.op == "call_function" and node.target in ATTENTION:
             _attention(gm, node, found, cg, attentions)
+        elif node.op == "call_module" and hasattr(gm.get_submodule(str(node.target)), "attention") and \
+                node.meta.get("tp_replaced") in found.attention:  # split by heads first (runtime.tensor_parallel)
+            _attention(gm, node, found, cg, attentions, heads=True)
         elif node.op == "output":
             _exit(gm, node, found, cg, symbol, split)
     gm.graph.lint()
@@ -336,7 +355,7 @@ def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg
         if len(dims) != 1 or tokens != dims:
             raise ValueError(f"stage output {value.name} has shape {tuple(getattr(val, 'shape', ()))}, not one "
                              "sequence dim; cut the stage where values hold one (between layers)")
-        if value.name in split:
+        if value.meta.get("tp_of", value.name) in split:  # (a tensor split's output: the value it makes whole)
             whole.append(value)  # sent as it is: the reader's rank of this context index takes these tokens
             continue
         gm.add_submodule(f"cp_out{k}", ContextGather(dims[0], cg))
@@ -346,9 +365,10 @@ def _exit(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg
 
 
 def _attention(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGraph, cg: ContextGroup,
-               attentions: Sequence[str]) -> None:
-    path = found.attention.get(node.name, "")
-    if not found.causal.get(node.name) and path not in attentions:
+               attentions: Sequence[str], heads: bool = False) -> None:
+    name = str(node.meta["tp_replaced"]) if heads else node.name  # the whole graph's name of the attention
+    path = found.attention.get(name, "")
+    if not found.causal.get(name) and path not in attentions:
         raise ValueError(f"attention {node.name} ({path or 'the root module'}) is not in the stage's "
                          f"context_attention {list(attentions)}: only an attention whose mask is the causal one "
                          "splits its sequence (partitioner.capture.sequence finds them)")
@@ -356,5 +376,8 @@ def _attention(gm: torch.fx.GraphModule, node: torch.fx.Node, found: ContextGrap
     if dropout:
         raise ValueError(f"attention {node.name} ({path}) drops out with p={dropout}; the sequence split does not "
                          "reproduce it: train with attention dropout 0")
+    if heads:  # LocalAttention runs this rank's heads through ContextHeads
+        gm.get_submodule(str(node.target)).attention = ContextHeads(cg)
+        return
     kwargs = {k: v for k, v in node.kwargs.items() if k in ("scale", "enable_gqa")}
     _call(gm, node, f"cp_{node.name}", ContextAttention(cg), tuple(node.args[:3]), kwargs)

@@ -42,14 +42,21 @@ __all__ = ["SplitLogits", "mark_loss_outputs", "split_loss"]
 
 def mark_loss_outputs(module: torch.fx.GraphModule) -> int:
     """On the stage's final graph (after every rewrite), leave `to_loss` only on the ToPlain call sites whose value
-    the graph's output alone reads (a sequence gather after it, for one, needs the whole value); their count."""
+    the graph's output alone reads, directly or through a sequence gather (runtime.loss_tokens: in a training step
+    it leaves each context rank's tokens, here still split by vocabulary); their count."""
+    def to_output(node: torch.fx.Node, through: bool) -> bool:
+        if node.op == "output":
+            return True
+        gather = node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), ContextGather)
+        return through and gather and bool(node.users) and all(to_output(u, False) for u in node.users)
+
     kept = 0
     for node in module.graph.nodes:
         if node.op != "call_module":
             continue
         leaf = module.get_submodule(str(node.target))
         if isinstance(leaf, ToPlain) and leaf.to_loss:
-            leaf.to_loss = bool(node.users) and all(u.op == "output" for u in node.users)
+            leaf.to_loss = bool(node.users) and all(to_output(u, True) for u in node.users)
             kept += leaf.to_loss
     return kept
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from runtime.context_parallel import ContextGather, ContextGroup, gather_tokens, positions
 
@@ -94,7 +95,12 @@ def token_loss(compute: Callable[[Any, Any], torch.Tensor], output: Any, targets
 
         def whole(t: torch.Tensor) -> torch.Tensor:
             g = kept.get(id(t))
-            return t if g is None else gather_tokens(t, g.dim, g.cg)
+            if g is None:
+                return t
+            if isinstance(t, DTensor):  # logits split by vocabulary too: gather each rank's part of it
+                local = gather_tokens(t.to_local(), g.dim, g.cg)
+                return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False)
+            return gather_tokens(t, g.dim, g.cg)
 
         return compute(pytree.tree_map_only(torch.Tensor, whole, output), targets), None
     loss = compute(output, cut)

@@ -240,6 +240,7 @@ def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, target: str, args: t
     with gm.graph.inserting_before(node):
         new = gm.graph.call_module(target, args, dict(node.kwargs))
     new.meta = dict(node.meta)
+    new.meta.setdefault("tp_replaced", node.name)  # the traced node it runs (a sequence split finds it by name)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new
@@ -279,6 +280,9 @@ def _rewrite(gm: torch.fx.GraphModule, group: TensorParallelGroup, mesh: DeviceM
                 gm.add_submodule(target, ToPlain(to_loss=True))
             with gm.graph.inserting_after(node):
                 plain = gm.graph.call_module(target, (node,))
+            plain.meta = {**node.meta, "tp_of": node.name}  # the whole value, as traced (a sequence split reads
+            # its shape and, at a stage boundary, its name)
+            plain.meta.pop("tp_replaced", None)
             for user in outside:
                 user.replace_input_with(node, plain)
     distributed = {id(p) for p in gm.parameters() if isinstance(p, DTensor)}

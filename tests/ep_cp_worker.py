@@ -7,7 +7,8 @@ A CASE is MODEL:SCHEDULE:LAYOUT[:SHARDING[:RECOMPUTE]]. MODEL: "mixtral", "qwen3
 torch.export), "moe" (tests.zoo.PlainMoEModel, torch.fx), "llama256" (Hugging Face Llama at 256 tokens). LAYOUT:
 "pp2ep2" (2 stages x 2 sliced replicas, each stage's experts split over its 2), "dp4ep2" (one stage, 4 sliced
 replicas, experts split over pairs: each expert on 2 replicas), "pp2cp2" (2 stages, each one replica whose sequence
-is split over 2 ranks), "dp2cp2" (one stage, 2 sliced replicas x 2 context ranks). SHARDING zero1/2/3 shards the
+is split over 2 ranks), "dp2cp2" (one stage, 2 sliced replicas x 2 context ranks), "tp2cp2" (one stage, one replica:
+layers split over 2 tensor ranks and the sequence over 2 context ranks). SHARDING zero1/2/3 shards the
 replicas (and context ranks) with FSDP2; RECOMPUTE "full" or "selective" recomputes every stage; a last field
 "whole" trains without `loss_per_token` (the loss on the outputs gathered whole; else on each rank's tokens).
 Rank 0 plans the stages with partitioner.plan (the planner does not choose experts or sequences yet); the expert
@@ -42,7 +43,7 @@ from runtime.layer_split import ShardedRun  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.recompute import RecomputedStage  # noqa: E402
 from tests import zoo  # noqa: E402
-from tests.split_worker import COST, adam, full, held, loss_fn  # noqa: E402
+from tests.split_worker import COST, adam, found_groups, full, held, loss_fn  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
 Case = tuple[nn.Module, torch.Tensor, torch.Tensor]
@@ -102,6 +103,9 @@ def axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sha
             stage.ranks = [2 * stage.index]
         elif layout in ("dp2cp2", "dp2cp2ep2"):
             stage.ranks = [0, 2]
+        elif layout in ("tp2cp2", "pp2tp2cp2"):  # one replica a stage: layers split over 2 tensor ranks, the
+            stage.ranks = [4 * stage.index]  # sequence over 2 context ranks (pp2tp2cp2: 2 stages, 8 ranks)
+            stage.tensor, stage.tensor_groups = 2, found_groups(model, x[:2], stage)
         if "ep2" in layout:
             stage.expert, stage.expert_layers = 2, [e.path for e in experts.within(stage.nodes)]
         if sequence is not None:
@@ -128,8 +132,12 @@ def equivalence(case: str) -> bool:
     ref_params = dict(reference.named_parameters())
     tokens: list[int] = []  # the sequence length of the logits each micro-batch's loss read on this rank
 
+    split_vocab: list[bool] = []  # and whether they were split by vocabulary (a DTensor: tensor ranks)
+
     def counted(out: Any, y: torch.Tensor) -> torch.Tensor:
-        tokens.append(int(getattr(out, "logits", out).shape[-2]))
+        logits = getattr(out, "logits", out)
+        tokens.append(int(logits.shape[-2]))
+        split_vocab.append(isinstance(logits, DTensor))
         return loss_fn(out, y)
 
     per_token = ":whole" not in case  # "whole": the loss's default, outputs gathered whole for it
@@ -160,7 +168,8 @@ def equivalence(case: str) -> bool:
     errs = " ".join(f"{k}={v:.1e}" for k, v in worst.items())
     print(f"RESULT case={case} rank={dist.get_rank()} stages={[s.index for s in pipe.stages]} "
           f"dispatches={dispatches} attention={attention} gathers={gathers} slices={slices} dtensors={experts} "
-          f"params={len(params)} loss_tokens={sorted(set(tokens))} gathered={gathered} {errs} ok={ok}",
+          f"params={len(params)} loss_tokens={sorted(set(tokens))} split_vocab={sorted(set(split_vocab))} "
+          f"gathered={gathered} {errs} ok={ok}",
           flush=True)
     return ok
 

@@ -33,7 +33,7 @@ EXPERTS = ["mixtral:1f1b:pp2ep2", "qwen3_moe:gpipe:dp4ep2", "gpt_oss:1f1b:pp2ep2
 EXPERTS_SHARDED = ["mixtral:1f1b:pp2ep2:zero3:full", "qwen3_moe:gpipe:dp4ep2:zero1", "moe:1f1b:pp2ep2:none:full",
                    "qwen3_moe:1f1b:pp2ep2:zero2:selective"]
 SEQUENCES = ["llama256:1f1b:pp2cp2", "llama256:gpipe:dp2cp2:none:none:whole", "llama256:1f1b:pp2cp2:zero3:full",
-             "llama256:gpipe:dp2cp2:zero2:selective", "mixtral64:1f1b:dp2cp2ep2"]
+             "llama256:gpipe:dp2cp2:zero2:selective", "mixtral64:1f1b:dp2cp2ep2", "llama256:1f1b:tp2cp2"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,9 @@ def test_experts_split_with_sharding_and_recomputation(equivalence: dict[str, li
 def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_replicas(
         equivalence: dict[str, list[str]]) -> None:
     # Hugging Face Llama at 256 tokens: pp2cp2 (2 stages, each one replica whose sequence is split over 2 ranks;
-    # positions, RoPE tables and the causal mask cross the stage boundary), dp2cp2 (2 replicas x 2 context ranks);
+    # positions, RoPE tables and the causal mask cross the stage boundary), dp2cp2 (2 replicas x 2 context ranks),
+    # tp2cp2 (one replica, its layers split over 2 tensor ranks and its sequence over 2: attention by heads and
+    # chunks at once);
     # each with FSDP2 over the replicas and context ranks and recomputation; and Mixtral with both axes at once
     lines = check(equivalence, SEQUENCES)
     assert all(int(re.search(r"attention=(\d+)", line).group(1)) > 0 for line in lines)  # type: ignore[union-attr]
@@ -94,8 +96,9 @@ def test_a_long_sequence_split_two_ways_with_a_pipeline_and_with_data_parallel_r
             continue  # not the last stage
         whole = ":whole" in line
         seq = 64 if "mixtral64" in line else 256
-        assert f"loss_tokens=[{seq if whole else seq // 2}] gathered={int(whole)}" in line, line
-    assert sum(":whole" in line for line in lines) == 4
+        vocab = "[True]" if ":tp2" in line and not whole else "[False]"  # tp2cp2: split by vocabulary too
+        assert f"loss_tokens=[{seq if whole else seq // 2}] split_vocab={vocab} gathered={int(whole)}" in line, line
+    assert sum(":whole" in line for line in lines) == 4 and sum(":tp2cp2" in line for line in lines) == 4
 
 
 def test_a_misordered_all_to_all_is_caught_before_it_runs() -> None:
@@ -103,3 +106,14 @@ def test_a_misordered_all_to_all_is_caught_before_it_runs() -> None:
     # all-to-all's op only (its splits may differ), so this is runtime.nccl_rules.check_all_to_all's to catch
     lines = run(2, "misordered", cases=1)
     assert all("moes.0.experts" in line and "moes.1.experts" in line for line in lines)
+
+
+@pytest.mark.timeout(1000)
+def test_a_pipeline_of_stages_split_by_tensor_and_context_ranks_at_once() -> None:
+    # 8 ranks: 2 stages, each one replica of 2 tensor x 2 context ranks (Llama at 256 tokens). Between the stages the
+    # sequence stays split (the tensor split's output names the value it makes whole); the loss reads each rank's
+    # tokens split by vocabulary; loss, every gradient and one Adam step equal the plain model
+    lines = run(8, "equivalence", "llama256:1f1b:pp2tp2cp2", cases=1)
+    assert all(("stages=[0]" in line and "gathers=0 slices=1" in line and "loss_tokens=[]" in line) or
+               ("stages=[1]" in line and "slices=0" in line and "loss_tokens=[128] split_vocab=[True] gathered=0"
+                in line) for line in lines), lines

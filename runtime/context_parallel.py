@@ -57,7 +57,7 @@ from torch import nn
 from runtime.context_graph import ATTENTION, ContextGraph, sequence_dims, token_dims
 
 __all__ = ["ContextAttention", "ContextGather", "ContextGroup", "ContextHeads", "ContextPositions", "ContextSlice",
-           "causal_chunks", "gather_tokens", "parallelize_sequence", "positions", "split_boundaries"]
+           "causal_chunks", "gather_tokens", "my_tokens", "parallelize_sequence", "positions", "split_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,17 @@ def _check_length(whole: int, cg: ContextGroup) -> None:
                          f"degree {cg.degree}); use a length that is a multiple of {2 * cg.degree}")
 
 
+def my_tokens(x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
+    """This rank's rows of the whole sequence `x` along `dim` (chunks r and 2c - 1 - r), no gradient rule."""
+    return x.index_select(dim, positions(x.shape[dim] // cg.degree, cg, device=x.device))
+
+
 class _Slice(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, cg: ContextGroup) -> torch.Tensor:
         _check_length(x.shape[dim], cg)
         ctx.dim, ctx.cg = dim, cg
-        return x.index_select(dim, positions(x.shape[dim] // cg.degree, cg, device=x.device))
+        return my_tokens(x, dim, cg)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

@@ -40,36 +40,29 @@ from runtime.tensor_parallel_ops import ToPlain
 __all__ = ["SplitLogits", "mark_loss_outputs", "split_loss"]
 
 
-def mark_loss_outputs(module: torch.fx.GraphModule) -> int:
+def mark_loss_outputs(module: torch.fx.GraphModule) -> None:
     """On the stage's final graph (after every rewrite), leave `to_loss` only on the ToPlain call sites whose value
     the graph's output alone reads, directly or through a sequence gather (runtime.loss_tokens: in a training step
-    it leaves each context rank's tokens, here still split by vocabulary); their count."""
+    it leaves each context rank's tokens, here still split by vocabulary)."""
     def to_output(node: torch.fx.Node, through: bool) -> bool:
         if node.op == "output":
             return True
         gather = node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), ContextGather)
         return through and gather and bool(node.users) and all(to_output(u, False) for u in node.users)
 
-    kept = 0
     for node in module.graph.nodes:
         if node.op != "call_module":
             continue
         leaf = module.get_submodule(str(node.target))
         if isinstance(leaf, ToPlain) and leaf.to_loss:
             leaf.to_loss = bool(node.users) and all(to_output(u, True) for u in node.users)
-            kept += leaf.to_loss
-    return kept
 
 
-def keep_loss_outputs(module: nn.Module, on: bool) -> bool:
-    """Turn leaving logits split on (a training step of the last stage) or off (any other call); whether the
-    stage has any such output."""
-    found = False
+def keep_loss_outputs(module: nn.Module, on: bool) -> None:
+    """Turn leaving logits split on (a training step of the last stage) or off (any other call)."""
     for leaf in module.modules():
         if isinstance(leaf, ToPlain) and leaf.to_loss:
             leaf.keep_split = on
-            found = True
-    return found
 
 
 _warned: set[str] = set()

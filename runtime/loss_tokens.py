@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runtime.context_parallel import ContextGather, ContextGroup, gather_tokens, positions
+from runtime.context_parallel import ContextGather, ContextGroup, gather_tokens, my_tokens
 
 __all__ = ["keep_tokens", "reduce_over_tokens", "token_loss"]
 
@@ -58,7 +58,7 @@ def _cut_targets(targets: Any, dim: int, local: int, cg: ContextGroup) -> Any | 
     def rows(t: torch.Tensor) -> torch.Tensor:
         nonlocal cut
         if t.dim() > dim and t.shape[dim] == whole:
-            return t.index_select(dim, positions(local, cg, device=t.device))
+            return my_tokens(t, dim, cg)
         cut = False
         return t
 

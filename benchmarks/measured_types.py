@@ -32,9 +32,9 @@ __all__ = [
 
 FlopCount = Literal["6N", "6N+12lhs", "6N-emb+12lhs", "megatron", "megatron-eq3"]
 FLOP_COUNTS: dict[str, str] = {
-    "6N": "6 N per token, N every parameter (Llama 3's compute count: 3.8e25 = 6 x 405e9 x 15.6e12)",
+    "6N": "6 N per token, N every parameter (Llama 3's compute budget, 3.8e25 = 6 x 405e9 x 15.6e12, not its MFU)",
     "6N+12lhs": "6 N + 12 l h s per token, N every parameter, the attention products counted once, not halved for "
-                "the causal mask (llm-foundry's collect_results.py, PaLM's appendix B)",
+                "the causal mask (llm-foundry's collect_results.py; PaLM's appendix B, which Llama 3's MFU cites)",
     "6N-emb+12lhs": "6 (N - token embedding) + 12 l h s per token (torchtitan's utils.get_num_flop_per_token with "
                     "get_num_params(exclude_embedding=True))",
     "megatron": "72 s l h^2 (1 + s/6h) + 6 s h V per sequence: Megatron-LM's model FLOPs without recomputation "

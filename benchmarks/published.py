@@ -10,7 +10,7 @@ Rows (each model built from torch.nn on meta, benchmarks/published_models.py; no
     forward). Fp16 weights with fp32 master weights, gradients and Adam states; DGX A100 80GB (Selene).
     Llama 3 405B, Llama Team 2024 (https://arxiv.org/abs/2407.21783), Table 4: 8,192 and 16,384 H100, TP 8 x
     PP 16, 16M tokens a step (sequence 8,192), BF16 MFU 43% / 41% (430 / 400 TFLOP/s per GPU). FLOPs as the
-    paper counts its compute (3.8e25 = 6 x 405e9 parameters x 15.6e12 tokens): 6 N per token. Its section 3.3:
+    paper's MFU cites them (Chowdhery et al., PaLM appendix B): 6 N + 12 l h s per token. Its section 3.3:
     FSDP over the data-parallel ranks (weights not resharded after forward, gradients accumulated and
     reduce-scattered in fp32: zero1 here), ranks ordered [TP, CP, PP, DP], interleaved pipeline whose first
     chunk on the first stage holds the embedding alone after one layer less there (126 layers in 128 slots of
@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.published_costs import step_parts  # noqa: E402
-from benchmarks.published_models import LLAMA3_405B, Llama, MegatronGPT, MegatronShape  # noqa: E402
+from benchmarks.published_models import LLAMA3_405B, Llama, LlamaShape, MegatronGPT, MegatronShape  # noqa: E402
 from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.cluster_shape import Cluster  # noqa: E402
 from cost_model.precision import MIXED, Precision  # noqa: E402
@@ -92,10 +92,11 @@ def eq3(s: MegatronShape) -> Callable[[torch.nn.Module, int], float]:
     return flops
 
 
-def six_n(_: torch.nn.Module | None = None) -> Callable[[torch.nn.Module, int], float]:
-    """6 N per token, N the model's parameters (Llama 3's compute count)."""
+def palm(shape: LlamaShape) -> Callable[[torch.nn.Module, int], float]:
+    """6 N + 12 l h s per token, N the model's parameters: PaLM's MFU count (appendix B), which Llama 3's MFU cites."""
     def flops(model: torch.nn.Module, batch: int) -> float:
-        return 6.0 * sum(p.numel() for p in model.parameters()) * batch * LLAMA3_405B.seq
+        per_token = 6.0 * sum(p.numel() for p in model.parameters()) + 12.0 * shape.layers * shape.width * shape.seq
+        return per_token * batch * shape.seq
     return flops
 
 
@@ -123,7 +124,8 @@ ROWS = [
     _megatron("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 163, 1, 1),
     _megatron("1008B", 128, 25600, 160, 8, 64, 3072, 3072, 163, 1, None),
     *(Row(f"405B-{g // 1024}k", lambda: Llama(LLAMA3_405B).to(torch.bfloat16), g, 2048, LLAMA3_405B.seq, LLAMA,
-          tflops, six_n(), {"hosts": g // 8, "gpus_per_host": 8, "gpu": "H100-SXM", "fabric": LLAMA_FABRIC}, MIXED)
+          tflops, palm(LLAMA3_405B), {"hosts": g // 8, "gpus_per_host": 8, "gpu": "H100-SXM", "fabric": LLAMA_FABRIC},
+          MIXED)
       for g, tflops in ((8192, 430), (16384, 400))),
 ]
 

@@ -18,7 +18,8 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
                   sequence 4096, PP 4 x EP 8, 5,993 tokens/s per GPU (163 model TFLOP/s).
     405B-128k     Llama 3 405B's long-context stage (Llama Team, https://arxiv.org/abs/2407.21783, Table 4): 16,384
                   H100, TP 8 x CP 16 x PP 16 x DP 8 at 131,072 tokens, 38% MFU (BF16 dense peak 989 TFLOP/s), 16M
-                  tokens a step; FLOPs per token 6 N + 6 L s h (causal attention), N the parameters.
+                  tokens a step; FLOPs per token 6 N + 12 L s h, N the parameters (the MFU's count: PaLM's
+                  appendix B, which the paper cites for it; not halved for the causal mask)
     7B-128k       NeMo's Llama 2 7B at 128k tokens (https://docs.nvidia.com/nemo-framework/user-guide/latest/
                   longcontext/index.html, as issue 39 quotes it): TP 4 x CP 4 x DP 8 on 128 H100, 1.31x the
                   throughput of the same job without CP (TP 4 x DP 32): the row compares predicted ratios.
@@ -123,7 +124,7 @@ def _llama(shape: LlamaShape) -> Callable[[], torch.nn.Module]:
 def _per_token_405b() -> float:
     s = LLAMA3_405B_128K
     n = 405e9
-    return 6 * n + 6 * s.layers * s.seq * s.width
+    return 6 * n + 12 * s.layers * s.seq * s.width
 
 
 ROWS = [

@@ -280,13 +280,17 @@ def shares(parts: dict[str, float], step_s: float) -> Factors:
 
 
 GRID = np.round(np.arange(0.40, 1.601, 0.01), 2)
+ATTENTION_DECIDES = 0.3  # a fit row's attention share of its step that lets attention's factor be fitted apart
 
 
 def fitted(rows: list[Priced]) -> dict[str, Factors]:
     """Per GPU family, the (GEMM, attention) factors fitted on the "fit" rows that fit: least squares of the log
     ratio of predicted to measured time per token, each row's time taken as step x (g / f_g + a / f_a + rest) with
-    its shares at factor 1 (a small pull toward 1 decides a factor the rows do not: attention where no fit row has
-    long sequences)."""
+    its shares at factor 1 (a small pull toward 1). Attention gets a factor of its own only where some fit row
+    spends at least ATTENTION_DECIDES of its step in it: rows at short sequences cannot tell a slow attention
+    kernel from slow GEMMs (fitted apart on H100's 2,048-token rows, attention went to the grid's floor, x0.40,
+    explaining with 5-20% of the step what the runs' other kernels cost, and priced 32k-131k-token runs at
+    a third of their speed), so there one factor serves both."""
     out: dict[str, Factors] = {}
     fg, fa = np.meshgrid(GRID, GRID, indexing="ij")
     for family in sorted({r.family for r in rows}):
@@ -297,6 +301,8 @@ def fitted(rows: list[Priced]) -> dict[str, Factors]:
         for r in used:
             rest, forced = 1.0 - r.gemm_share - r.attention_share, float(r.forced or 0.0)
             loss = loss + np.log(r.measured / forced * (r.gemm_share / fg + r.attention_share / fa + rest)) ** 2
+        if max(r.attention_share for r in used) < ATTENTION_DECIDES:
+            loss = np.where(fg == fa, loss, np.inf)
         i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
         out[family] = (float(GRID[i]), float(GRID[j]))
     return out

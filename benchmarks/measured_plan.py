@@ -213,8 +213,8 @@ def plan_arguments(run: Run) -> PlanArguments:
     if run.kernels.float8:
         caveats.append(f"float8 ({run.kernels.float8}) linear layers: planned in bf16 here")
     if recompute == "selective":
-        caveats.append("selective recomputation as the trainer ran it is not rules' 'selective' (element-wise ops) "
-                       "exactly, and Fixed knows none/full only")
+        caveats.append("selective recomputation as the trainer ran it (torchtitan's op policy) is not rules' "
+                       "'selective' (every product's output kept): Fixed prices it as 'selective-op'")
     extra = _titan_gpu() if run.source.key == "torchtitan" else None
     if extra is not None:
         caveats.append(f"the CLI plans on {run.gpu} (80 GiB); cluster_object() uses {_TITAN_GPU} (96 GB)")

@@ -117,7 +117,8 @@ def _priced_on(args: PlanArguments, factor: Factors) -> tuple[Cluster, GpuTable]
 
 def _config(t: int, p: int, d: int, *, mbs: float, v: int, sharding: str, recompute: str, c: int = 1) -> str:
     return (f"t{t} p{p}" + (f" c{c}" if c > 1 else "") + f" d{d} mbs {mbs:g}" + (f" v{v}" if v > 1 else "")
-            + (f" {sharding}" if sharding != "none" else "") + (" recompute" if recompute == "full" else ""))
+            + (f" {sharding}" if sharding != "none" else "")
+            + (" recompute" if recompute == "full" else f" recompute {recompute}" if recompute != "none" else ""))
 
 
 def _axes(run: Run, fixed: dict[str, Any], t: int, p: int, v: int, sharding: str, recompute: str,
@@ -148,10 +149,10 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
     cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=precision.matmul or None)
     cost.prepare(gm)
     f = Fixed(**args.fixed)
-    recompute = "auto" if str(f.recompute) == "selective" else f.recompute
-    unstated = run.parallel.recompute is None and recompute == "none"  # then full, as `variants` tries it
+    recompute = "selective-op" if str(f.recompute) == "selective" else f.recompute  # torchtitan's, as `variants`
+    unstated = run.parallel.recompute is None and recompute == "none"  # then as `variants` tries it
     tokens_n = run.global_batch * run.seq
-    for mode in (recompute, "full") if unstated else (recompute,):
+    for mode in (recompute, "attention", "full") if unstated else (recompute,):
         space = SearchSpace(run.global_batch // f.micro_batch_size, recompute=mode, precision=precision,
                             tensor=(f.tensor,), sharding=(f.sharding,), kernels=args.kernels,
                             sequence_parallel=f.sequence_parallel)
@@ -186,17 +187,18 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
 def variants(run: Run, fixed: Fixed) -> list[Fixed]:
     """The measured configuration, with what its source leaves unstated tried from the fastest choice to the one
     using least memory (the first that fits is the row's): sequence parallelism beside t > 1 (it only removes work
-    and memory), then ZeRO-1 sharding (Megatron-LM's distributed optimizer), then full recomputation. Selective
-    recomputation, which Fixed does not price, is bracketed: none (its time, less its memory) where that fits, else
-    full (its memory at most, more time)."""
+    and memory), then ZeRO-1 sharding (Megatron-LM's distributed optimizer), then recomputing the attention core
+    (Megatron-LM's selective recomputation, `--recompute-activations`), then full recomputation. A trainer's
+    "selective" is torchtitan's op policy (the only source here that runs one): Fixed's "selective-op"."""
     p = run.parallel
     sp = fixed.sequence_parallel or (p.sequence_parallel is None and fixed.tensor > 1)
     selective = str(fixed.recompute) == "selective"  # measured_plan passes the trainer's mode through
-    first = dataclasses.replace(fixed, sequence_parallel=sp, recompute="none" if selective else fixed.recompute)
+    first = dataclasses.replace(fixed, sequence_parallel=sp, recompute="selective-op" if selective else fixed.recompute)
     out = [first]
     if p.sharding is None and first.sharding == "none":
         out.append(dataclasses.replace(out[-1], sharding="zero1"))
-    if (p.recompute is None or selective) and first.recompute == "none":
+    if p.recompute is None and first.recompute == "none":
+        out.append(dataclasses.replace(out[-1], recompute="attention"))
         out.append(dataclasses.replace(out[-1], recompute="full"))
     return out
 

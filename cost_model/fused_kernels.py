@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 from cost_model.ops import classify
 from cost_model.recompute_cost import saved_by, saved_bytes_per_node
 
-__all__ = ["fused_away", "fused_outputs", "fused_saved"]
+__all__ = ["attention_core", "fused_away", "fused_outputs", "fused_saved"]
 
 _POINTWISE = ("elementwise", "add", "mul", "transcendental", "activation", "dropout")
 _ACTIVATIONS = ("transcendental", "activation")
@@ -46,6 +46,18 @@ def _scores(nodes: Sequence[Mapping[str, Any]]) -> set[str]:
     square = {_shape(n) for n in nodes
               if classify(n) == "softmax" and len(_shape(n)) >= 3 and _shape(n)[-1] == _shape(n)[-2] > 1}
     return {str(n["name"]) for n in nodes if _shape(n) in square}
+
+
+def attention_core(nodes: Sequence[Mapping[str, Any]]) -> tuple[set[str], set[str]]:
+    """(the score nodes, the attention core): the core is what Megatron-LM's selective recomputation (Korthikanti
+    et al. 2022, section 4.2) runs again in backward, the scores (q k^T, its mask and scale, softmax, dropout) and
+    the product reading them (probabilities @ v), or a fused attention call (which keeps no scores); the scores are
+    what it no longer keeps."""
+    scores = _scores(nodes)
+    core = set(scores) | {str(n["name"]) for n in nodes if classify(n) == "gemm" and (
+        any(str(u) in scores for u, _ in n.get("inputs") or [])
+        or "scaled_dot_product_attention" in str(n.get("kind") or n.get("target") or ""))}
+    return scores, core
 
 
 def _readers(nodes: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:

@@ -69,3 +69,53 @@ def test_the_search_over_every_priced_axis_is_never_worse_than_a_fixed_configura
     for fixed in (Fixed(tensor=2, stages=2, micro_batch_size=1, virtual_stages=2, sequence_parallel=True),
                   Fixed(stages=4, micro_batch_size=2, recompute="full"), Fixed(tensor=4, micro_batch_size=4)):
         assert best.step_s <= price_fixed(graph, order, CLUSTER, cost, fixed, shardable=shardable).step_s * (1 + 1e-9)
+
+
+def test_recomputing_the_attention_core_drops_the_scores_and_runs_the_core_again() -> None:
+    """Megatron-LM's selective recomputation (Korthikanti et al.): of a layer's 34 s b h + 5 a s^2 b saved bytes the
+    second term goes; the step grows by the core's forward, less than full recomputation's whole forward."""
+    from benchmarks.published_models import MegatronGPT, MegatronShape
+    from partitioner.place.cluster.plan import plan_on_cluster
+    from partitioner.place.search.space import SearchSpace
+
+    layers, h, a, s, b = 2, 256, 4, 256, 2
+    with torch.device("meta"):
+        model = MegatronGPT(MegatronShape(layers=layers, width=h, heads=a, vocab=128, seq=s, dropout=0.1)).to(
+            torch.bfloat16)
+    x = torch.zeros(8, s, dtype=torch.long, device="meta")
+    gm = trace(model, (x,), {}).graph_module
+    graph, one = build_graph(gm, [x]), Cluster.parse("1x1xH100")
+    order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(one)[2])
+    priced = {mode: price_fixed(graph, order, one, cost, Fixed(micro_batch_size=b, recompute=mode))
+              for mode in ("none", "attention", "full")}
+    # one stage: one micro-batch's activations at a time; per layer the bf16 probabilities (2 a s^2 b), the dropout's
+    # byte mask and bf16 output (3 a s^2 b) are no longer kept
+    assert priced["none"].memory[0] - priced["attention"].memory[0] == layers * 5 * a * s * s * b
+    assert priced["full"].memory[0] < priced["attention"].memory[0]
+    assert priced["none"].step_s < priced["attention"].step_s < priced["full"].step_s
+    with pytest.raises(PartitionError, match="recompute=.attention. .*priced for a configuration given whole"):
+        plan_on_cluster(graph, order, one, cost, space=SearchSpace(recompute="attention"))
+
+
+def test_torchtitans_op_policy_keeps_every_second_product_and_the_attention_output() -> None:
+    """torchtitan's selective op policy: per block the outputs of q, v, gate and down (its 1st, 3rd, 5th and 7th
+    matrix products) and of the attention kernel are kept; the rest recomputed as in full recomputation."""
+    from benchmarks.published_models import Llama, LlamaShape
+    from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
+
+    layers, h, ffn, heads, kv, s, b = 2, 256, 704, 4, 1, 64, 2
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=layers, width=h, ffn=ffn, heads=heads, kv_heads=kv, vocab=128, seq=s)).to(
+            torch.bfloat16)
+    x = torch.zeros(8, s, dtype=torch.long, device="meta")
+    gm = trace(model, (x,), {}).graph_module
+    graph, one = build_graph(gm, [x]), Cluster.parse("1x1xH100")
+    order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(one)[2])
+    priced = {mode: price_fixed(graph, order, one, cost, Fixed(micro_batch_size=b, recompute=mode))
+              for mode in ("none", "selective-op", "full")}
+    outside = [n for n in order if not str(graph.nodes[n].get("module", "")).startswith("layers.")]
+    eager_outside = sum(saved_bytes_per_node(graph_nodes(graph, order), "cuda")[n] for n in outside) * b // 8
+    kept = layers * 2 * b * s * (h + kv * (h // heads) + ffn + h + h)  # q, v, gate, down, attention: bf16
+    assert priced["selective-op"].memory[0] - priced["full"].memory[0] == kept + eager_outside
+    assert priced["full"].memory[0] < priced["selective-op"].memory[0] < priced["none"].memory[0]
+    assert priced["none"].step_s < priced["selective-op"].step_s < priced["full"].step_s

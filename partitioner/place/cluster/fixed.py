@@ -47,7 +47,9 @@ class Fixed:
         sharding: "none", "zero1", "zero2" or "zero3" over the replicas (needs a precision).
         schedule: "1f1b" or "gpipe"; with virtual_stages > 1, interleaved 1F1B.
         virtual_stages: chunks per rank (v), interleaved as Megatron-LM runs them.
-        recompute: "none", or "full" (every stage recomputes its forward in backward).
+        recompute: "none", "full" (every stage recomputes its forward in backward), "attention" (the attention
+            core only: Megatron-LM's selective recomputation) or "selective-op" (torchtitan's selective op policy:
+            every second product's output and the attention's kept); search/recompute.py.
         order: which ranks share hosts (cluster.space.RankOrder): Megatron-LM puts a stage's replicas
             together ("replicas-together"), Llama 3's [TP, CP, PP, DP] puts a pipeline together.
         sequence_parallel: layers outside the split groups run on 1/t of the sequence (search/tensor_split.py).
@@ -62,7 +64,7 @@ class Fixed:
     sharding: str = "none"
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    recompute: Literal["none", "full"] = "none"
+    recompute: Literal["none", "full", "attention", "selective-op"] = "none"
     order: RankOrder = "replicas-together"
     sequence_parallel: bool = False
     gradient_sync: str | None = None
@@ -91,9 +93,10 @@ def price_fixed(
         raise PartitionError(f"{m} micro-batches of {fixed.micro_batch_size} cannot be dealt to {d} replicas; "
                              "give a micro-batch size that leaves a multiple of the replicas")
     check_virtual(fixed.virtual_stages, p, m // d)
-    if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full"):
+    if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full", "attention", "selective-op"):
         raise PartitionError(f"schedule={fixed.schedule!r}, recompute={fixed.recompute!r}: use one of "
-                             f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none' or 'full'")
+                             f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none', 'full', "
+                             "'attention' or 'selective-op'")
     space = SearchSpace(micro_batches=m, schedules=(fixed.schedule,), recompute=fixed.recompute, precision=precision,
                         tensor=(t,), sharding=(fixed.sharding,), sequence_parallel=fixed.sequence_parallel,
                         gradient_sync=(fixed.gradient_sync,) if fixed.gradient_sync is not None else None,

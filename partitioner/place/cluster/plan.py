@@ -40,7 +40,7 @@ from partitioner.place.search.axes import Choice, apply_choice, each_choice, sea
 from partitioner.place.search.graph_costs import per_micro_batch
 from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.problem import SearchProblem
-from partitioner.place.search.space import ANY, SearchSpace
+from partitioner.place.search.space import ANY, PRICED_ONLY_RECOMPUTE, SearchSpace
 from partitioner.place.search.tensor_split import split_graph
 from partitioner.predict.assemble import assemble, predict
 from partitioner.predict.counting import stage_edges
@@ -101,6 +101,10 @@ def plan_on_cluster(
     if space.sequence_parallel:
         raise PartitionError("sequence parallelism is priced for a configuration given whole (cluster/fixed.py); "
                              "the runtime does not run it, so a plan cannot use it: drop sequence_parallel")
+    if space.recompute in PRICED_ONLY_RECOMPUTE:
+        raise PartitionError(f"recompute={space.recompute!r} (Megatron-LM's or torchtitan's selective recomputation) "
+                             "is priced for a configuration given whole (cluster/fixed.py); the runtime does not run "
+                             "it: plan with 'none', 'full' or 'auto'")
     optimizer = space.optimizer(optimizer)
     prepared = prepare_search(graph, order, cluster, cost, space, optimizer=optimizer, headroom=headroom,
                               shardable=shardable)
@@ -131,8 +135,7 @@ def plan_on_cluster(
 
 def _recompute(choice: Choice) -> RecomputeMode:
     """The recomputation of every stage `choice` holds (search/axes.py's "recompute")."""
-    mode = choice.get("recompute", "none")
-    return "full" if mode == "full" else "none"
+    return "full" if choice.get("recompute", "none") == "full" else "none"
 
 
 def _under_others(exc: InfeasibleError, precision: Precision | None, problem: SearchProblem, cluster: Cluster,

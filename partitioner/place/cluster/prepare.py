@@ -49,7 +49,7 @@ def cluster_problem(
             low, extra = divmod(size, m)
             probes |= {low, low + 1} if extra else {low}
     fixed, batch, size_times = node_times(graph, order, [device], cost, probes)
-    producers, consumers, sizes, params, saved = graph_values(graph, order)
+    producers, consumers, sizes, params, saved = graph_values(graph, order, device.type)
     spec = getattr(cost, "spec", None)
     memory = headroom * float(spec(device).memory_bytes) if callable(spec) else 0.0
     try:

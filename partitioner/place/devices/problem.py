@@ -57,7 +57,8 @@ def device_problem(
             probes |= {low, low + 1} if extra else {low}
     kinds = [devs[int(np.argmax(kind == k))] for k in range(len(keys))]
     fixed, batch, size_times = node_times(graph, order, kinds, cost, probes)
-    producers, consumers, sizes, params, saved = graph_values(graph, order)
+    producers, consumers, sizes, params, saved = graph_values(
+        graph, order, "cpu" if all(d.type == "cpu" for d in devs) else "cuda")
     link = np.zeros((D, D, 2))
     for i, j in ((i, j) for i in range(D) for j in range(D) if i != j):  # ranks: a device may repeat
         link[i, j] = affine(cost.transfer_time, devs[i], devs[j])

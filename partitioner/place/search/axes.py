@@ -35,13 +35,20 @@ import numpy as np
 import torch
 
 from cost_model.interface import CostModel
+from cost_model.ops import classify
 from partitioner.errors import PartitionError
 from partitioner.place.search.graph_costs import forward_share
 from partitioner.place.search.infeasible import InfeasibleError
 from partitioner.place.search.kernels import FusedFacts, fused_facts, fused_plan, fused_problem
 from partitioner.place.search.problem import SearchProblem
-from partitioner.place.search.recompute import node_segments, recomputing
+from partitioner.place.search.recompute import (
+    attention_recomputing,
+    node_segments,
+    op_policy_recomputing,
+    recomputing,
+)
 from partitioner.place.search.space import SearchSpace
+from rules.segments import segment_key
 from rules.sharding import stage_sync
 from runtime.plan import Plan
 
@@ -63,6 +70,7 @@ class NodeFacts:
         self._graph, self._order, self._device, self._cost = graph, list(order), device, cost
         self._share, self._segment = share, segment
         self._fused: FusedFacts | None = None
+        self._products: np.ndarray | None = None
 
     @property
     def fused(self) -> FusedFacts:
@@ -70,6 +78,20 @@ class NodeFacts:
         if self._fused is None:
             self._fused = fused_facts(self._graph, self._order, self._device, self._cost, self.segment)
         return self._fused
+
+    @property
+    def products(self) -> np.ndarray:
+        """bool per node: a matrix product (a node counting FLOPs, cost_model.ops.classify)."""
+        if self._products is None:
+            self._products = np.array([classify(self._graph.nodes[x]) in ("gemm", "conv") for x in self._order],
+                                      dtype=bool)
+        return self._products
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """bool per node: owned by an indexed module ('layers.3'), a block a checkpoint wraps (rules.segments)."""
+        return np.array([segment_key(str(self._graph.nodes[x].get("module", "") or "")) is not None
+                         for x in self._order], dtype=bool)
 
     @property
     def share(self) -> np.ndarray:
@@ -202,11 +224,21 @@ register(AxisSpec("kernels", lambda space: (space.kernels,), _kernels_price, adj
 
 
 def _recompute_price(problem: SearchProblem, mode: Any, nodes: NodeFacts) -> SearchProblem:
+    if mode in ("attention", "selective-op"):
+        facts = nodes.fused
+        if facts.scores is None or facts.core is None or problem.n != len(facts.names):
+            return recomputing(problem, nodes.share, nodes.segment) if mode == "selective-op" else problem
+        if mode == "selective-op":
+            return op_policy_recomputing(problem, nodes.share, nodes.segment, nodes.products, facts.scores,
+                                         facts.core, nodes.blocks)
+        return attention_recomputing(problem, nodes.share, facts.scores, facts.core)
     return recomputing(problem, nodes.share, nodes.segment) if mode == "full" else problem
 
 
 register(AxisSpec("recompute", lambda space: space.recompute_modes, _recompute_price,
-                  doc="full activation recomputation for every stage, or none (per-stage modes: planning)"))
+                  doc="full activation recomputation for every stage, or none (per-stage modes: planning); "
+                      "'attention' (Megatron-LM's selective: the attention core) and 'selective-op' (torchtitan's "
+                      "op policy), priced only"))
 
 
 def _gradients_price(problem: SearchProblem, sync: Any, nodes: NodeFacts) -> SearchProblem:

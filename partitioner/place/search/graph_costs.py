@@ -68,14 +68,15 @@ def fixed_and_batch(size_times: dict[int, np.ndarray], size: int) -> tuple[np.nd
 
 
 def graph_values(
-    graph: nx.DiGraph, order: Sequence[str]
+    graph: nx.DiGraph, order: Sequence[str], device_type: str = "cpu"
 ) -> tuple[list[int], list[np.ndarray], list[float], np.ndarray, np.ndarray]:
-    """(producers, consumers, value bytes, param bytes, saved bytes) of SearchProblem, by position in `order`."""
+    """(producers, consumers, value bytes, param bytes, saved bytes) of SearchProblem, by position in `order`;
+    `device_type` the devices' (a dropout mask: a float on CPU, a byte on a GPU)."""
     position = {name: i for i, name in enumerate(order)}
     n = len(order)
     producers, consumers, sizes = [], [], []
     params = np.array([float(graph.nodes[x].get("param_bytes", 0) or 0) for x in order])
-    saved = np.array([float(x) for x in saved_bytes_per_node(graph_nodes(graph, order)).values()])
+    saved = np.array([float(x) for x in saved_bytes_per_node(graph_nodes(graph, order), device_type).values()])
     for name, attrs in graph.nodes(data=True):
         if attrs["op"] == "get_attr":
             users = [position[u] for u in graph.successors(name) if u in position]

@@ -25,7 +25,7 @@ import networkx as nx
 import numpy as np
 import torch
 
-from cost_model.fused_kernels import fused_away, fused_outputs, fused_saved
+from cost_model.fused_kernels import attention_core, fused_away, fused_outputs, fused_saved
 from cost_model.interface import CostModel, forward_time
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.place.search.problem import SearchProblem
@@ -46,6 +46,8 @@ class FusedFacts:
     out_eager: np.ndarray  # each node's output bytes, eager and fused (no score matrix: fused_outputs)
     out_fused: np.ndarray
     segment: np.ndarray | None = None  # each node's recomputation segment (search/recompute.py), where known
+    scores: np.ndarray | None = None  # bool: attention scores; core: what Megatron's selective recomputation reruns
+    core: np.ndarray | None = None
 
     @property
     def saved_ratio(self) -> np.ndarray:
@@ -63,10 +65,13 @@ def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, c
     eager, fused, away = saved_bytes_per_node(nodes, device.type), fused_saved(nodes, device.type), fused_away(nodes)
     times = [forward_time(cost, graph.nodes[n], device) for n in order]
     outputs = fused_outputs(nodes)
+    scores, core = attention_core(nodes)
     return FusedFacts(list(order), np.array([float(eager[n]) for n in order]),
                       np.array([float(fused[n]) for n in order]), np.array(times), np.array([n in away for n in order]),
                       np.array([float(graph.nodes[n].get("out_bytes", 0) or 0) for n in order]),
-                      np.array([float(outputs[n]) for n in order]), segment)
+                      np.array([float(outputs[n]) for n in order]), segment,
+                      np.array([n in scores for n in order], dtype=bool),
+                      np.array([n in core for n in order], dtype=bool))
 
 
 def fused_problem(problem: SearchProblem, facts: FusedFacts) -> SearchProblem:

@@ -35,10 +35,13 @@ from partitioner.request import PlanRequest
 from rules.kernels import KERNEL_SETS
 from rules.sharding import GRADIENT_SYNCS, SHARDING_MODES, sharding_problem
 
-__all__ = ["ANY", "SearchSpace", "SearchedRecompute"]
+__all__ = ["ANY", "PRICED_ONLY_RECOMPUTE", "SearchSpace", "SearchedRecompute"]
 
-# Recomputation a search prices: none, full for every stage, or both ways (the smaller objective kept).
-SearchedRecompute = Literal["none", "full", "auto"]
+# Recomputation a search prices: none, full for every stage, or both ways (the smaller objective kept); "attention"
+# (the attention core: Megatron-LM's selective recomputation) and "selective-op" (torchtitan's selective op policy),
+# search/recompute.py, are priced only (no Plan runs them).
+SearchedRecompute = Literal["none", "full", "auto", "attention", "selective-op"]
+PRICED_ONLY_RECOMPUTE = ("attention", "selective-op")
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,9 @@ class SearchSpace:
         if self.tensor == () or self.sharding == ():
             raise PartitionError(f"tensor={self.tensor!r}, sharding={self.sharding!r}: allow one value at least, or "
                                  "None for every value the search finds")
-        if self.recompute not in ("none", "full", "auto"):
-            raise PartitionError(f"recompute={self.recompute!r}; use 'none', 'full' or 'auto'")
+        if self.recompute not in ("none", "full", "auto", *PRICED_ONLY_RECOMPUTE):
+            raise PartitionError(f"recompute={self.recompute!r}; use 'none', 'full' or 'auto' (or, priced only, "
+                                 f"{' or '.join(map(repr, PRICED_ONLY_RECOMPUTE))})")
         if self.tensor is not None and any(isinstance(t, bool) or not isinstance(t, int) or t < 1
                                            for t in self.tensor):
             raise PartitionError(f"tensor degrees {list(self.tensor)}: give positive integers (1: no layer split)")

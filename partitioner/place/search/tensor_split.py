@@ -152,7 +152,7 @@ def split_problem(problem: SearchProblem, graph: nx.DiGraph, order: Sequence[str
         last = max(position[n] for n in group.nodes)
         for s in times:
             times[s][0, last] += sum(collective_seconds(graph, group, ring, s))
-    _, _, sizes, params, saved = graph_values(split, order)
+    _, _, sizes, params, saved = graph_values(split, order, device.type)
     if size is not None and size > 1 and times:
         fixed, batch = fixed_and_batch(times, size)
     else:  # no batch to probe: scale the whole-batch arrays by each node's FLOP share kept

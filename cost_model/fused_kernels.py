@@ -54,9 +54,9 @@ def attention_core(nodes: Sequence[Mapping[str, Any]]) -> tuple[set[str], set[st
     the product reading them (probabilities @ v), or a fused attention call (which keeps no scores); the scores are
     what it no longer keeps."""
     scores = _scores(nodes)
-    core = set(scores) | {str(n["name"]) for n in nodes if classify(n) == "gemm" and (
-        any(str(u) in scores for u, _ in n.get("inputs") or [])
-        or "scaled_dot_product_attention" in str(n.get("kind") or n.get("target") or ""))}
+    core = set(scores) | {str(n["name"]) for n in nodes if "scaled_dot_product_attention" in str(
+        n.get("kind") or n.get("target") or "") or (classify(n) == "gemm" and any(
+            str(u) in scores for u, _ in n.get("inputs") or []))}
     return scores, core
 
 

@@ -112,7 +112,10 @@ def test_torchtitans_op_policy_keeps_every_second_product_and_the_attention_outp
     graph, one = build_graph(gm, [x]), Cluster.parse("1x1xH100")
     order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(one)[2])
     priced = {mode: price_fixed(graph, order, one, cost, Fixed(micro_batch_size=b, recompute=mode))
-              for mode in ("none", "selective-op", "full")}
+              for mode in ("none", "attention", "selective-op", "full")}
+    # a fused attention call keeps no scores: recomputing the core reruns it and keeps as much as none
+    assert priced["attention"].memory[0] == priced["none"].memory[0]
+    assert priced["attention"].step_s > priced["none"].step_s
     outside = [n for n in order if not str(graph.nodes[n].get("module", "")).startswith("layers.")]
     eager_outside = sum(saved_bytes_per_node(graph_nodes(graph, order), "cuda")[n] for n in outside) * b // 8
     kept = layers * 2 * b * s * (h + kv * (h // heads) + ffn + h + h)  # q, v, gate, down, attention: bf16

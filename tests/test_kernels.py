@@ -12,7 +12,7 @@ import torch
 
 import partitioner
 from benchmarks.published_models import Llama, LlamaShape, MegatronGPT, MegatronShape
-from cost_model.fused_kernels import fused_away, fused_saved
+from cost_model.fused_kernels import attention_core, fused_away, fused_saved
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
@@ -69,6 +69,24 @@ def test_fused_gpt_layer_keeps_a_log_sum_exp_instead_of_the_scores() -> None:
     layer = _layer(order, nodes, 1)
     # Korthikanti et al.'s 34 bytes per s b h element (flash attention: no 5 a s / h term), plus the statistics
     assert sum(fused[n] for n in layer) == 34 * B * S * h + 4 * B * a * S
+
+
+def test_the_attention_core_is_the_scores_and_their_product_or_the_fused_call() -> None:
+    with torch.device("meta"):
+        gpt = MegatronGPT(MegatronShape(layers=2, width=512, heads=4, vocab=100, seq=S, dropout=0.1))  # head 128
+    nodes, _ = _nodes(gpt)
+    scores, core = attention_core(nodes)
+    # per layer: q k^T, softmax and dropout (s x s), and probabilities @ v
+    assert sorted(n.split("_")[0] for n in scores) == ["layers"] * 2 + ["matmul"] * 2 + ["softmax"] * 2
+    assert len(core - scores) == 2
+    assert all(any(u in scores for u, _ in n["inputs"]) for n in nodes if n["name"] in core - scores)
+    llama = Llama(LlamaShape(layers=2, width=256, ffn=832, heads=4, kv_heads=1, vocab=100, seq=S))
+    x = torch.zeros(B, S, dtype=torch.long)  # traced on CPU, not priced: the SDPA call counts no FLOPs
+    gm = trace(llama, (x,), {}).graph_module
+    nodes = graph_nodes(build_graph(gm, [x]), [n.name for n in compute_nodes(gm)])
+    scores, core = attention_core(nodes)
+    assert scores == set() and core == {n["name"] for n in nodes if "scaled_dot_product" in str(n.get("target"))}
+    assert len(core) == 2
 
 
 def test_the_kernel_set_is_checked_where_it_is_asked_for() -> None:

@@ -17,6 +17,7 @@ from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.place.cluster.fixed import Fixed, price_fixed
 from partitioner.place.cluster.priced import search_priced
+from partitioner.place.cluster.space import ClusterSolution
 from rules.generators import interleaved_fill
 
 CLUSTER = Cluster.parse("2x4xH100")
@@ -71,6 +72,21 @@ def test_the_search_over_every_priced_axis_is_never_worse_than_a_fixed_configura
         assert best.step_s <= price_fixed(graph, order, CLUSTER, cost, fixed, shardable=shardable).step_s * (1 + 1e-9)
 
 
+ONE_GPU = Cluster.parse("1x1xH100")
+
+
+def _on_one_gpu(model: torch.nn.Module, seq: int, micro_batch_size: int, modes: tuple[str, ...],
+                ) -> tuple[nx.DiGraph, list[str], AnalyticCostModel, dict[str, ClusterSolution]]:
+    """(graph, order, cost, each recompute mode priced): `model` in bf16 on meta, a batch of 8 of `seq` tokens,
+    one H100, micro-batches of `micro_batch_size`."""
+    x = torch.zeros(8, seq, dtype=torch.long, device="meta")
+    gm = trace(model.to(torch.bfloat16), (x,), {}).graph_module
+    graph = build_graph(gm, [x])
+    order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(ONE_GPU)[2])
+    return graph, order, cost, {mode: price_fixed(graph, order, ONE_GPU, cost, Fixed(
+        micro_batch_size=micro_batch_size, recompute=mode)) for mode in modes}
+
+
 def test_recomputing_the_attention_core_drops_the_scores_and_runs_the_core_again() -> None:
     """Megatron-LM's selective recomputation (Korthikanti et al.): of a layer's 34 s b h + 5 a s^2 b saved bytes the
     second term goes; the step grows by the core's forward, less than full recomputation's whole forward."""
@@ -80,21 +96,15 @@ def test_recomputing_the_attention_core_drops_the_scores_and_runs_the_core_again
 
     layers, h, a, s, b = 2, 256, 4, 256, 2
     with torch.device("meta"):
-        model = MegatronGPT(MegatronShape(layers=layers, width=h, heads=a, vocab=128, seq=s, dropout=0.1)).to(
-            torch.bfloat16)
-    x = torch.zeros(8, s, dtype=torch.long, device="meta")
-    gm = trace(model, (x,), {}).graph_module
-    graph, one = build_graph(gm, [x]), Cluster.parse("1x1xH100")
-    order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(one)[2])
-    priced = {mode: price_fixed(graph, order, one, cost, Fixed(micro_batch_size=b, recompute=mode))
-              for mode in ("none", "attention", "full")}
+        model = MegatronGPT(MegatronShape(layers=layers, width=h, heads=a, vocab=128, seq=s, dropout=0.1))
+    graph, order, cost, priced = _on_one_gpu(model, s, b, ("none", "attention", "full"))
     # one stage: one micro-batch's activations at a time; per layer the bf16 probabilities (2 a s^2 b), the dropout's
     # byte mask and bf16 output (3 a s^2 b) are no longer kept
     assert priced["none"].memory[0] - priced["attention"].memory[0] == layers * 5 * a * s * s * b
     assert priced["full"].memory[0] < priced["attention"].memory[0]
     assert priced["none"].step_s < priced["attention"].step_s < priced["full"].step_s
     with pytest.raises(PartitionError, match="recompute=.attention. .*priced for a configuration given whole"):
-        plan_on_cluster(graph, order, one, cost, space=SearchSpace(recompute="attention"))
+        plan_on_cluster(graph, order, ONE_GPU, cost, space=SearchSpace(recompute="attention"))
 
 
 def test_torchtitans_op_policy_keeps_every_second_product_and_the_attention_output() -> None:
@@ -105,14 +115,8 @@ def test_torchtitans_op_policy_keeps_every_second_product_and_the_attention_outp
 
     layers, h, ffn, heads, kv, s, b = 2, 256, 704, 4, 1, 64, 2
     with torch.device("meta"):
-        model = Llama(LlamaShape(layers=layers, width=h, ffn=ffn, heads=heads, kv_heads=kv, vocab=128, seq=s)).to(
-            torch.bfloat16)
-    x = torch.zeros(8, s, dtype=torch.long, device="meta")
-    gm = trace(model, (x,), {}).graph_module
-    graph, one = build_graph(gm, [x]), Cluster.parse("1x1xH100")
-    order, cost = [n.name for n in compute_nodes(gm)], AnalyticCostModel(cluster_devices(one)[2])
-    priced = {mode: price_fixed(graph, order, one, cost, Fixed(micro_batch_size=b, recompute=mode))
-              for mode in ("none", "attention", "selective-op", "full")}
+        model = Llama(LlamaShape(layers=layers, width=h, ffn=ffn, heads=heads, kv_heads=kv, vocab=128, seq=s))
+    graph, order, _, priced = _on_one_gpu(model, s, b, ("none", "attention", "selective-op", "full"))
     # a fused attention call keeps no scores: recomputing the core reruns it and keeps as much as none
     assert priced["attention"].memory[0] == priced["none"].memory[0]
     assert priced["attention"].step_s > priced["none"].step_s

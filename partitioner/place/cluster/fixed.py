@@ -29,7 +29,7 @@ from partitioner.place.cluster.search import search_cluster
 from partitioner.place.cluster.space import ClusterSolution, RankOrder
 from partitioner.place.search.axes import Choice, search_choices
 from partitioner.place.search.graph_costs import batch_size
-from partitioner.place.search.space import SearchSpace
+from partitioner.place.search.space import PRICED_ONLY_RECOMPUTE, SearchSpace
 from partitioner.place.search.virtual_stages import check_virtual
 from rules.schedules import searched_names
 
@@ -93,7 +93,7 @@ def price_fixed(
         raise PartitionError(f"{m} micro-batches of {fixed.micro_batch_size} cannot be dealt to {d} replicas; "
                              "give a micro-batch size that leaves a multiple of the replicas")
     check_virtual(fixed.virtual_stages, p, m // d)
-    if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full", "attention", "selective-op"):
+    if fixed.schedule not in searched_names() or fixed.recompute not in ("none", "full", *PRICED_ONLY_RECOMPUTE):
         raise PartitionError(f"schedule={fixed.schedule!r}, recompute={fixed.recompute!r}: use one of "
                              f"{list(searched_names())} (virtual_stages > 1 for interleaved) and 'none', 'full', "
                              "'attention' or 'selective-op'")

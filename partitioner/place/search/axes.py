@@ -71,6 +71,7 @@ class NodeFacts:
         self._share, self._segment = share, segment
         self._fused: FusedFacts | None = None
         self._products: np.ndarray | None = None
+        self._blocks: np.ndarray | None = None
 
     @property
     def fused(self) -> FusedFacts:
@@ -90,8 +91,10 @@ class NodeFacts:
     @property
     def blocks(self) -> np.ndarray:
         """bool per node: owned by an indexed module ('layers.3'), a block a checkpoint wraps (rules.segments)."""
-        return np.array([segment_key(str(self._graph.nodes[x].get("module", "") or "")) is not None
-                         for x in self._order], dtype=bool)
+        if self._blocks is None:
+            self._blocks = np.array([segment_key(str(self._graph.nodes[x].get("module", "") or "")) is not None
+                                     for x in self._order], dtype=bool)
+        return self._blocks
 
     @property
     def share(self) -> np.ndarray:

@@ -30,6 +30,14 @@ def node_segments(modules: Sequence[tuple[str, str]]) -> np.ndarray:
     return np.array([segment[name] for name, _ in modules], dtype=np.int64)
 
 
+def _rerun(problem: SearchProblem, base: SearchProblem, grow: np.ndarray, saved: np.ndarray) -> SearchProblem:
+    """`base` keeping `saved` bytes per node, each node's times of `problem` x `grow` (1 + the share of its time
+    its forward takes again in backward)."""
+    return dataclasses.replace(
+        base, saved_bytes=saved, fixed_times=problem.fixed_times * grow, batch_times=problem.batch_times * grow,
+        size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
+
+
 def recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray | None = None) -> SearchProblem:
     """`problem` as full recomputation runs it: every node's forward once more in backward (its time x (1 +
     forward share)), and kept per micro-batch only the stage inputs (the receive bytes the search counts anyway)
@@ -46,10 +54,7 @@ def recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray |
         if out is not None:
             out = out + np.bincount(segment, weights=problem.saved_bytes, minlength=int(segment.max()) + 1)[
                 segment] / 3
-    return dataclasses.replace(
-        problem, saved_bytes=saved, out_bytes=out, fixed_times=problem.fixed_times * grow,
-        batch_times=problem.batch_times * grow,
-        size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
+    return _rerun(problem, dataclasses.replace(problem, out_bytes=out), grow, saved)
 
 
 def attention_recomputing(problem: SearchProblem, share: np.ndarray, scores: np.ndarray,
@@ -58,11 +63,7 @@ def attention_recomputing(problem: SearchProblem, share: np.ndarray, scores: np.
     nodes (`core`, bool, the scores and the product reading them: cost_model.fused_kernels.attention_core) run their
     forward once more (time x (1 + forward share)); a backward still holds one layer's scores while it runs, so the
     working set (`out_bytes`) stays."""
-    grow = 1.0 + share * core
-    return dataclasses.replace(
-        problem, saved_bytes=np.where(scores, 0.0, problem.saved_bytes), fixed_times=problem.fixed_times * grow,
-        batch_times=problem.batch_times * grow,
-        size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
+    return _rerun(problem, problem, 1.0 + share * core, np.where(scores, 0.0, problem.saved_bytes))
 
 
 def op_policy_recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray, products: np.ndarray,
@@ -82,8 +83,5 @@ def op_policy_recomputing(problem: SearchProblem, share: np.ndarray, segment: np
     for i in np.flatnonzero(blocks & products & ~core):
         count[int(segment[i])] = count.get(int(segment[i]), 0) + 1
         keep[i] = count[int(segment[i])] % 2 == 1
-    grow = 1.0 + share * (blocks & ~keep)
     saved = full.saved_bytes + np.where(keep, problem.out_bytes, 0.0) + np.where(blocks, 0.0, problem.saved_bytes)
-    return dataclasses.replace(
-        full, saved_bytes=saved, fixed_times=problem.fixed_times * grow, batch_times=problem.batch_times * grow,
-        size_times={k: v * grow for k, v in problem.size_times.items()} if problem.size_times else None)
+    return _rerun(problem, full, 1.0 + share * (blocks & ~keep), saved)

@@ -130,7 +130,7 @@ def _builder(run: Run, dtype: torch.dtype) -> Callable[[], nn.Module]:
                               flash=run.kernels.kernels == "fused")  # llm-foundry's triton/flash attention
         tied = run.parallel.pipeline == 1
         return lambda: MegatronGPT(shape, tied=tied).to(dtype)
-    llama = LlamaShape(m.layers, m.width, m.ffn, m.heads, m.kv_heads, vocab=m.vocab, seq=run.seq)
+    llama = LlamaShape(m.layers, m.width, m.ffn, m.heads, m.kv_heads, vocab=m.vocab, seq=run.seq, written=m.written)
     return lambda: Llama(llama).to(dtype)
 
 

@@ -31,6 +31,7 @@ Every row passes `measured_types.problems`; the test is tests/test_measured_runs
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
@@ -346,6 +347,8 @@ def _titan(source: Source, where: str, size: str, gpus: int, *, fsdp: int, tp: i
     n_micro = pp if pp > 1 else 1  # pipelining_utils.py: n_microbatches defaults to the PP degree
     v = 2 if schedule == "interleaved-1f1b" else 1  # looped schedules: 2 stages per rank by default
     model = _TITAN_MODELS[size]
+    if source is TITAN_2412 and not compile_:  # eager: torchtitan's norm and rotary as it wrote them, op by op
+        model = dataclasses.replace(model, written="torchtitan-2412")
     shape = f"torchtitan/models/llama/__init__.py at 9dec370, Llama 3.1 {size} (FFN by FeedForward's rounding)"
     provenance = [
         ("model.layers", shape), ("model.width", shape), ("model.heads", shape), ("model.ffn", shape),
@@ -360,6 +363,9 @@ def _titan(source: Source, where: str, size: str, gpus: int, *, fsdp: int, tp: i
         ("measured.peak_tflops", "torchtitan/utils.py get_peak_flops at 9dec370: 989e12 for an H100 SXM (the "
                                  "footnote's MFU uses it though these GPUs run at 500 W)"),
     ]
+    if model.written != "kernels":
+        provenance.append(("model.written", "torchtitan/models/norms.py (RMSNorm, norm_type = \"rmsnorm\" in "
+                           "train_configs) and llama/model.py (apply_rotary_emb, repeat_kv) at 9dec370, run eagerly"))
     if pp > 1:
         provenance.append(("parallel.micro_batch_size", f"local batch {local_batch} / {n_micro} micro-batches: "
                            "pipelining_utils.py at 9dec370, n_microbatches defaults to the PP degree"))

@@ -98,7 +98,9 @@ class Model:
     fused q/k/v projection, a GELU MLP of 4h, a final LayerNorm and a head tied to the word embedding (Megatron-LM's
     GPT as SC'21 and MegaScale ran it; MPT as llm-foundry benchmarked it: learned positions and biases, as its
     NumParams column shows). "llama": RMSNorm, grouped-query attention with rotary positions, SwiGLU of `ffn`, no
-    biases, an untied head."""
+    biases, an untied head. `written`: how the code that ran it wrote the norm and rotary positions, as one kernel
+    each ("kernels") or as torchtitan's eager PyTorch ops at 9dec370 ("torchtitan-2412":
+    benchmarks/published_models.py)."""
 
     family: Literal["gpt", "llama"]
     layers: int
@@ -108,6 +110,7 @@ class Model:
     positions: int = 0  # gpt: rows of the position table (the run's sequence length); llama: 0
     ffn: int = 0  # llama
     kv_heads: int = 0  # llama
+    written: Literal["kernels", "torchtitan-2412"] = "kernels"  # llama
 
     def parameters(self) -> int:
         """Every parameter (a tied head counted once)."""

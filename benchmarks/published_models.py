@@ -12,17 +12,25 @@ Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024: https://arxiv.org/
 positions (one fused pass over q and k, as Transformer Engine's fused RoPE kernel makes it), vocabulary 128256,
 an untied head; attention through F.scaled_dot_product_attention (a flash
 kernel: no score matrix), grouped keys and values read by the kernel as they are.
+
+The same Llama as torchtitan's code at 9dec370 wrote it (`LlamaShape.written = "torchtitan-2412"`, the code its
+end-of-2024 H100 tables ran eagerly, torchtitan/models/norms.py and llama/model.py): RMSNorm as PyTorch ops in fp32
+(cast up, square, mean, rsqrt, scale, cast back, times the weight: eight kernels where a fused norm runs one),
+rotary positions as a complex64 product (q and k cast up, multiplied, cast back), and keys and values repeated to
+every query head before SDPA (repeat_kv: a copy each). Views are written as views: where torchtitan reshapes a
+contiguous tensor (no kernel), this code says `view`, so each kernel counted here is one eager PyTorch launched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaShape", "MegatronGPT", "MegatronShape", "Llama", "LLAMA3_405B"]
+__all__ = ["LlamaShape", "MegatronGPT", "MegatronShape", "Llama", "LLAMA3_405B", "OpsRMSNorm", "complex_rotation"]
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,34 @@ class LlamaShape:
     kv_heads: int
     vocab: int = 128256
     seq: int = 8192
+    written: Literal["kernels", "torchtitan-2412"] = "kernels"  # norm and rotary as one kernel each, or eager ops
 
 
 LLAMA3_405B = LlamaShape(layers=126, width=16384, ffn=53248, heads=128, kv_heads=8)
+
+
+class OpsRMSNorm(nn.Module):
+    """RMSNorm as torchtitan's `RMSNorm` at 9dec370 computes it: in fp32, one eager kernel per operation."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = x.float()
+        return (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _norm(s: LlamaShape) -> nn.Module:
+    return OpsRMSNorm(s.width) if s.written == "torchtitan-2412" else nn.RMSNorm(s.width)
+
+
+def complex_rotation(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x (b, t, heads, d) turned by `rotation` (t, d/2 complex64) as torchtitan's apply_rotary_emb: cast up, a
+    complex product, cast back."""
+    b, t, heads, d = x.shape
+    turned = torch.view_as_complex(x.float().view(b, t, heads, d // 2, 2)) * rotation.view(1, t, 1, d // 2)
+    return torch.view_as_real(turned).view(b, t, heads, d).type_as(x)
 
 
 class LlamaLayer(nn.Module):
@@ -111,7 +144,8 @@ class LlamaLayer(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.dim = s.heads, s.kv_heads, s.width // s.heads
-        self.norm1, self.norm2 = nn.RMSNorm(s.width), nn.RMSNorm(s.width)
+        self.ops = s.written == "torchtitan-2412"
+        self.norm1, self.norm2 = _norm(s), _norm(s)
         self.q = nn.Linear(s.width, s.width, bias=False)
         self.k = nn.Linear(s.width, s.kv_heads * self.dim, bias=False)
         self.v = nn.Linear(s.width, s.kv_heads * self.dim, bias=False)
@@ -120,6 +154,8 @@ class LlamaLayer(nn.Module):
         self.down = nn.Linear(s.ffn, s.width, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.ops:
+            return self._forward_ops(x, rope)
         b, t, c = x.shape
         h = self.norm1(x)
         q = self.q(h).view(b, t, self.heads, self.dim).transpose(1, 2)
@@ -128,6 +164,22 @@ class LlamaLayer(nn.Module):
         q, k = q * rope, k * rope  # a fused rotary kernel: one read and one write of q and of k
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def _forward_ops(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """torchtitan's block at 9dec370: rotary in complex64, K and V repeated to every head (copies), then SDPA."""
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q = complex_rotation(self.q(h).view(b, t, self.heads, self.dim), rotation)
+        k = complex_rotation(self.k(h).view(b, t, self.kv_heads, self.dim), rotation)
+        v = self.v(h).view(b, t, self.kv_heads, self.dim)
+        groups = self.heads // self.kv_heads
+        if groups > 1:  # repeat_kv: an expanded view made contiguous, one copy of each
+            k = k.unsqueeze(3).expand(b, t, self.kv_heads, groups, self.dim).reshape(b, t, self.heads, self.dim)
+            v = v.unsqueeze(3).expand(b, t, self.kv_heads, groups, self.dim).reshape(b, t, self.heads, self.dim)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).contiguous().view(b, t, c))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -140,13 +192,18 @@ class Llama(nn.Module):
         self.dim = s.width // s.heads
         self.embed = nn.Embedding(s.vocab, s.width)
         self.layers = nn.ModuleList([LlamaLayer(s) for _ in range(s.layers)])
-        self.norm = nn.RMSNorm(s.width)
+        self.norm = _norm(s)
         self.head = nn.Linear(s.width, s.vocab, bias=False)
-        self.register_buffer("rope", torch.ones(s.seq, self.dim), persistent=False)  # the rotation the kernel reads
+        self.ops = s.written == "torchtitan-2412"
+        # the rotation the kernel reads; torchtitan's freqs_cis (complex64) kept as fp32 pairs, which .to(bf16)
+        # would cast, so forward casts them back up (t x d numbers: nothing beside a layer's b x t x h)
+        self.register_buffer("rope", torch.ones(s.seq, self.dim // 2, 2) if self.ops else torch.ones(s.seq, self.dim),
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        rope = self.rope[: tokens.shape[1]].to(x.dtype)
+        t = tokens.shape[1]
+        rope = torch.view_as_complex(self.rope[:t].float()) if self.ops else self.rope[:t].to(x.dtype)
         for layer in self.layers:
             x = layer(x, rope)
         return self.head(self.norm(x))

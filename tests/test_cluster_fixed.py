@@ -126,3 +126,32 @@ def test_torchtitans_op_policy_keeps_every_second_product_and_the_attention_outp
     assert priced["selective-op"].memory[0] - priced["full"].memory[0] == kept + eager_outside
     assert priced["full"].memory[0] < priced["selective-op"].memory[0] < priced["none"].memory[0]
     assert priced["none"].step_s < priced["selective-op"].step_s < priced["full"].step_s
+
+
+def test_a_norm_written_op_by_op_is_priced_per_kernel_it_launches() -> None:
+    """torchtitan's eager RMSNorm (fp32 cast, square, mean, rsqrt, scale, cast back, weight: eight kernels) against
+    one fused norm, on one H100: the layer's GEMMs the same, its norms priced at several times the fused one's
+    time and memory, so the step is slower and keeps more."""
+    from benchmarks.published_models import Llama, LlamaShape
+
+    runs = {}
+    for written in ("kernels", "torchtitan-2412"):
+        with torch.device("meta"):
+            model = Llama(LlamaShape(layers=2, width=512, ffn=1536, heads=8, kv_heads=2, vocab=256, seq=256,
+                                     written=written))  # type: ignore[arg-type]
+        runs[written] = _on_one_gpu(model, 256, 2, ("none",))
+    fused_g, _, fused_cost, fused = runs["kernels"]
+    ops_g, ops_order, ops_cost, ops = runs["torchtitan-2412"]
+    device = torch.device("cuda", 0)
+
+    def flops(g: nx.DiGraph) -> float:
+        return sum(float(g.nodes[n].get("flops", 0) or 0) for n in g.nodes)
+
+    assert flops(fused_g) == pytest.approx(flops(ops_g), rel=1e-3)
+    norm = fused_cost.forward_time(fused_g.nodes["layers_0_norm1"], device)
+    ops_norm = [n for n in ops_order if n.startswith("layers_0_norm1") or str(ops_g.nodes[n].get("module", ""))
+                .startswith("layers.0.norm1")]
+    assert len([n for n in ops_norm if ops_g.nodes[n].get("shapes")]) >= 8
+    assert sum(ops_cost.forward_time(ops_g.nodes[n], device) for n in ops_norm) > 5 * norm
+    assert ops["none"].step_s > fused["none"].step_s
+    assert ops["none"].memory[0] > fused["none"].memory[0]

@@ -126,3 +126,23 @@ def test_the_torchtitan_export_compiles_a_fused_plan(plans: dict[str, Plan]) -> 
     eager = torchtitan_job(plans["eager"], module="llama3", config="llama3_debugmodel")
     assert "--compile.enable" in fused.args() and "--compile.enable" not in eager.args()
     assert "kernels fused" in fused.script()
+
+
+def test_torchtitans_norm_and_rotation_written_op_by_op_compute_what_they_stand_for() -> None:
+    """benchmarks' torchtitan-written Llama (issue 37 item 1: eager norms priced per kernel) is the same arithmetic:
+    its norm equals torch's nn.RMSNorm, its complex product turns each (even, odd) pair by its angle."""
+    from benchmarks.published_models import OpsRMSNorm, complex_rotation
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64)
+    ops, ref = OpsRMSNorm(64, eps=1e-6), torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ops.weight.uniform_()
+        ref.weight.copy_(ops.weight)
+    torch.testing.assert_close(ops(x), ref(x))
+    angle = torch.rand(5, 16) * 6.28
+    q = torch.randn(2, 5, 3, 32)
+    even, odd = q.view(2, 5, 3, 16, 2).unbind(-1)
+    cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+    expected = torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).view(2, 5, 3, 32)
+    torch.testing.assert_close(complex_rotation(q, torch.polar(torch.ones_like(angle), angle)), expected)

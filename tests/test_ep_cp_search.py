@@ -310,3 +310,44 @@ def test_a_split_plan_that_does_not_fit_names_the_cluster_given_and_more_micro_b
              precision="mixed")
     text = str(caught.value)
     assert "does not fit on 4x8xH100-SXM (its sequence split" in text and "micro_batches up to 8" in text, text
+
+
+def test_the_sharded_collectives_span_every_replicas_context_ranks() -> None:
+    from partitioner.place.search.states import StateRule
+
+    rule = StateRule(MIXED, 2, shard_degree=4, shard_ring=(1e-5, 2e-12))
+    assert rule.data_group("zero3", 1, (0.0, 0.0)) == (4, (1e-5, 2e-12))  # one replica: its context ranks alone
+    assert rule.data_group("zero1", 2, (3e-5, 1e-12)) == (8, (3e-5, 2e-12))  # 2 x 4 ranks, the slower of each
+    assert rule.data_group("none", 2, (3e-5, 1e-12)) == (2, (3e-5, 1e-12))  # DDP: replicas only
+    assert StateRule(MIXED, 2).data_group("zero3", 2, (3e-5, 1e-12)) == (2, (3e-5, 1e-12))
+
+
+def test_one_replica_split_over_context_ranks_shards_its_states_over_them() -> None:
+    # torchtitan's FSDP over dp_shard x cp (titan-8B-8-cp8-256k: d 1, c 8): the search had offered sharding only
+    # with two replicas or more, so a replica of c context ranks held every state whole (an 8B model: 186 GiB)
+    from partitioner.place.search.space import SearchSpace
+
+    pytest.importorskip("transformers")
+    case = zoo.hf_case("llama")
+    case.config.use_cache = False
+    case.config.max_position_embeddings = 256
+    torch.manual_seed(0)
+    model, x = case.build(), torch.randint(0, 128, (2, 256))
+    graph, order, facts, shardable, gm = _traced(model, x, long_sequence=256)
+    cluster = Cluster.parse("1x2xH100")
+    cost = _cost(cluster, gm)
+    found = {}
+    for mode in ("none", "zero3"):
+        space = SearchSpace(2, precision=MIXED, sharding=(mode,))
+        found[mode] = plan_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, context=2,
+                                 headroom=1e3)
+    (whole, whole_split), (sharded, split) = found["none"], found["zero3"]
+    assert split.solution.replicas == 1 and split.context == 2 and split.solution.modes == ["zero3"]
+    sharded.check()
+    assert [s.sharding for s in sharded.stages] == ["zero3"] and sharded.stages[0].context == 2
+    for kind in ("master", "grads", "optimizer"):  # fp32 states: over the 2 context ranks
+        assert split.kinds[0][kind] == pytest.approx(whole_split.kinds[0][kind] / 2, rel=0.02)
+    assert max(split.solution.memory) < max(whole_split.solution.memory)
+    # each rank steps its half of the weights (its FSDP2 shard), a sharded plan's gradients follow its choice
+    assert sharded.stages[0].optimizer_ms == pytest.approx(whole.stages[0].optimizer_ms / 2)
+    assert sharded.stages[0].gradient_sync == split.choice["gradients"] and whole.stages[0].gradient_sync == "last"

@@ -71,8 +71,9 @@ class Axes:
         return self if degrees is self.degrees else dataclasses.replace(self, degrees=degrees)
 
     def modes_for(self, d: int) -> tuple[str, ...]:
-        """Sharding modes worth pricing with d replicas ("none" alone for one)."""
-        return self.modes if d > 1 else ("none",)
+        """Sharding modes worth pricing with d replicas ("none" alone for one, unless each replica's context ranks
+        share its FSDP2 mesh: StateRule.shard_degree)."""
+        return self.modes if d * (self.rule.shard_degree if self.rule is not None else 1) > 1 else ("none",)
 
 
 @dataclass

@@ -201,7 +201,10 @@ class _Pair:
             for d in axes.degrees if d.tensor in self.a2a))
         if not degrees.degrees:
             raise InfeasibleError(f"expert {e} x context {c} groups need more than {self.size} GPUs", [])
-        rule = dataclasses.replace(axes.rule, shard_degree=c) if axes.rule is not None and c > 1 else axes.rule
+        # FSDP2 shards over d x c ranks; their ring: the context ranks' (the slowest of the tensor degrees' spacings)
+        ring = (max(r[0] for r in self.gather.values()), max(r[1] for r in self.gather.values()))
+        rule = dataclasses.replace(axes.rule, shard_degree=c, shard_ring=ring) if axes.rule is not None and c > 1 \
+            else axes.rule
         return dataclasses.replace(axes, degrees=degrees, expert=e, rule=rule)  # FSDP2 shards over d x c ranks
 
     def __call__(self, choice: Choice, bound: float) -> tuple[ClusterSolution, float]:

@@ -11,7 +11,8 @@ was chosen:
     optimizer_ms              the optimizer step over the weights one rank steps (its shard where sharded), at
                                 HBM bandwidth (cost_model.optimizer_step), once a step after the reduction
     memory_bytes              activations and buffers as assemble counted them, plus each state at its own
-                                dtype, / d where the mode shards it (cost_model.training_memory.state_bytes)
+                                dtype, / d where the mode shards it (cost_model.training_memory.state_bytes;
+                                / d x c with c context ranks a replica, FSDP2's mesh: StateRule.data_group)
     param_bytes               the weights one rank computes with: P elements x the compute dtype's bytes
                                 (the model's dtype without a precision)
 
@@ -89,9 +90,10 @@ def price_stages(
         stage.backward_ms += 1e3 * backward
         unit, root = (x / rule.itemsize for x in stage_units(param_bytes, blocks, a, b))
         params = stage.param_bytes / rule.itemsize
-        sync = stage_sync(mode, gradient_sync) if d > 1 else "last"
+        shards, group_ring = rule.data_group(mode, d, rings[stage.index])  # FSDP2's mesh: + context ranks
+        sync = stage_sync(mode, gradient_sync) if shards > 1 else "last"
         stage.gradient_sync = sync
-        dp = DataParallelCost(mode, d, rings[stage.index], precision.itemsize("compute"),
+        dp = DataParallelCost(mode, shards, group_ring, precision.itemsize("compute"),
                               precision.itemsize("grad"), overlap=rule.precision is not None, gradient_sync=sync)
         unit = min(unit, params)
         f_s, b_s = stage.forward_ms / 1e3, stage.backward_ms / 1e3
@@ -100,10 +102,10 @@ def price_stages(
         stage.backward_ms += 1e3 * after
         stage.compute_ms = stage.forward_ms + stage.backward_ms
         stage.allreduce_ms = 1e3 * float(dp.per_step(params, unit, f_s, b_s))
-        shards = d * rule.shard_degree if mode != "none" else 1
-        stage.optimizer_ms = 1e3 * float(step_seconds(params, precision, step_bytes_per_s, shards=shards))
+        stage.optimizer_ms = 1e3 * float(step_seconds(params, precision, step_bytes_per_s,
+                                                      shards=shards if mode != "none" else 1))
         stage.predicted_ms = (stage.compute_ms + stage.comm_ms) / d
-        kinds = state_bytes(params, precision, mode=mode, degree=d, micro_batches=max(1, plan.micro_batches),
+        kinds = state_bytes(params, precision, mode=mode, degree=shards, micro_batches=max(1, plan.micro_batches),
                             gradient_sync=sync, root=root, unit=unit)
         if stage.memory_bytes:
             stage.memory_bytes += int(sum(kinds)) - legacy * stage.param_bytes

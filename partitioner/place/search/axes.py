@@ -250,7 +250,8 @@ def _gradients_price(problem: SearchProblem, sync: Any, nodes: NodeFacts) -> Sea
 
 def _gradients_apply(plan: Plan, sync: Any) -> None:
     for stage in plan.stages:  # what each stage's mode runs of it (cluster/stages.py set the same where it priced)
-        stage.gradient_sync = stage_sync(stage.sharding, str(sync)) if stage.replicas > 1 else "last"
+        ranks = stage.replicas * max(1, stage.context)  # a sharded stage's FSDP2 mesh holds its context ranks
+        stage.gradient_sync = stage_sync(stage.sharding, str(sync)) if ranks > 1 else "last"
 
 
 register(AxisSpec("gradients", lambda space: space.gradient_syncs(), _gradients_price, _gradients_apply,

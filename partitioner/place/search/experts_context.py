@@ -12,7 +12,10 @@ Context degree c (runtime/context_parallel.py: two load-balanced chunks of 2c pe
     context ranks once a step (`grad_scale`: gradient bytes per weight byte), spread over the micro-batches
     (a replica of m / d micro-batches pays it / d, where its replicas' own all-reduce crosses the same
     links). Ring attention (K/V passed in c - 1 steps
-    under the compute) is not built, so it is not priced. Weights stay whole on every context rank; values
+    under the compute) is not built, so it is not priced. Weights stay whole on every context rank of an
+    unsharded stage; a sharded one's FSDP2 mesh holds the context ranks (StateRule.shard_degree and data_group:
+    its states / d x c, its gathers and reduce-scatters over those ranks; the context all-reduce above is still
+    added, which that reduce-scatter already does: an overcount of one gradient reduction a step); values
     between stages are / c too (`value_bytes`: their messages and the buffers in flight), as the runtime keeps
     a sequence split between stages of one degree ([Note: boundaries that stay split] in
     runtime/context_parallel.py; every stage of a split plan has the one context degree).

@@ -80,10 +80,11 @@ def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: sl
     root = span(g.root, rows, cols) / rule.itemsize
     backward = comp - forward
     sync = stage_sync(mode, p.gradient_sync)
-    dp = DataParallelCost(mode, r, tuple(ring) if ring is not None else (0.0, 0.0),  # type: ignore[arg-type]
-                          precision.itemsize("compute"), precision.itemsize("grad"), gradient_sync=sync)
+    # sharded: over the replicas and each one's context ranks (rule.shard_degree), FSDP2's mesh
+    rs, group_ring = rule.data_group(mode, r, tuple(ring) if ring is not None else (0.0, 0.0))  # type: ignore[arg-type]
+    dp = DataParallelCost(mode, rs, group_ring, precision.itemsize("compute"), precision.itemsize("grad"),
+                          gradient_sync=sync)
     per_replica = math.ceil(m / r)
-    rs = r * rule.shard_degree  # sharded over the replicas and each one's context ranks (rule.shard_degree)
     work = per_replica * (t + dp.per_micro_batch(params, unit, forward, backward))
     work = work + dp.per_step(params, unit, forward, backward)
     work = work + step_seconds(params, precision, p.step_bytes_per_s, shards=rs if mode != "none" else 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_model.collectives import Ring
 from cost_model.precision import Precision
 
 __all__ = ["StateRule"]
@@ -23,6 +24,7 @@ class StateRule:
     itemsize: int
     optimizer: str = "adam"  # without a precision: the optimizer counted (with one: the precision's)
     shard_degree: int = 1  # ranks of each replica its sharded states split over too (context ranks: FSDP2's mesh)
+    shard_ring: Ring = (0.0, 0.0)  # an all-reduce over those ranks of one replica (collectives.ring_of)
 
     @property
     def states(self) -> Precision:
@@ -34,3 +36,14 @@ class StateRule:
 
     def legacy(self, mode: str) -> bool:
         return self.precision is None and mode == "none"
+
+    def data_group(self, mode: str, replicas: int, ring: Ring) -> tuple[int, Ring]:
+        """(ranks, all-reduce ring) of a stage's data-parallel collectives under `mode`: a sharded stage's FSDP2 mesh
+        holds every replica's `shard_degree` context ranks too (runtime/layer_split.py, as torchtitan's dp_shard x
+        cp), so it gathers and reduce-scatters over replicas x shard_degree ranks at the slower of the two rings
+        (with one replica, the context ranks' alone); unsharded, the replicas alone."""
+        if mode == "none" or self.shard_degree == 1:
+            return replicas, ring
+        if replicas == 1:
+            return self.shard_degree, self.shard_ring
+        return replicas * self.shard_degree, (max(ring[0], self.shard_ring[0]), max(ring[1], self.shard_ring[1]))

@@ -146,7 +146,9 @@ def graph_nodes(graph: Any, names: Sequence[str]) -> list[dict[str, Any]]:
     """The nodes `names` of a graph (networkx-like: `.nodes[name]`, `.predecessors(name)`) as `recompute_costs`
     and `saved_bytes_per_node` read them: each vertex's attributes and its `inputs` (producer, out_bytes)."""
     return [{**graph.nodes[n], "name": n,
-             "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)]} for n in names]
+             "inputs": [(u, graph.nodes[u].get("out_bytes", 0)) for u in graph.predecessors(n)],
+             "constant_inputs": [u for u in graph.predecessors(n) if graph.nodes[u].get("requires_grad") is False]}
+            for n in names]
 
 
 def _kept(nodes: Sequence[Mapping[str, Any]],
@@ -248,16 +250,19 @@ def _saved(node: Mapping[str, Any], device_type: str) -> tuple[list[str], int]:
     tensors = [str(u) for u, nbytes in node.get("inputs") or [] if int(nbytes or 0) > 0]
     out = int(node.get("out_bytes", 0) or 0)
     dtypes = node.get("dtypes") or ["float32"]
-    if cls in _NO_SAVES or name in _KEEP_NOTHING or not _floating(str(dtypes[0])):
+    if cls in _NO_SAVES or name in _KEEP_NOTHING or not _floating(str(dtypes[0])) or node.get("requires_grad") is False:
         return [], 0
-    if name in _PRODUCTS:
-        return tensors + ([_SELF] if name == "scaled_dot_product_attention" else []), 0
+    constant = {str(u) for u in node.get("constant_inputs") or []}
+    if name == "scaled_dot_product_attention":
+        return tensors + [_SELF], 0
+    if name in _PRODUCTS or name in _SCALES:  # [Note: what a product keeps]
+        kept = _operands_kept(tensors, constant, divide=name in _DIVIDES)
+        squared = len(tensors) == 1 and float(node.get("input_ratio", 1.0) or 1.0) > 1.5  # x * x: one value read twice
+        return (kept if name in _PRODUCTS or len(tensors) > 1 or squared else []), 0
     if cls in ("gemm", "conv"):  # a product of unknown kind: its inputs, and its output for whatever reads it
         return tensors + [_SELF], 0
     if name in _KEEP_OUTPUT or cls == "softmax":
         return [_SELF], 0
-    if name in _SCALES:
-        return (tensors if len(tensors) > 1 else []), 0
     if name == "masked_fill":
         return tensors[1:2], 0
     if name == "where":
@@ -272,6 +277,24 @@ def _saved(node: Mapping[str, Any], device_type: str) -> tuple[list[str], int]:
     if cls in ("batchnorm", "avgpool", "embedding", "transcendental", "activation", "reduction"):
         return tensors[:1], 0
     return [_SELF], 0  # unknown: its output, as an upper bound
+
+
+# [Note: what a product keeps]
+# a * b and a @ b: the gradient of a needs b, that of b needs a, so autograd keeps b only where a is tracked and a
+# only where b is (a constant operand, a buffer such as a rotary table or a mask, is kept, the tracked one is
+# not: checked with saved_tensors_hooks in tests/test_saved_memory.py); a / b keeps b for either gradient. A
+# product with one tensor operand (a Linear module: its weight is no graph value) keeps it for the weight's
+# gradient, as x * x keeps x (one graph input read twice: `input_ratio` 2); a scale by a Python number keeps
+# nothing.
+_DIVIDES = {"div", "div_", "truediv", "itruediv", "rtruediv"}
+
+
+def _operands_kept(tensors: list[str], constant: set[str], *, divide: bool) -> list[str]:
+    if len(tensors) != 2:
+        return tensors
+    a, b = tensors
+    kept = ([b] if a not in constant or divide else []) + ([a] if b not in constant else [])
+    return kept
 
 
 def _floating(dtype: str) -> bool:

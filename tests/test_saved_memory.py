@@ -173,3 +173,32 @@ def test_a_dropout_of_zero_keeps_nothing(p: float) -> None:
     unstated = {k: v for k, v in drops[0].items() if k != "dropout_p"}  # priced as a dropout of some p > 0
     forward, dropout = (cost.forward_time(n, torch.device("cpu")) for n in (drops[0], unstated))
     assert (forward < 0.5 * dropout) == (p == 0), (forward, dropout)
+
+
+class _Constants(nn.Module):
+    """Products with operands autograd does not track: a rotary-like table (a buffer), a division by a buffer, a
+    product with a constant matrix, a frozen layer before a trainable one, and a scale by a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("table", torch.randn(16, 64))
+        self.register_buffer("scale", torch.rand(64) + 1.0)
+        self.register_buffer("mix", torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(torch.relu(self.frozen(x)))  # the frozen layer keeps nothing; fc1 keeps its input
+        h = h * self.table  # keeps the table (a buffer: not an activation), not h
+        h = torch.tanh(h / self.scale)  # the division keeps the buffer only; tanh its output
+        h = (h @ self.mix) * 0.5  # keeps the constant matrix only; a Python scale keeps nothing
+        return self.fc2(h * h)  # h * h keeps h (both operands tracked)
+
+
+def test_products_keep_only_the_operands_a_tracked_gradient_needs() -> None:
+    model, x = _Constants().train(), torch.randn(16, 64)
+    graph, order = traced_graph(model, x)
+    assert [graph.nodes[n]["requires_grad"] for n in order[:3]] == [False, False, True]  # frozen, relu, fc1
+    measured = autograd_saved_bytes(model, x)
+    predicted = saved_activation_bytes(graph_nodes(graph, order))
+    assert predicted == measured, (predicted, measured)

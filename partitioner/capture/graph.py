@@ -6,7 +6,9 @@ One vertex per fx node (keyed by node name) carrying:
   input_ratio (bytes of its tensor arguments over out_bytes, where both are nonzero: a ratio, so it
   holds when a batch or a tensor split scales out_bytes; cost_model/ops.py prices reductions by it),
   param_bytes (parameters and buffers first used here), flops (forward),
-  dropout_p (a dropout's probability, where the graph states it).
+  dropout_p (a dropout's probability, where the graph states it),
+  requires_grad (whether autograd tracks its output in training: it reads a trainable parameter, directly or
+  through its inputs, and is floating point; the graph runs under no_grad, so this is read off the graph).
 Edges go producer -> consumer and carry `bytes`, the producer's output bytes.
 """
 
@@ -144,6 +146,29 @@ def batch_outputs(
     ]
 
 
+# Calls whose output autograd does not track whatever they read.
+_NO_GRAD_TARGETS = {"detach", "detach_", "argmax", "argmin", "argsort", "size", "dim", "numel", "zeros_like",
+                    "ones_like", "empty_like", "full_like", "eq", "ne", "lt", "le", "gt", "ge", "sign", "floor_divide"}
+
+
+def _requires_grad(gm: torch.fx.GraphModule, node: torch.fx.Node, graph: nx.DiGraph) -> bool:
+    """Whether `node`'s output is tracked by autograd in training (see the module docstring); a placeholder (the
+    model's input) is not, as a training batch is not."""
+    if not any(str(d).startswith(("float", "bfloat", "complex")) for d in graph.nodes[node.name]["dtypes"]):
+        return False
+    if node.op == "get_attr":
+        obj = operator.attrgetter(str(node.target))(gm)
+        return isinstance(obj, torch.Tensor) and obj.requires_grad
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
+        return True
+    name = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+    if name in _NO_GRAD_TARGETS:
+        return False
+    return any(graph.nodes[u.name].get("requires_grad", False) for u in node.all_input_nodes)
+
+
 def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGraph:
     """Run `gm` once on `flat_inputs` (no grad, buffers restored) and build the annotated DiGraph."""
     recorder = _Recorder(gm)
@@ -166,4 +191,5 @@ def build_graph(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any]) -> nx.DiGr
         )
         for producer in node.all_input_nodes:
             graph.add_edge(producer.name, node.name, bytes=graph.nodes[producer.name]["out_bytes"])
+        graph.nodes[node.name]["requires_grad"] = _requires_grad(gm, node, graph)
     return graph

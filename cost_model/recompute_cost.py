@@ -240,8 +240,11 @@ def _gradient_bytes(node: Mapping[str, Any], own: Mapping[str, Any]) -> int:
 
 
 def _first_input(node: Mapping[str, Any]) -> str:
+    """The tensor a view views: its first input that is a tensor (a copied graph lists a view's inputs in its
+    producers' order, so the sizes `view(b, t, ...)` reads can come before the tensor), else its first input."""
     inputs = node.get("inputs") or []
-    return str(inputs[0][0]) if inputs else ""
+    tensors = [u for u, nbytes in inputs if int(nbytes or 0) > 0]
+    return str(tensors[0]) if tensors else str(inputs[0][0]) if inputs else ""
 
 
 def _saved(node: Mapping[str, Any], device_type: str) -> tuple[list[str], int]:

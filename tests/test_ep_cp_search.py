@@ -231,14 +231,19 @@ def test_a_dense_model_gets_no_expert_or_context_degree() -> None:
     assert find_experts(trace(model, (x,)).graph_module, model).layers  # the MoE of the zoo is found (above: not)
 
 
-def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None:
+def _long_llama() -> tuple:
+    """A Hugging Face Llama traced at 256 tokens, its sequence long enough to split (long_sequence=256)."""
     pytest.importorskip("transformers")
     case = zoo.hf_case("llama")
     case.config.use_cache = False
     case.config.max_position_embeddings = 256
     torch.manual_seed(0)
     model, x = case.build(), torch.randint(0, 128, (2, 256))
-    graph, order, facts, shardable, gm = _traced(model, x, long_sequence=256)
+    return _traced(model, x, long_sequence=256)
+
+
+def test_a_long_sequence_splits_over_context_ranks_and_the_plan_checks() -> None:
+    graph, order, facts, shardable, gm = _long_llama()
     assert facts.has_context and len(facts.attention_pos) == 2 and (facts.kv_bytes > 0).all()
     short = SplitFacts.of(graph, order, None, find_sequence_split(gm), gm, long_sequence=512)
     assert not short.has_context  # shorter than the long-sequence mark: whole, as before
@@ -327,13 +332,7 @@ def test_one_replica_split_over_context_ranks_shards_its_states_over_them() -> N
     # with two replicas or more, so a replica of c context ranks held every state whole (an 8B model: 186 GiB)
     from partitioner.place.search.space import SearchSpace
 
-    pytest.importorskip("transformers")
-    case = zoo.hf_case("llama")
-    case.config.use_cache = False
-    case.config.max_position_embeddings = 256
-    torch.manual_seed(0)
-    model, x = case.build(), torch.randint(0, 128, (2, 256))
-    graph, order, facts, shardable, gm = _traced(model, x, long_sequence=256)
+    graph, order, facts, shardable, gm = _long_llama()
     cluster = Cluster.parse("1x2xH100")
     cost = _cost(cluster, gm)
     found = {}

@@ -1,11 +1,18 @@
-"""Test session set-up: profiles go to a fresh cache directory, so runs are hermetic."""
+"""Test session set-up: profiles go to a fresh cache directory, so runs are hermetic.
+
+The process that makes the directory (pytest, or its xdist controller: the workers inherit the variable) removes it
+when it exits."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
-os.environ.setdefault("PARTITIONER_CACHE_DIR", tempfile.mkdtemp(prefix="partitioner-test-cache-"))
+if "PARTITIONER_CACHE_DIR" not in os.environ:
+    os.environ["PARTITIONER_CACHE_DIR"] = tempfile.mkdtemp(prefix="partitioner-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PARTITIONER_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: object, items: list[object]) -> None:

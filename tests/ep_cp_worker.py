@@ -43,7 +43,7 @@ from runtime.layer_split import ShardedRun  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.recompute import RecomputedStage  # noqa: E402
 from tests import zoo  # noqa: E402
-from tests.split_worker import COST, adam, found_groups, full, held, loss_fn  # noqa: E402
+from tests.split_worker import COST, adam, found_groups, full, held, loss_fn, on_rank0  # noqa: E402
 from tests.zoo import rel  # noqa: E402
 
 Case = tuple[nn.Module, torch.Tensor, torch.Tensor]
@@ -72,14 +72,14 @@ MODELS: dict[str, Callable[[], Case]] = {
 
 def axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str = "none",
               recompute: str = "none") -> Plan:
-    """Rank 0 plans the stages; every rank reads the plan and sets the expert and context fields alike."""
+    """Rank 0 plans the stages and sets the expert and context fields; every rank gets that plan."""
+    return on_rank0(lambda: _axes_plan(model, x, schedule, layout, sharding, recompute))
+
+
+def _axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str, recompute: str) -> Plan:
     stages = 2 if layout.startswith("pp2") else 1
-    made: list[Any] = [None]
-    if dist.get_rank() == 0:
-        made[0] = plan(copy.deepcopy(model), ["cpu"] * stages, example_inputs=(x,), micro_batches=4,
-                       schedule=schedule, processes=False, cost_model=COST).to_json()
-    dist.broadcast_object_list(made, src=0)
-    p = Plan.from_json(made[0])
+    p = plan(copy.deepcopy(model), ["cpu"] * stages, example_inputs=(x,), micro_batches=4, schedule=schedule,
+             processes=False, cost_model=COST)
     p.programs, p.graph = [], None
     traced = trace(copy.deepcopy(model), (x[:2],))
     experts = find_experts(traced.graph_module, model)
@@ -90,6 +90,7 @@ def axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sha
             cut += 1
         p.stages[0].nodes, p.stages[1].nodes = order[:cut], order[cut:]
     sequence = find_sequence_split(traced.graph_module) if "cp" in layout else None
+    groups = found_groups(model, x[:2]) if "tp2" in layout else None
     for stage in p.stages:
         stage.sharding = sharding  # type: ignore[assignment]
         stage.recompute = recompute  # type: ignore[assignment]
@@ -103,9 +104,9 @@ def axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sha
             stage.ranks = [2 * stage.index]
         elif layout in ("dp2cp2", "dp2cp2ep2"):
             stage.ranks = [0, 2]
-        elif layout in ("tp2cp2", "pp2tp2cp2"):  # one replica a stage: layers split over 2 tensor ranks, the
-            stage.ranks = [4 * stage.index]  # sequence over 2 context ranks (pp2tp2cp2: 2 stages, 8 ranks)
-            stage.tensor, stage.tensor_groups = 2, found_groups(model, x[:2], stage)
+        elif layout in ("tp2cp2", "pp2tp2cp2") and groups is not None:  # one replica a stage: layers split over 2
+            stage.ranks = [4 * stage.index]  # tensor ranks, the sequence over 2 context ranks (pp2tp2cp2: 8 ranks)
+            stage.tensor, stage.tensor_groups = 2, groups(stage)
         if "ep2" in layout:
             stage.expert, stage.expert_layers = 2, [e.path for e in experts.within(stage.nodes)]
         if sequence is not None:

@@ -175,26 +175,45 @@ def fresh_weights(model: nn.Module, reference: nn.Module, params: dict[str, nn.P
     return worst
 
 
-def found_groups(model: nn.Module, x: torch.Tensor, stage: Any) -> list[Any]:
-    """The groups partitioner.capture.shardable finds in `stage` that split 2 ways (`x`: a micro-batch)."""
+def found_groups(model: nn.Module, x: torch.Tensor) -> Callable[[Any], list[Any]]:
+    """The groups partitioner.capture.shardable finds that split 2 ways, by stage (`x`: a micro-batch); one trace
+    for every stage (a Hugging Face model's torch.export trace costs a rank seconds on CI's 2 cores)."""
     traced = trace(copy.deepcopy(model), (x,))
     found = find_shardable(traced.graph_module, build_graph(traced.graph_module, traced.flatten_inputs((x,), {})))
-    return [g.spec() for g in found.within(stage.nodes) if 2 in g.degrees]
+    return lambda stage: [g.spec() for g in found.within(stage.nodes) if 2 in g.degrees]
+
+
+def on_rank0(make: Callable[[], Plan]) -> Plan:
+    """The plan rank 0 makes (its split fields set, checked), sent to every rank as JSON, as partitioner's own
+    plan_on_rank0 does: the other ranks trace nothing for it. An error on rank 0 is raised on every rank."""
+    made: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            made[0] = ("plan", make().to_json())
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, not waited for
+            made[0] = ("error", f"rank 0 could not plan: {type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(made, src=0)
+    kind, text = made[0]
+    if kind == "error":
+        raise RuntimeError(text)
+    return Plan.from_json(text)
 
 
 def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str = "none",
                recompute: str = "none") -> Plan:
-    """Rank 0 plans the stages (partitioner.plan, one process), every rank gets the same plan with the split set."""
+    """Rank 0 plans the stages (partitioner.plan, one process) and sets the split fields; every rank gets that plan."""
+    return on_rank0(lambda: _split_plan(model, x, schedule, layout, sharding, recompute))
+
+
+def _split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sharding: str,
+                recompute: str) -> Plan:
     pipeline = layout in ("tp2pp2", "pp2dp2", "dp2tp2")  # else one stage
     sharding, _, sync = sharding.partition("+")  # "zero3+every": gradients reduce-scattered per micro-batch
     micro_batches = 4
-    made: list[Any] = [None]
-    if dist.get_rank() == 0:
-        made[0] = plan(copy.deepcopy(model), ["cpu"] * (2 if pipeline else 1), example_inputs=(x,),
-                       micro_batches=micro_batches, schedule=schedule, processes=False, cost_model=COST).to_json()
-    dist.broadcast_object_list(made, src=0)
-    p = Plan.from_json(made[0])
+    p = plan(copy.deepcopy(model), ["cpu"] * (2 if pipeline else 1), example_inputs=(x,),
+             micro_batches=micro_batches, schedule=schedule, processes=False, cost_model=COST)
     p.programs, p.graph = [], None
+    groups = found_groups(model, x[: BATCH // micro_batches]) if "tp2" in layout else None
     for stage in p.stages:
         if layout == "tp2pp2":
             stage.ranks = [2 * r for r in stage.ranks]
@@ -213,9 +232,9 @@ def split_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sh
             stage.gradient_sync = sync or "last"  # type: ignore[assignment]
             modes = recompute.split("/")  # one mode for every stage, or one per stage
             stage.recompute = modes[stage.index % len(modes)]  # type: ignore[assignment]
-        if layout.startswith("tp2") or (layout == "dp2tp2" and stage.index == 1):
+        if groups is not None and (layout.startswith("tp2") or (layout == "dp2tp2" and stage.index == 1)):
             stage.tensor = 2
-            stage.tensor_groups = found_groups(model, x[: BATCH // micro_batches], stage)
+            stage.tensor_groups = groups(stage)
     if isinstance(model, WeightlessTail):  # stage 1: the operations after the last layer, no weights
         order = [n for st in p.stages for n in st.nodes]
         cut = order.index("layers_2") + 1

@@ -197,7 +197,7 @@ def test_one_process_refuses_a_split_plan_naming_torchrun() -> None:
     torch.manual_seed(0)
     model, x, _ = split_worker.gpt()
     made = plan(copy.deepcopy(model), ["cpu", "cpu"], example_inputs=(x,), micro_batches=2)
-    made.stages[0].tensor, made.stages[0].tensor_groups = 2, [split_worker.found_groups(model, x, made.stages[0])[0]]
+    made.stages[0].tensor, made.stages[0].tensor_groups = 2, [split_worker.found_groups(model, x)(made.stages[0])[0]]
     made.stages[1].ranks, made.programs = [2], []
     with pytest.raises(PartitionError, match="torchrun --nproc_per_node=3"):
         partition(model, ["cpu"] * 3, example_inputs=(x,), plan=made)

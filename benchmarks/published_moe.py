@@ -11,7 +11,13 @@ Rows (issue 39's Why; each number's source in its row; nothing is run):
     DSv3-H100     DeepSeek-V3 on 1,024 H100, Megatron-Bridge (https://docs.nvidia.com/nemo/megatron-bridge/latest/
                   performance-summary-archive.html, 25.09 container, "DeepSeekV3 (dropless)"): GBS 8192, MBS 1,
                   sequence 4096, TP 2 x PP 8 x VP 4 x EP 64, GA 128, 1,297 tokens/s per GPU (338 model TFLOP/s), FP8
-                  (128x128 weight and 1x128 activation blocks, as DeepSeek-V3 trained).
+                  (128x128 weight and 1x128 activation blocks, as DeepSeek-V3 trained). Its dispatcher is
+                  Megatron's flex dispatcher (scripts/performance/configs/deepseek/, H100: moe_flex_dispatcher_backend
+                  from the workload's base config, "hybridep" in every version read: DeepEP's hierarchical mode, a
+                  token sent once a node over RDMA and forwarded over NVLink; the 25.09 container's own value is
+                  assumed the same), and the model routes each token to at most 4 of its 8 expert groups
+                  (config.json: n_group 8, topk_group 4), a group one node of the 8 that EP 64 spans: max_nodes=4,
+                  as the H800 row (priced with the plain all-to-all: ratio 0.75).
     Qwen3-235B    Qwen3-235B-A22B on 256 H100, Megatron-Bridge (same page, 26.02 container): FP8, GBS 8192, MBS 1,
                   sequence 4096, TP 2 x PP 8 x VP 4 x EP 32, 1,633 tokens/s per GPU (242 model TFLOP/s).
     GPT-OSS-120B  GPT-OSS-120B on 64 H100, Megatron-Bridge (same page, 26.02 container): BF16, GBS 1280, MBS 1,
@@ -132,8 +138,9 @@ ROWS = [
         {"hosts": 256, **H800}, "arXiv 2412.19437: 180K H800 GPU hours / 1T tokens; PP16 EP64 ZeRO-1; batch 15360; "
         "FP8; each token to at most 4 nodes (3.2.2)", precision=FP8, max_nodes=4),
     Row("DSv3-H100", _moe(DEEPSEEK_V3), 1024, 8192, 4096, (2, 8, 64, 1, "zero1"), 1297,
-        {"hosts": 128, **H100}, "Megatron-Bridge performance summary 25.09: GBS 8192 MBS 1, TP2 PP8 VP4 EP64, FP8",
-        mbs=1, precision=FP8, virtual=4),
+        {"hosts": 128, **H100}, "Megatron-Bridge performance summary 25.09: GBS 8192 MBS 1, TP2 PP8 VP4 EP64, FP8; "
+        "HybridEP dispatch (once a node over RDMA, then NVLink), the model's routing to 4 of 8 expert groups",
+        mbs=1, precision=FP8, virtual=4, max_nodes=4),
     Row("Qwen3-235B", _moe(QWEN3_235B), 256, 8192, 4096, (2, 8, 16, 1, "zero1"), 1633,
         {"hosts": 32, **H100}, "Megatron-Bridge performance summary 26.02: GBS 8192 MBS 1, TP2 PP8 VP4 EP32, FP8; "
         "EP 32 spans Megatron's TP x DP ranks, here experts split over the 16 replicas (EP 16)", mbs=1,

@@ -239,18 +239,23 @@ def _gradient_bytes(node: Mapping[str, Any], own: Mapping[str, Any]) -> int:
     return int(node.get("out_bytes", 0) or 0) + sum(inputs.values())
 
 
+def _tensor_inputs(node: Mapping[str, Any]) -> list[str]:
+    """The producers of `node`'s inputs that are tensors (bytes > 0; sizes and flags have none)."""
+    return [str(u) for u, nbytes in node.get("inputs") or [] if int(nbytes or 0) > 0]
+
+
 def _first_input(node: Mapping[str, Any]) -> str:
     """The tensor a view views: its first input that is a tensor (a copied graph lists a view's inputs in its
     producers' order, so the sizes `view(b, t, ...)` reads can come before the tensor), else its first input."""
     inputs = node.get("inputs") or []
-    tensors = [u for u, nbytes in inputs if int(nbytes or 0) > 0]
-    return str(tensors[0]) if tensors else str(inputs[0][0]) if inputs else ""
+    tensors = _tensor_inputs(node)
+    return tensors[0] if tensors else str(inputs[0][0]) if inputs else ""
 
 
 def _saved(node: Mapping[str, Any], device_type: str) -> tuple[list[str], int]:
     """The values (node names) `node`'s backward keeps, and bytes it keeps besides them (masks, statistics)."""
     name, cls = op_name(node), classify(node, node.get("kind"))
-    tensors = [str(u) for u, nbytes in node.get("inputs") or [] if int(nbytes or 0) > 0]
+    tensors = _tensor_inputs(node)
     out = int(node.get("out_bytes", 0) or 0)
     dtypes = node.get("dtypes") or ["float32"]
     if cls in _NO_SAVES or name in _KEEP_NOTHING or not _floating(str(dtypes[0])) or node.get("requires_grad") is False:

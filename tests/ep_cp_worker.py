@@ -104,8 +104,9 @@ def _axes_plan(model: nn.Module, x: torch.Tensor, schedule: str, layout: str, sh
             stage.ranks = [2 * stage.index]
         elif layout in ("dp2cp2", "dp2cp2ep2"):
             stage.ranks = [0, 2]
-        elif layout in ("tp2cp2", "pp2tp2cp2") and groups is not None:  # one replica a stage: layers split over 2
-            stage.ranks = [4 * stage.index]  # tensor ranks, the sequence over 2 context ranks (pp2tp2cp2: 8 ranks)
+        elif layout in ("tp2cp2", "pp2tp2cp2"):  # one replica a stage: layers split over 2 tensor ranks, the
+            assert groups is not None  # sequence over 2 context ranks (pp2tp2cp2: 2 stages, 8 ranks)
+            stage.ranks = [4 * stage.index]
             stage.tensor, stage.tensor_groups = 2, groups(stage)
         if "ep2" in layout:
             stage.expert, stage.expert_layers = 2, [e.path for e in experts.within(stage.nodes)]

@@ -13,7 +13,8 @@
                                         backward, and their gradient (received) during it; the last
                  f * S (last stage)     stage's S is the model output it returns, and its loss holds
                                         3 x S at the start of backward, beside A (B >= A + 3 S:
-                                        cross-entropy's log-softmax, its gradient, the output's)
+                                        cross-entropy's log-softmax, its gradient, the output's;
+                                        rules.kernels.WORKING_OUTPUTS: a fused loss holds 2)
 
 Without B (`peak_bytes`), the coarse form the hybrid solver prices: activations f * (A + R),
 buffers 2 * (R + S) (a receive and a send buffer each way).
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from cost_model.recompute_cost import saved_bytes_per_node
+from rules.kernels import WORKING_OUTPUTS
 from rules.schedules import in_flight  # the closed form of each registered schedule; cost_model.in_flight
 
 if TYPE_CHECKING:
@@ -120,7 +122,7 @@ def stage_memory(
         peak_bytes: the most one micro-batch holds during its backward (`ModeCost.peak_bytes`);
             None for the coarse form.
         flight: micro-batches in flight where the programs say (default: by `schedule`).
-        last: the stage computes the loss (its output's loss holds 3 x send_bytes).
+        last: the stage computes the loss (its output's loss holds 3 x send_bytes: torch's eager one).
 
     Raises:
         ValueError: negative sizes, an unknown schedule or optimizer.
@@ -132,7 +134,7 @@ def stage_memory(
     if peak_bytes is None:
         activations, buffers = f * (activation_bytes + recv_bytes), 2 * (recv_bytes + send_bytes)
     else:
-        loss = 3 * send_bytes if last else 0
+        loss = WORKING_OUTPUTS["eager"] * send_bytes if last else 0
         activations = max(0, f - 1) * activation_bytes + max(peak_bytes, activation_bytes + loss) + f * recv_bytes
         buffers = (f if last else f + 1) * send_bytes
     return StageMemory(

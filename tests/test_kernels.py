@@ -4,9 +4,12 @@ set keeps, counted by hand on published layer shapes; the plan that names it; th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,8 +21,10 @@ from partitioner.capture.graph import build_graph, compute_nodes
 from partitioner.capture.trace import trace
 from partitioner.errors import PartitionError
 from partitioner.export.torchtitan import torchtitan_job
+from partitioner.place.search.kernels import FusedFacts, fused_plan
 from partitioner.place.search.space import SearchSpace
-from runtime.plan import Plan
+from rules.kernels import WORKING_OUTPUTS
+from runtime.plan import Plan, StagePlan
 
 B, S = 2, 64  # samples, tokens
 
@@ -146,3 +151,43 @@ def test_torchtitans_norm_and_rotation_written_op_by_op_compute_what_they_stand_
     cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
     expected = torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).view(2, 5, 3, 32)
     torch.testing.assert_close(complex_rotation(q, torch.polar(torch.ones_like(angle), angle)), expected)
+
+
+_LOSS_PEAK = """
+import resource, sys, torch, torch.nn.functional as F
+N, V = 2048, 32768  # one output of 256 MiB (fp32): the allocator maps it alone, so the process's peak shows it
+loss_fn = lambda o, y: F.cross_entropy(o, y)
+if sys.argv[1] == "fused":
+    loss_fn = torch.compile(loss_fn)
+    for n, v in ((N // 8, V // 8), (N // 4, V // 4)):  # compiled for any size, under the measured one's peak
+        a = torch.randn(n, v, requires_grad=True)
+        loss_fn(a * 1.0, torch.randint(0, v, (n,))).backward()
+        del a
+w, y = torch.randn(N, V, requires_grad=True), torch.randint(0, V, (N,))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+loss_fn(w * 1.0, y).backward()  # w * 1.0: the model's output, made in the step and held by the loss alone
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (N * V * 4))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
+def test_the_loss_holds_as_many_outputs_as_its_kernel_set_says(kernels: str) -> None:
+    """rules.kernels.WORKING_OUTPUTS against torch itself: the peak a step's loss and its backward add, in outputs,
+    under torch's cross-entropy (eager) and torch.compile's (fused), each in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _LOSS_PEAK, kernels], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(WORKING_OUTPUTS[kernels], abs=0.25)
+
+
+def test_a_fused_plans_last_stage_holds_one_model_output_fewer_for_its_loss() -> None:
+    """search/kernels.fused_plan on numbers set by hand: nothing else fused (eager and fused saved bytes equal), so
+    the only change is the loss's: the last stage holds 2 outputs at its backward, not 3; other stages keep theirs."""
+    facts = FusedFacts(["a", "b"], np.array([100.0, 100.0]), np.array([100.0, 100.0]), np.array([1.0, 1.0]),
+                       np.array([False, False]), np.array([10.0, 10.0]), np.array([10.0, 10.0]), output=7.0)
+    stages = [StagePlan(index=i, device="cuda:0", nodes=[n], forward_ms=1.0, backward_ms=2.0, compute_ms=3.0,
+                        activation_bytes=50, memory_bytes=80) for i, n in enumerate(("a", "b"))]
+    plan = Plan(stages=stages, micro_batches=2)
+    fused_plan(plan, facts)
+    assert [(s.activation_bytes, s.memory_bytes) for s in plan.stages] == [(50, 80), (43, 73)]
+    assert plan.kernels == "fused"

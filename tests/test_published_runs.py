@@ -11,6 +11,7 @@ from benchmarks.measured_plan import plan_arguments
 from benchmarks.measured_runs import RUNS
 from benchmarks.published_runs import Priced, _axes, _priced_on, fitted, measured_tps, price_row, variants
 from partitioner.place.cluster.fixed import Fixed
+from partitioner.place.search import kernels as kernels_search
 
 BY_KEY = {r.key: r for r in RUNS}
 
@@ -86,3 +87,18 @@ def test_a_row_is_priced_forced_and_free() -> None:
     assert row.free is not None and row.free >= row.forced * (1 - 1e-9)  # its space holds the forced configuration
     assert 0.0 < row.gemm_share <= 1.0 and 0.0 < row.attention_share < row.gemm_share
     assert dataclasses.asdict(row)["key"] == "sc21-1.7B"
+
+
+@pytest.mark.timeout(300)
+def test_mpt_1b_fits_where_it_trained_with_its_fused_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llm-foundry trained MPT-1B at 10 sequences of 2,048 per A100-40GB with flash-attn's fused cross-entropy: the
+    loss keeps the logits and writes their gradient (2 outputs), not torch's log-probabilities beside them (3)."""
+    run = BY_KEY["foundry-a100-40gb-1b-2048-32"]
+    assert run.kernels.kernels == "fused" and run.parallel.micro_batch_size == 10
+    row = price_row(run, free=False)
+    assert not row.over and row.memory is not None and row.memory < row.capacity
+    monkeypatch.setitem(kernels_search.WORKING_OUTPUTS, "fused", 3)  # the loss as torch's eager one holds it
+    eager_loss = price_row(run, free=False)
+    assert eager_loss.over and eager_loss.memory is not None
+    logits = 10 * 2048 * 50368 * 2  # one micro-batch's bf16 logits, counted by hand
+    assert (eager_loss.memory - row.memory) * 2**30 == pytest.approx(logits, rel=1e-3)

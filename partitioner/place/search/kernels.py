@@ -4,14 +4,16 @@ cost_model/fused_kernels.py says, node by node, what the fused kernel set keeps 
 it runs inside another's kernel. Here that is applied to what a search prices and to the Plan it returns:
 
     SearchProblem    saved_bytes x (fused / eager saved bytes of the node), out_bytes x (fused / eager: no
-                     score matrix); fixed, batch and size times x 0 for the nodes run inside another's kernel
-                     (x 1 for the rest). Priced before recomputation (search/axes.py registers it first), so a
-                     recomputing stage's working set is the fused one
+                     score matrix), the backward's working set 2 of the largest output, not 3 (a fused loss
+                     keeps no log-probabilities: rules.kernels.WORKING_OUTPUTS); fixed, batch and size times x 0
+                     for the nodes run inside another's kernel (x 1 for the rest). Priced before recomputation
+                     (search/axes.py registers it first), so a recomputing stage's working set is the fused one
     Plan             kernels = "fused"; each stage's activation bytes x its fused / eager saved bytes (where it
                      recomputes, less the largest difference of one segment's, per micro-batch: it keeps its
                      segments' inputs, the same either way, and recomputes one segment at a time) and its
-                     peak with them; its forward and backward x (1 - the forward time share of the nodes run
-                     inside another's kernel); the predicted step x the bottleneck stage's change
+                     peak with them, the last stage's one model output less (its loss holds 2, not 3); its
+                     forward and backward x (1 - the forward time share of the nodes run inside another's
+                     kernel); the predicted step x the bottleneck stage's change
 
 "eager" changes nothing (the problem itself is returned: the searches reuse what they priced).
 """
@@ -29,6 +31,7 @@ from cost_model.fused_kernels import attention_core, fused_away, fused_outputs, 
 from cost_model.interface import CostModel, forward_time
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.place.search.problem import SearchProblem
+from rules.kernels import WORKING_OUTPUTS
 from runtime.plan import Plan
 
 __all__ = ["FusedFacts", "fused_facts", "fused_plan", "fused_problem"]
@@ -45,6 +48,7 @@ class FusedFacts:
     away: np.ndarray  # bool
     out_eager: np.ndarray  # each node's output bytes, eager and fused (no score matrix: fused_outputs)
     out_fused: np.ndarray
+    output: float = 0.0  # bytes of the model's output (what its loss reads), as the graph holds them
     segment: np.ndarray | None = None  # each node's recomputation segment (search/recompute.py), where known
     scores: np.ndarray | None = None  # bool: attention scores; core: what Megatron's selective recomputation reruns
     core: np.ndarray | None = None
@@ -66,10 +70,12 @@ def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, c
     times = [forward_time(cost, graph.nodes[n], device) for n in order]
     outputs = fused_outputs(nodes)
     scores, core = attention_core(nodes)
+    output = sum(float(graph.nodes[u].get("out_bytes", 0) or 0) for n, a in graph.nodes(data=True)
+                 if a.get("op") == "output" for u in graph.predecessors(n))
     return FusedFacts(list(order), np.array([float(eager[n]) for n in order]),
                       np.array([float(fused[n]) for n in order]), np.array(times), np.array([n in away for n in order]),
                       np.array([float(graph.nodes[n].get("out_bytes", 0) or 0) for n in order]),
-                      np.array([float(outputs[n]) for n in order]), segment,
+                      np.array([float(outputs[n]) for n in order]), output, segment,
                       np.array([n in scores for n in order], dtype=bool),
                       np.array([n in core for n in order], dtype=bool))
 
@@ -83,7 +89,7 @@ def fused_problem(problem: SearchProblem, facts: FusedFacts) -> SearchProblem:
     out = problem.out_bytes * facts.out_ratio if problem.out_bytes is not None else None
     return dataclasses.replace(problem, saved_bytes=problem.saved_bytes * facts.saved_ratio, out_bytes=out,
                                fixed_times=problem.fixed_times * keep, batch_times=problem.batch_times * keep,
-                               size_times=sizes)
+                               size_times=sizes, working_outputs=float(WORKING_OUTPUTS["fused"]))
 
 
 def fused_plan(plan: Plan, facts: FusedFacts) -> None:
@@ -101,6 +107,8 @@ def fused_plan(plan: Plan, facts: FusedFacts) -> None:
         elif stage.recompute == "full" and facts.segment is not None:  # one segment recomputed at a time
             less = np.bincount(facts.segment[idx], weights=facts.eager[idx] - facts.fused[idx])
             held = max(0, stage.activation_bytes - int(less.max() / max(1, plan.pieces)))
+        if stage.index == len(plan.stages) - 1:  # the loss keeps the logits, not log-probabilities besides
+            held = max(0, held - int(facts.output * (WORKING_OUTPUTS["eager"] - WORKING_OUTPUTS["fused"])))
         if stage.memory_bytes:
             stage.memory_bytes -= stage.activation_bytes - held
         stage.activation_bytes = held

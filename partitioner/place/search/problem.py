@@ -44,6 +44,7 @@ class SearchProblem:
     # HBM bytes/s the optimizer step streams at (cost_model.optimizer_step; the memory-bound kernels' rate);
     # 0: not priced (devices the calibration's per-step time covers)
     step_bytes_per_s: float = 0.0
+    working_outputs: float = 3.0  # a backward holds this many of a stage's largest output (rules.kernels)
 
     def micro_batch_times(self, m: int) -> np.ndarray:
         """[kinds, n] seconds of one micro-batch when the batch is cut into m: the mean over the sizes

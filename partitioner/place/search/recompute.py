@@ -43,8 +43,9 @@ def recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray |
     forward share)), and kept per micro-batch only the stage inputs (the receive bytes the search counts anyway)
     and, with `segment` (each node's recomputation segment, rules.segments), each checkpoint's input: a value a
     later segment reads. One micro-batch's backward also holds its segment's recomputed activations
-    (cost_model.recompute_cost's walk): added to each node's output bytes / 3, so the backward working set the
-    search counts (search.stage_costs.stage_parts: 3 x the stage's largest output) holds the stage's largest segment."""
+    (cost_model.recompute_cost's walk): added to each node's output bytes / `working_outputs`, so the backward
+    working set the search counts (search.stage_costs.stage_parts: SearchProblem.working_outputs x the stage's
+    largest output) holds the stage's largest segment."""
     grow = 1.0 + share
     saved, out = np.zeros(problem.n), problem.out_bytes
     if segment is not None:
@@ -53,7 +54,7 @@ def recomputing(problem: SearchProblem, share: np.ndarray, segment: np.ndarray |
                 saved[at] += problem.value_bytes[v]  # a checkpoint's input: kept until its segment's backward
         if out is not None:
             out = out + np.bincount(segment, weights=problem.saved_bytes, minlength=int(segment.max()) + 1)[
-                segment] / 3
+                segment] / problem.working_outputs
     return _rerun(problem, dataclasses.replace(problem, out_bytes=out), grow, saved)
 
 

@@ -94,7 +94,7 @@ def split_parts(p: SearchProblem, g: SplitGrid, window: Window, m: int, rows: sl
                               root=root, unit=unit)
     static = sum(kinds_bytes) + 2 * (recv + send)
     if g.largest is not None:
-        static = static + 3 * g.largest[rows, cols] / m
+        static = static + p.working_outputs * g.largest[rows, cols] / m
     flight = span(g.saved, rows, cols) / m + recv + send
     return work, static, flight
 

@@ -81,7 +81,7 @@ def stage_parts(
     work = np.where(idx[cols][None, :] > idx[rows][:, None], work, np.inf)
     static = (2 + p.optimizer_states) * params + 2 * (recv + send)
     if g.largest is not None:
-        static = static + 3 * g.largest[rows, cols] / m
+        static = static + p.working_outputs * g.largest[rows, cols] / m
     flight = span(g.saved, rows, cols) / m + recv + send
     return work, static, flight
 

@@ -122,7 +122,8 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
         model = args.build()
     graph, order, shardable, gm, facts = split_traced(model, args.example_inputs()[0], export=True)
     cluster, table = _priced_on(args, factor)
-    cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=precision.matmul or None)
+    cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=precision.matmul or None,
+                             float8=run.kernels.float8)  # torchao's casts, priced (cost_model/float8_casts.py)
     cost.prepare(gm)
     f = Fixed(**args.fixed)
     recompute = "selective-op" if str(f.recompute) == "selective" else f.recompute  # torchtitan's, as `variants`
@@ -188,7 +189,8 @@ def price_row(run: Run, factor: Factors = NONE, free: bool = True) -> Priced:
         model = args.build()
     graph, order, shardable, gm = traced(model, args.example_inputs()[0])
     cluster, table = _priced_on(args, factor)
-    cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=_precision(run).matmul or None)
+    cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=_precision(run).matmul or None,
+                             float8=run.kernels.float8)  # torchao's casts, priced (cost_model/float8_casts.py)
     cost.prepare(gm)
     precision = _precision(run)
     out.capacity = float(cost.spec("cuda:0").memory_bytes) * 0.9 / GIB

@@ -35,6 +35,7 @@ from the table instead (see [Note: GPU rates from the table]).
 # A `matmul` dtype given (FP8 training: Transformer Engine's fp8_autocast, DeepSeek-V3's FP8 GEMMs) prices
 # every matrix product of a table GPU at that precision's peak and efficiency, forward and backward (both
 # run FP8 there); fused attention and memory-bound work keep the node's own dtype, as those recipes run them.
+# With `float8` (torchao's recipe) each product with a weight also pays its casts (cost_model/float8_casts.py).
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import torch.fx
 from cost_model.cluster import DeviceSet
 from cost_model.comm import default_link, p2p_time, ring_allreduce_time, slowest
 from cost_model.devices import DeviceError, DeviceSpec, device_present, measure_device, tf32_enabled
+from cost_model.float8_casts import FLOAT8_RECIPES, cast_seconds
 from cost_model.gpu_table import GpuTable, GpuType, precision_of
 from cost_model.interface import BACKWARD_FACTOR, CostModel
 from cost_model.ops import OpCost, classify, gemm_dims, gemm_efficiency, op_costs
@@ -179,6 +181,8 @@ class AnalyticCostModel:
             switches when each node is priced (`devices.tf32_enabled`).
         matmul: the dtype matrix products run in where it is not the node's (cost_model.precision.Precision.matmul:
             "float8_e4m3fn" for FP8 training); None: the node's own (see the Note).
+        float8: torchao's float8 recipe of the linear layers ("tensorwise" or "rowwise"), whose casts are priced
+            (needs an FP8 `matmul`); None: casts fused into other kernels (Transformer Engine) or no FP8.
     """
 
     def __init__(
@@ -188,7 +192,11 @@ class AnalyticCostModel:
         gpus: GpuTable | None = None,
         tf32: bool | None = None,
         matmul: str | None = None,
+        float8: str | None = None,
     ) -> None:
+        if float8 is not None and (float8 not in FLOAT8_RECIPES or precision_of(matmul or "") != "fp8"):
+            raise ValueError(f"float8={float8!r} with matmul={matmul!r}: a recipe ({', '.join(FLOAT8_RECIPES)}) "
+                             "prices the casts of FP8 products; pass matmul='float8_e4m3fn' with it")
         self.device_set = specs if isinstance(specs, DeviceSet) else None
         given = specs.devices if isinstance(specs, DeviceSet) else dict(specs or {})
         self._specs: dict[str, DeviceSpec] = {str(torch.device(k)): v for k, v in given.items()}
@@ -198,6 +206,7 @@ class AnalyticCostModel:
         self._gpus = gpus if gpus is not None else GpuTable.load()
         self._tf32 = tf32
         self._matmul = matmul or None
+        self._float8 = float8
         self._rates: dict[str, _GpuRates | None] = {}
         self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
         self._causal: set[str] = set()  # fused attention nodes called with is_causal=True
@@ -362,7 +371,12 @@ class AnalyticCostModel:
             param_bytes = float(node.get("param_bytes", 0) or 0)
             moved = (2.0 * out_bytes + param_bytes) / bytes_per_s
             compute = max(flops / rate, moved)
-            return cost.fwd_overhead * overhead + compute, cost.bwd_overhead * overhead + BACKWARD_FACTOR * compute
+            forward, backward = cost.fwd_overhead * overhead + compute, cost.bwd_overhead * overhead
+            casts = (0.0, 0.0)
+            if self._float8 and rates is not None and cls == "gemm" and (  # a linear layer's (its weight: an input
+                    param_bytes > 0 or "linear" in str(node.get("target", ""))):  # where torch.export lifts it)
+                casts = cast_seconds(m, k, n, self._float8, bytes_per_s, overhead)
+            return forward + casts[0], backward + BACKWARD_FACTOR * compute + casts[1]
         if cls == "embedding":  # backward writes a dense gradient as large as the table
             memory_bwd += 2.0 * float(node.get("param_bytes", 0) or 0) / bytes_per_s
         forward = cost.fwd_overhead * overhead + memory_fwd

@@ -13,6 +13,7 @@ from torch import nn
 from cost_model.analytic import AnalyticCostModel
 from cost_model.cluster import DeviceSet
 from cost_model.devices import DeviceError, DeviceSpec
+from cost_model.float8_casts import cast_seconds
 from cost_model.ops import classify, gemm_dims, gemm_efficiency
 from cost_model.profiler import ProfiledCostModel
 
@@ -352,6 +353,38 @@ def test_fp8_products_run_at_the_fp8_peak_and_attention_keeps_its_dtype() -> Non
     attend = {"name": "sdpa", "op": "call_function", "target": "scaled_dot_product_attention", "flops": flops,
               "shapes": [(8, 128, 8192, 128)], "dtypes": ["bfloat16"], "out_bytes": 8 * 128 * 8192 * 128 * 2}
     assert fp8.forward_time(attend, ABSENT) == bf16.forward_time(attend, ABSENT)
+
+
+def test_a_float8_linear_pays_its_casts_as_torchaos_roofline_counts_them() -> None:
+    # float8="tensorwise" (torchao's Float8Linear): an M x K input, K x N weight. By hand, bytes per element:
+    # forward: input amax 2 + cast to both layouts 2 + 2, weight amax 2 + cast 2 + 1; backward: weight cast to the
+    # other layout 2 + 1, output gradient amax 2 + cast 2 + 2; each kernel at least a launch (the second amax
+    # stage reads nothing: a launch). Rowwise casts each tensor again along its other dimension.
+    m, k, n, bw, launch = 8192.0, 4096.0, 2048.0, 2e12, 5e-6
+    fwd, bwd = cast_seconds(m, k, n, "tensorwise", bw, launch)
+    assert fwd == pytest.approx(((2 + 4) * m * k + (2 + 3) * k * n) / bw + 2 * launch)
+    assert bwd == pytest.approx((3 * k * n + (2 + 4) * m * n) / bw + launch)
+    fwd, bwd = cast_seconds(m, k, n, "rowwise", bw, launch)
+    assert fwd == pytest.approx((5 * m * k + 3 * k * n) / bw)
+    assert bwd == pytest.approx((3 * m * k + 7 * k * n + 8 * m * n) / bw)
+    tiny = cast_seconds(16, 16, 16, "tensorwise", bw, launch)
+    assert tiny == pytest.approx((6 * launch, 4 * launch))  # every kernel a launch at least
+    with pytest.raises(ValueError, match="'blockwise'"):
+        cast_seconds(m, k, n, "blockwise", bw, launch)
+    # in the cost model: an FP8 linear's time is the plain FP8 product's plus its casts at the GPU's bandwidth
+    plain = AnalyticCostModel(H100, measure=never, matmul="float8_e4m3fn")
+    cast = AnalyticCostModel(H100, measure=never, matmul="float8_e4m3fn", float8="tensorwise")
+    node = big_linear("bfloat16")
+    bandwidth = cast.gpu_rates(ABSENT, "bf16")[2]
+    extra = cast_seconds(N, N, N, "tensorwise", bandwidth, cast.spec(ABSENT).op_overhead_s)
+    assert cast.forward_time(node, ABSENT) - plain.forward_time(node, ABSENT) == pytest.approx(extra[0])
+    assert cast.backward_time(node, ABSENT) - plain.backward_time(node, ABSENT) == pytest.approx(extra[1])
+    exported = {**node, "param_bytes": 0, "target": "linear.default"}  # torch.export lifts the weight out
+    assert cast.forward_time(exported, ABSENT) - plain.forward_time(exported, ABSENT) == pytest.approx(extra[0])
+    bmm = {**node, "param_bytes": 0, "target": "bmm"}  # two activations: no Float8Linear, no casts
+    assert cast.forward_time(bmm, ABSENT) == plain.forward_time(bmm, ABSENT)
+    with pytest.raises(ValueError, match="matmul='float8_e4m3fn'"):
+        AnalyticCostModel(H100, measure=never, float8="tensorwise")  # a recipe without FP8 products
 
 
 def test_fused_attention_runs_at_the_tables_attention_efficiency_and_skips_masked_blocks() -> None:

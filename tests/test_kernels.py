@@ -182,12 +182,33 @@ def test_the_loss_holds_as_many_outputs_as_its_kernel_set_says(kernels: str) -> 
 
 def test_a_fused_plans_last_stage_holds_one_model_output_fewer_for_its_loss() -> None:
     """search/kernels.fused_plan on numbers set by hand: nothing else fused (eager and fused saved bytes equal), so
-    the only change is the loss's: the last stage holds 2 outputs at its backward, not 3; other stages keep theirs."""
+    the only change is the loss's: the last stage holds 2 outputs at its backward, not 3 (one micro-batch's: the
+    facts hold the whole batch's 14 bytes, the plan runs 2 micro-batches); other stages keep theirs."""
     facts = FusedFacts(["a", "b"], np.array([100.0, 100.0]), np.array([100.0, 100.0]), np.array([1.0, 1.0]),
-                       np.array([False, False]), np.array([10.0, 10.0]), np.array([10.0, 10.0]), output=7.0)
+                       np.array([False, False]), np.array([10.0, 10.0]), np.array([10.0, 10.0]), output=14.0)
     stages = [StagePlan(index=i, device="cuda:0", nodes=[n], forward_ms=1.0, backward_ms=2.0, compute_ms=3.0,
                         activation_bytes=50, memory_bytes=80) for i, n in enumerate(("a", "b"))]
     plan = Plan(stages=stages, micro_batches=2)
     fused_plan(plan, facts)
     assert [(s.activation_bytes, s.memory_bytes) for s in plan.stages] == [(50, 80), (43, 73)]
     assert plan.kernels == "fused"
+
+
+def test_a_split_given_by_hand_is_priced_for_the_kernel_set_asked_for() -> None:
+    """replicas=[2, 2] skips the searches that price the kernel set; the plan is still the fused set's, not an eager
+    plan named by nothing (the same stages, fewer activations kept on each)."""
+    with torch.device("meta"):
+        model = Llama(LlamaShape(layers=4, width=256, ffn=832, heads=4, kv_heads=1, vocab=2048, seq=256))
+    tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
+    made = {}
+    for kernels in ("eager", "fused"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made[kernels] = partitioner.plan(model, cluster="1x4xH100", example_inputs=(tokens,), micro_batches=8,
+                                             replicas=[2, 2], precision="mixed", sharding="none", tensor=1,
+                                             kernels=kernels)  # type: ignore[arg-type]
+    eager, fused = made["eager"], made["fused"]
+    assert (eager.kernels, fused.kernels) == ("eager", "fused")
+    assert [s.nodes for s in fused.stages] == [s.nodes for s in eager.stages]
+    for e, f in zip(eager.stages, fused.stages):
+        assert 0 < f.activation_bytes < e.activation_bytes and f.memory_bytes < e.memory_bytes

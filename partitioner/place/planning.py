@@ -30,6 +30,8 @@ from partitioner.place.cluster.plan import cluster_of
 from partitioner.place.cluster.split_axes import found_splits
 from partitioner.place.devices.plan import plan_devices
 from partitioner.place.replicated import plan_hybrid
+from partitioner.place.search.axes import NodeFacts
+from partitioner.place.search.kernels import fused_plan
 from partitioner.place.search.space import SearchSpace
 from partitioner.predict.assemble import counted_per_rank, finish, recompute_memory, recount
 from partitioner.predict.graph_data import store_graph
@@ -186,6 +188,8 @@ def _place(placing: _Placing, schedule: str, layout: list[list[int]]) -> Plan:
         if made.placement != "branches":
             for stage, ranks in zip(made.stages, layout):
                 stage.ranks = ranks
+    if request.kernels == "fused" and made.kernels != "fused":  # the searches price it; a split given is priced here
+        fused_plan(made, NodeFacts(whole_graph(), placing.order, torch.device(devices[0]), cost).fused)
     made.schedule = schedule
     made.virtual_stages = virtual_stages_of(made)
     made.gpus_per_host = request.gpus_per_host  # fits_memory counts each host's GPUs apart (cuda:0 is on every host)

@@ -48,7 +48,7 @@ class FusedFacts:
     away: np.ndarray  # bool
     out_eager: np.ndarray  # each node's output bytes, eager and fused (no score matrix: fused_outputs)
     out_fused: np.ndarray
-    output: float = 0.0  # bytes of the model's output (what its loss reads), as the graph holds them
+    output: float = 0.0  # bytes of the model's output (what its loss reads), whole batch
     segment: np.ndarray | None = None  # each node's recomputation segment (search/recompute.py), where known
     scores: np.ndarray | None = None  # bool: attention scores; core: what Megatron's selective recomputation reruns
     core: np.ndarray | None = None
@@ -108,7 +108,8 @@ def fused_plan(plan: Plan, facts: FusedFacts) -> None:
             less = np.bincount(facts.segment[idx], weights=facts.eager[idx] - facts.fused[idx])
             held = max(0, stage.activation_bytes - int(less.max() / max(1, plan.pieces)))
         if stage.index == len(plan.stages) - 1:  # the loss keeps the logits, not log-probabilities besides
-            held = max(0, held - int(facts.output * (WORKING_OUTPUTS["eager"] - WORKING_OUTPUTS["fused"])))
+            loss = facts.output / max(1, plan.pieces) * (WORKING_OUTPUTS["eager"] - WORKING_OUTPUTS["fused"])
+            held = max(0, held - int(loss))  # one micro-batch's output (facts are the whole batch's)
         if stage.memory_bytes:
             stage.memory_bytes -= stage.activation_bytes - held
         stage.activation_bytes = held

@@ -108,6 +108,10 @@ def _axes(run: Run, fixed: dict[str, Any], t: int, p: int, v: int, sharding: str
     return tuple(name for name, differs in named if differs)
 
 
+# torchtitan's float8 recipes leave the output layer in bf16 (filter_fqns = ["output"]); the builders name it "head"
+FLOAT8_KEEP = ("head",)
+
+
 def _precision(run: Run) -> Precision:
     """The row's precision; float8 linear layers (torchao) as FP8 products (Precision.matmul)."""
     parsed = Precision.parse(run.precision)
@@ -123,7 +127,7 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
     graph, order, shardable, gm, facts = split_traced(model, args.example_inputs()[0], export=True)
     cluster, table = _priced_on(args, factor)
     cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=precision.matmul or None,
-                             float8=run.kernels.float8)  # torchao's casts, priced (cost_model/float8_casts.py)
+                             float8=run.kernels.float8, keep=FLOAT8_KEEP)  # torchao's casts priced
     cost.prepare(gm)
     f = Fixed(**args.fixed)
     recompute = "selective-op" if str(f.recompute) == "selective" else f.recompute  # torchtitan's, as `variants`
@@ -190,7 +194,7 @@ def price_row(run: Run, factor: Factors = NONE, free: bool = True) -> Priced:
     graph, order, shardable, gm = traced(model, args.example_inputs()[0])
     cluster, table = _priced_on(args, factor)
     cost = AnalyticCostModel(cluster_devices(cluster)[2], gpus=table, matmul=_precision(run).matmul or None,
-                             float8=run.kernels.float8)  # torchao's casts, priced (cost_model/float8_casts.py)
+                             float8=run.kernels.float8, keep=FLOAT8_KEEP)  # torchao's casts priced
     cost.prepare(gm)
     precision = _precision(run)
     out.capacity = float(cost.spec("cuda:0").memory_bytes) * 0.9 / GIB

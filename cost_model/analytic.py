@@ -183,6 +183,8 @@ class AnalyticCostModel:
             "float8_e4m3fn" for FP8 training); None: the node's own (see the Note).
         float8: torchao's float8 recipe of the linear layers ("tensorwise" or "rowwise"), whose casts are priced
             (needs an FP8 `matmul`); None: casts fused into other kernels (Transformer Engine) or no FP8.
+        keep: module paths whose products keep the node's dtype under `matmul` (a node whose module path contains
+            one: torchtitan's float8 `filter_fqns`, which its recipes set to the output layer).
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class AnalyticCostModel:
         tf32: bool | None = None,
         matmul: str | None = None,
         float8: str | None = None,
+        keep: Sequence[str] = (),
     ) -> None:
         if float8 is not None and (float8 not in FLOAT8_RECIPES or precision_of(matmul or "") != "fp8"):
             raise ValueError(f"float8={float8!r} with matmul={matmul!r}: a recipe ({', '.join(FLOAT8_RECIPES)}) "
@@ -207,6 +210,7 @@ class AnalyticCostModel:
         self._tf32 = tf32
         self._matmul = matmul or None
         self._float8 = float8
+        self._keep = tuple(keep)
         self._rates: dict[str, _GpuRates | None] = {}
         self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
         self._causal: set[str] = set()  # fused attention nodes called with is_causal=True
@@ -361,8 +365,10 @@ class AnalyticCostModel:
                 dtype = _autocast_dtype(self._autocast.get(name) or node.get("autocast"), device_kind) or dtype
             if rates is not None and cls == "gemm" and _ATTENTION in str(node.get("target", "")):
                 return self._attention(node, name, flops, rates, self._precision(dtype, family), cost, overhead)
+            low = bool(self._matmul) and cls == "gemm" and not any(path in str(node.get("module") or "")
+                                                                   for path in self._keep)  # FP8 where asked
             if rates is not None:
-                precision = self._precision(self._matmul if self._matmul and cls == "gemm" else dtype, family)
+                precision = self._precision(self._matmul if low and self._matmul else dtype, family)
                 rate = rates.gpu.peak(precision) * rates.at(precision) * shape_efficiency
             else:
                 rate = spec.flops_per_s * shape_efficiency
@@ -373,7 +379,7 @@ class AnalyticCostModel:
             compute = max(flops / rate, moved)
             forward, backward = cost.fwd_overhead * overhead + compute, cost.bwd_overhead * overhead
             casts = (0.0, 0.0)
-            if self._float8 and rates is not None and cls == "gemm" and (  # a linear layer's (its weight: an input
+            if self._float8 and rates is not None and low and (  # a linear layer's (its weight: an input
                     param_bytes > 0 or "linear" in str(node.get("target", ""))):  # where torch.export lifts it)
                 casts = cast_seconds(m, k, n, self._float8, bytes_per_s, overhead)
             return forward + casts[0], backward + BACKWARD_FACTOR * compute + casts[1]

@@ -385,6 +385,13 @@ def test_a_float8_linear_pays_its_casts_as_torchaos_roofline_counts_them() -> No
     assert cast.forward_time(bmm, ABSENT) == plain.forward_time(bmm, ABSENT)
     with pytest.raises(ValueError, match="matmul='float8_e4m3fn'"):
         AnalyticCostModel(H100, measure=never, float8="tensorwise")  # a recipe without FP8 products
+    # a module left out (torchtitan's filter_fqns: the output layer) keeps the node's dtype and pays no casts
+    kept = AnalyticCostModel(H100, measure=never, matmul="float8_e4m3fn", float8="tensorwise", keep=("head",))
+    bf16 = AnalyticCostModel(H100, measure=never)
+    head = {**node, "module": "head"}
+    assert kept.forward_time(head, ABSENT) == bf16.forward_time(head, ABSENT)
+    assert kept.backward_time(head, ABSENT) == bf16.backward_time(head, ABSENT)
+    assert kept.forward_time({**node, "module": "layers.0.mlp.w1"}, ABSENT) == cast.forward_time(node, ABSENT)
 
 
 def test_fused_attention_runs_at_the_tables_attention_efficiency_and_skips_masked_blocks() -> None:

@@ -154,19 +154,23 @@ def test_torchtitans_norm_and_rotation_written_op_by_op_compute_what_they_stand_
 
 
 _LOSS_PEAK = """
-import resource, sys, torch, torch.nn.functional as F
-N, V = 2048, 32768  # one output of 256 MiB (fp32): the allocator maps it alone, so the process's peak shows it
+import sys, torch, torch.nn.functional as F
+N, V = 2048, 32768  # one output of 256 MiB (fp32): the allocator maps it alone, so the process's resident set shows it
+def resident(field):  # bytes, from /proc/self/status: VmRSS now, VmHWM the peak since the last reset
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 loss_fn = lambda o, y: F.cross_entropy(o, y)
 if sys.argv[1] == "fused":
     loss_fn = torch.compile(loss_fn)
-    for n, v in ((N // 8, V // 8), (N // 4, V // 4)):  # compiled for any size, under the measured one's peak
+    for n, v in ((N // 8, V // 8), (N // 4, V // 4)):  # compiled for any size before the measured step
         a = torch.randn(n, v, requires_grad=True)
         loss_fn(a * 1.0, torch.randint(0, v, (n,))).backward()
         del a
 w, y = torch.randn(N, V, requires_grad=True), torch.randint(0, V, (N,))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set reset to the current one: what came before is not counted
+before = resident("VmRSS")
 loss_fn(w * 1.0, y).backward()  # w * 1.0: the model's output, made in the step and held by the loss alone
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / (N * V * 4))
+print((resident("VmHWM") - before) / (N * V * 4))
 """
 
 

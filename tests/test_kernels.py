@@ -101,19 +101,23 @@ def test_the_kernel_set_is_checked_where_it_is_asked_for() -> None:
         Plan(stages=[], kernels="compiled").check()  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def plans() -> dict[str, Plan]:
+def _both_kernel_sets(vocab: int, **options: Any) -> dict[str, Plan]:
+    """A small Llama planned on 1x4xH100 under each kernel set, everything else as `options` say."""
     with torch.device("meta"):
-        model = Llama(LlamaShape(layers=4, width=256, ffn=832, heads=4, kv_heads=1, vocab=100, seq=256))
+        model = Llama(LlamaShape(layers=4, width=256, ffn=832, heads=4, kv_heads=1, vocab=vocab, seq=256))
     tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
     out = {}
     for kernels in ("eager", "fused"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out[kernels] = partitioner.plan(model, cluster="1x4xH100", example_inputs=(tokens,), micro_batches=8,
-                                            replicas="auto", precision="mixed", sharding="zero3", tensor=1,
-                                            kernels=kernels)  # type: ignore[arg-type]
+                                            precision="mixed", tensor=1, kernels=kernels, **options)
     return out
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    return _both_kernel_sets(100, replicas="auto", sharding="zero3")
 
 
 def test_a_fused_plan_names_its_kernels_and_keeps_fewer_activations(plans: dict[str, Plan]) -> None:
@@ -201,16 +205,7 @@ def test_a_fused_plans_last_stage_holds_one_model_output_fewer_for_its_loss() ->
 def test_a_split_given_by_hand_is_priced_for_the_kernel_set_asked_for() -> None:
     """replicas=[2, 2] skips the searches that price the kernel set; the plan is still the fused set's, not an eager
     plan named by nothing (the same stages, fewer activations kept on each)."""
-    with torch.device("meta"):
-        model = Llama(LlamaShape(layers=4, width=256, ffn=832, heads=4, kv_heads=1, vocab=2048, seq=256))
-    tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
-    made = {}
-    for kernels in ("eager", "fused"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            made[kernels] = partitioner.plan(model, cluster="1x4xH100", example_inputs=(tokens,), micro_batches=8,
-                                             replicas=[2, 2], precision="mixed", sharding="none", tensor=1,
-                                             kernels=kernels)  # type: ignore[arg-type]
+    made = _both_kernel_sets(2048, replicas=[2, 2], sharding="none")
     eager, fused = made["eager"], made["fused"]
     assert (eager.kernels, fused.kernels) == ("eager", "fused")
     assert [s.nodes for s in fused.stages] == [s.nodes for s in eager.stages]

@@ -365,10 +365,10 @@ class AnalyticCostModel:
                 dtype = _autocast_dtype(self._autocast.get(name) or node.get("autocast"), device_kind) or dtype
             if rates is not None and cls == "gemm" and _ATTENTION in str(node.get("target", "")):
                 return self._attention(node, name, flops, rates, self._precision(dtype, family), cost, overhead)
-            low = bool(self._matmul) and cls == "gemm" and not any(path in str(node.get("module") or "")
-                                                                   for path in self._keep)  # FP8 where asked
+            kept = any(path in str(node.get("module") or "") for path in self._keep)
+            matmul = self._matmul if cls == "gemm" and not kept else None  # the products' dtype where asked
             if rates is not None:
-                precision = self._precision(self._matmul if low and self._matmul else dtype, family)
+                precision = self._precision(matmul or dtype, family)
                 rate = rates.gpu.peak(precision) * rates.at(precision) * shape_efficiency
             else:
                 rate = spec.flops_per_s * shape_efficiency
@@ -379,7 +379,7 @@ class AnalyticCostModel:
             compute = max(flops / rate, moved)
             forward, backward = cost.fwd_overhead * overhead + compute, cost.bwd_overhead * overhead
             casts = (0.0, 0.0)
-            if self._float8 and rates is not None and low and (  # a linear layer's (its weight: an input
+            if self._float8 and rates is not None and matmul and (  # a linear layer's (its weight: an input
                     param_bytes > 0 or "linear" in str(node.get("target", ""))):  # where torch.export lifts it)
                 casts = cast_seconds(m, k, n, self._float8, bytes_per_s, overhead)
             return forward + casts[0], backward + BACKWARD_FACTOR * compute + casts[1]

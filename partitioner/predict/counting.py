@@ -6,7 +6,7 @@ rules for every planner; `assemble` adds memory, programs and predictions.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import networkx as nx
 import torch
@@ -15,7 +15,7 @@ from cost_model.interface import CostModel, forward_time
 from partitioner.errors import PartitionError
 from runtime.plan import Plan, StagePlan
 
-__all__ = ["allreduce_seconds", "count_stages", "device_key", "stage_edges", "weight_groups"]
+__all__ = ["allreduce_seconds", "count_stages", "device_key", "output_bytes", "stage_edges", "weight_groups"]
 
 
 def count_stages(
@@ -74,6 +74,12 @@ def stage_edges(graph: nx.DiGraph, stage_nodes: Sequence[Sequence[str]]) -> dict
             for u in graph.predecessors(n):
                 read(u, last)
     return edges
+
+
+def output_bytes(graph: nx.DiGraph, names: Collection[str] | None = None) -> int:
+    """Bytes of the values the model returns (what its loss reads), of those made by `names` where given."""
+    return sum(int(graph.nodes[u].get("out_bytes", 0) or 0) for n, a in graph.nodes(data=True)
+               if a.get("op") == "output" for u in graph.predecessors(n) if names is None or u in names)
 
 
 def allreduce_seconds(cost: Any, nbytes: float, devices: Sequence[torch.device]) -> float:

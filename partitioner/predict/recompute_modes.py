@@ -16,7 +16,7 @@ import torch
 from cost_model.interface import CostModel, forward_time
 from cost_model.memory import StageMemory, stage_memory
 from cost_model.recompute_cost import ModeCost, graph_nodes, recompute_costs
-from partitioner.predict.counting import device_key
+from partitioner.predict.counting import device_key, output_bytes
 from partitioner.predict.program_run import in_flight
 from runtime.plan import Plan, RecomputeMode, StagePlan
 
@@ -51,9 +51,7 @@ def placed_memory(graph: nx.DiGraph, plan: Plan, stage: StagePlan, costs: ModeCo
     """cost_model.memory.stage_memory of a placed stage: `flight` micro-batches in flight, `costs` its mode's
     bytes; the last stage holds the model output it returns (and its loss) where other stages hold their sends."""
     last = stage.index == len(plan.stages) - 1
-    names = set(stage.nodes)
-    out = sum(int(graph.nodes[u].get("out_bytes", 0) or 0) for n, a in graph.nodes(data=True) if a.get("op") == "output"
-              for u in graph.predecessors(n) if u in names) if last else stage.send_bytes
+    out = output_bytes(graph, set(stage.nodes)) if last else stage.send_bytes
     return stage_memory(stage.param_bytes, costs.kept_bytes, stage=stage.index, stages=len(plan.stages),
                         micro_batches=plan.micro_batches, optimizer=optimizer, recv_bytes=stage.recv_bytes,
                         send_bytes=out, peak_bytes=costs.peak_bytes, flight=flight, last=last)

@@ -31,6 +31,7 @@ from cost_model.fused_kernels import attention_core, fused_away, fused_outputs, 
 from cost_model.interface import CostModel, forward_time
 from cost_model.recompute_cost import graph_nodes, saved_bytes_per_node
 from partitioner.place.search.problem import SearchProblem
+from partitioner.predict.counting import output_bytes
 from rules.kernels import WORKING_OUTPUTS
 from runtime.plan import Plan
 
@@ -70,12 +71,10 @@ def fused_facts(graph: nx.DiGraph, order: Sequence[str], device: torch.device, c
     times = [forward_time(cost, graph.nodes[n], device) for n in order]
     outputs = fused_outputs(nodes)
     scores, core = attention_core(nodes)
-    output = sum(float(graph.nodes[u].get("out_bytes", 0) or 0) for n, a in graph.nodes(data=True)
-                 if a.get("op") == "output" for u in graph.predecessors(n))
     return FusedFacts(list(order), np.array([float(eager[n]) for n in order]),
                       np.array([float(fused[n]) for n in order]), np.array(times), np.array([n in away for n in order]),
                       np.array([float(graph.nodes[n].get("out_bytes", 0) or 0) for n in order]),
-                      np.array([float(outputs[n]) for n in order]), output, segment,
+                      np.array([float(outputs[n]) for n in order]), float(output_bytes(graph)), segment,
                       np.array([n in scores for n in order], dtype=bool),
                       np.array([n in core for n in order], dtype=bool))
 

@@ -37,6 +37,7 @@ from benchmarks.measured_plan import plan_arguments  # noqa: E402
 from benchmarks.measured_runs import RUNS  # noqa: E402
 from benchmarks.measured_types import Run, flops_per_token, implied_tokens_per_s  # noqa: E402
 from benchmarks.published import traced  # noqa: E402
+from benchmarks.published_runs import over_text  # noqa: E402
 from cost_model.analytic import AnalyticCostModel  # noqa: E402
 from cost_model.precision import Precision  # noqa: E402
 from cost_model.training_memory import state_bytes  # noqa: E402
@@ -117,7 +118,8 @@ def row(key: str, fast: bool) -> list[tuple[str, bool]]:
             except InfeasibleError as exc:
                 need = max(exc.needed_bytes) if exc.needed_bytes else float("nan")
                 print(f"  {mark}{name:<17} {kernels:<5}  does not fit: needs {need / GIB:.1f} GiB per GPU of "
-                      f"{cluster.gpu.memory_bytes / GIB:.0f}", flush=True)
+                      f"{cluster.gpu.memory_bytes / GIB:.0f}" + (f" ({over_text(exc)})" if exc.held else ""),
+                      flush=True)
                 if mark == "*":
                     found.append((f"{key} {name} {kernels}", False))
                 continue

@@ -64,6 +64,16 @@ from partitioner.place.search.space import SearchSpace  # noqa: E402
 WITHIN, FREE_LIMIT, GIB = 0.15, 1.15, float(1 << 30)
 
 
+def over_text(exc: InfeasibleError) -> str:
+    """Why a forced configuration does not fit, short: the memory its fullest GPU needs, by kind where known."""
+    if not exc.held:
+        return str(exc).splitlines()[0][:160]
+    h = max(exc.held, key=lambda x: x.total)
+    chunks = f" chunks of 1/{h.chunks}" if h.chunks > 1 else ""
+    return (f"needs {h.total / GIB:.1f} GiB on stage {h.stage}: states {h.states / GIB:.1f}, activations "
+            f"{h.activations / GIB:.1f} = {h.in_flight}{chunks} x {h.activations / max(1, h.in_flight) / GIB:.2f}")
+
+
 def measured_tps(run: Run) -> float:
     """Tokens/s per GPU the row's printed figures mean: the middle of where all their rounding intervals meet."""
     spans = implied_tokens_per_s(run).values()
@@ -141,7 +151,7 @@ def _price_context(run: Run, args: PlanArguments, out: Priced, factor: Factors, 
             made = search_split(graph, order, cluster, cost, facts, space=space, shardable=shardable, expert=1,
                                 context=args.context, stages=f.stages, virtual=f.virtual_stages)
         except InfeasibleError as exc:
-            out.over = out.over or str(exc).splitlines()[0][:160]
+            out.over = out.over or over_text(exc)
             continue
         out.over = ""
         out.forced = tokens_n / made.solution.step_s / run.gpus
@@ -213,7 +223,7 @@ def price_row(run: Run, factor: Factors = NONE, free: bool = True) -> Priced:
             try:
                 solution = price_fixed(graph, order, cluster, cost, variant, precision=precision, shardable=shardable)
             except InfeasibleError as exc:
-                out.over = out.over or str(exc).splitlines()[0][:160]
+                out.over = out.over or over_text(exc)
                 if loose is None:
                     try:  # what its prices say were memory no limit (not counted: it must fit)
                         loose = price_fixed(graph, order, cluster, cost, variant, precision=precision,

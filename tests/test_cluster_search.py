@@ -175,9 +175,32 @@ def test_too_little_memory_names_the_memory_per_gpu() -> None:
     gm = trace(model, (x,), {}).graph_module
     graph, order = build_graph(gm, [x]), [n.name for n in compute_nodes(gm)]
     cluster = Cluster.parse("1x8xH100")
-    with pytest.raises(InfeasibleError, match="GiB per GPU") as err:
+    with pytest.raises(InfeasibleError, match="per GPU is needed") as err:
         plan_on_cluster(graph, order, cluster, AnalyticCostModel(cluster_devices(cluster)[2]), headroom=1e-9)
     assert err.value.needed_bytes and len(err.value.needed_bytes) == 8
+
+
+def test_too_little_memory_says_what_the_fullest_gpu_holds() -> None:
+    # the error splits the memory it names into states and activations, per stage of the split it names: the
+    # states are at least Adam's four copies of the weights each stage holds (weights, gradients, two moments, fp32),
+    # summed over the stages the model's own parameters; 1F1B's stage s of p holds p - s micro-batches in flight
+    model, x = small_gpt(64)
+    gm = trace(model, (x,), {}).graph_module
+    graph, order = build_graph(gm, [x]), [n.name for n in compute_nodes(gm)]
+    cluster = Cluster.parse("1x8xH100")
+    with pytest.raises(InfeasibleError) as err:
+        plan_on_cluster(graph, order, cluster, AnalyticCostModel(cluster_devices(cluster)[2]), headroom=1e-9,
+                        space=SearchSpace(schedules=("1f1b",)))
+    held, needed = err.value.held, err.value.needed_bytes
+    assert held and max(h.total for h in held) == pytest.approx(max(needed), rel=1e-6, abs=1.0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(h.states for h in held) >= 4 * weights * (1 - 1e-9)
+    assert all(h.activations > 0 and h.chunks == 1 for h in held)
+    p = len(held)
+    micro_batches = int(next(t for t in str(err.value).split(", ") if t.endswith("micro-batches")).split()[0])
+    assert [h.in_flight for h in held] == [min(p - s, micro_batches // (8 // p)) for s in range(p)]
+    fullest = max(held, key=lambda h: h.total)
+    assert f"Its fullest GPU (stage {fullest.stage})" in str(err.value) and "of activations" in str(err.value)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -27,6 +27,7 @@ from partitioner.place.cluster.space import (
 from partitioner.place.search.compare import SCHEDULES, kept_schedule
 from partitioner.place.search.degrees import TensorDegree
 from partitioner.place.search.graph_costs import affine
+from partitioner.place.search.infeasible import Held
 from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.split_costs import SplitGrid, split_parts
 from partitioner.place.search.stage_costs import Grid, replica_in_flight, schedule_fill, stage_parts
@@ -99,21 +100,44 @@ class Pricer:
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
         for s, window in enumerate(wins):
-            count = interleaved_chunks(p - s, p, m // window[0], virtual) if virtual > 1 else \
-                replica_in_flight(schedule, p - s, m, window[0])
+            count = self._in_flight(s, p, window, m, schedule, virtual)
             if (window, count) not in made:
                 work, static, flight = self.parts(window, m, sharding)
-                if virtual > 1:  # a chunk saves 1/v of the stage's activations and its own boundary values
-                    io = (self.grid.recv + self.grid.send) / m
-                    used = static + count / virtual * (flight - io) + count * io
-                else:
-                    used = static + count * flight
+                used = static + self._activations(flight, count, m, virtual)
                 if memory:
                     made[window, count] = np.where(np.isfinite(work), used, np.inf)
                 else:
                     made[window, count] = np.where(used <= window[-1], work, np.inf)
             out.append(made[window, count])
         return out
+
+    def held(self, wins: Sequence[Window], m: int, schedule: str, idx: Sequence[int], sharding: str = "none",
+             virtual: int = 1) -> list[Held]:
+        """What each stage [cuts[idx[s]], cuts[idx[s + 1]]) holds per GPU, by kind (the parts `values` adds)."""
+        out = []
+        for s, window in enumerate(wins):
+            count = self._in_flight(s, len(wins), window, m, schedule, virtual)
+            _, static, flight = self.parts(window, m, sharding)
+            i, j = idx[s], idx[s + 1]
+            out.append(Held(s, float(static[i, j]), float(self._activations(flight, count, m, virtual)[i, j]),
+                            count, virtual))
+        return out
+
+    @staticmethod
+    def _in_flight(s: int, p: int, window: Window, m: int, schedule: str, virtual: int) -> int:
+        """Micro-batches (chunks, interleaved) stage s of p holds at its peak."""
+        if virtual > 1:
+            return interleaved_chunks(p - s, p, m // window[0], virtual)
+        return replica_in_flight(schedule, p - s, m, window[0])
+
+    def _activations(self, flight: np.ndarray, count: int, m: int, virtual: int) -> np.ndarray:
+        """Bytes `count` micro-batches in flight hold; interleaved, a chunk saves 1/v of the stage's activations
+        and its own boundary values."""
+        if virtual > 1:
+            io = (self.grid.recv + self.grid.send) / m
+            out: np.ndarray = count / virtual * (flight - io) + count * io
+            return out
+        return count * flight
 
 
 def fill(m: int, p: int, d: int, schedule: str = "1f1b", virtual: int = 1) -> float:

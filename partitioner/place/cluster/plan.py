@@ -160,7 +160,7 @@ def _under_others(exc: InfeasibleError, precision: Precision | None, problem: Se
     if not fits:
         return exc
     note = (f"Under {precision.label} nothing fits; under " + " or ".join(fits) + " it would (precision=...).")
-    return InfeasibleError(str(exc), exc.needed_bytes, note)
+    return InfeasibleError(str(exc), exc.needed_bytes, note, held=exc.held)
 
 
 def solution_plan(

@@ -44,7 +44,7 @@ from partitioner.place.cluster.space import (
     layout,
 )
 from partitioner.place.search.compare import SCHEDULES, priced_schedule
-from partitioner.place.search.infeasible import InfeasibleError
+from partitioner.place.search.infeasible import Held, InfeasibleError, held_text, size_text
 from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.progress import report as _report
 from partitioner.place.search.split_costs import lower_static_bytes
@@ -190,6 +190,7 @@ def _infeasible(
 ) -> InfeasibleError:
     """The error naming the memory per GPU the least demanding configuration would need."""
     least: tuple[float, int, int, int, int, str] | None = None
+    held: list[Held] = []
     D = cluster.size
     for split in space.degrees:
         t = split.tensor
@@ -200,9 +201,10 @@ def _infeasible(
             for sharding in space.modes_for(d):
                 for m in (m for m in micro_batches if m % d == 0):
                     wins = scaled_windows(windows(cluster, layout(p, d, "replicas-together", t), capacity), virtual)
-                    need, _ = dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding, virtual=virtual))
+                    need, idx = dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding, virtual=virtual))
                     if np.isfinite(need) and (least is None or need < least[0]):
                         least = (need, p, d, m, t, sharding)
+                        held = pricers[t].held(wins, m, mode, idx, sharding=sharding, virtual=virtual)
     problem = space.degrees.degrees[0].problem
     if least is None:
         return InfeasibleError(
@@ -210,7 +212,6 @@ def _infeasible(
             f"{cluster.size}, with at most {problem.n} stages and replicas dividing the micro-batches "
             f"{list(micro_batches)[:12]}; allow other micro-batch counts or use another cluster size", [])
     need, p, d, m, t, sharding = least
-    gib = 1024**3
     how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "") + (
         f", {virtual} chunks a rank, interleaved" if virtual > 1 else "")
     batch = problem.batch or 0
@@ -218,9 +219,10 @@ def _infeasible(
     tried = f"micro-batches {list(micro_batches)}" if len(micro_batches) < 4 else "micro-batches"
     return InfeasibleError(
         f"the model does not fit on {named}: under every choice of stages, replicas and {tried} "
-        f"some stage is over the memory per GPU. At least {need / gib:.1f} GiB per GPU is needed ({p} stages x "
-        f"{d} replicas, {m} micro-batches, {mode}{how}); a {cluster.gpu.name} has {capacity / gib:.1f} GiB usable. "
+        f"some stage is over the memory per GPU. At least {size_text(need)} per GPU is needed ({p} stages x "
+        f"{d} replicas, {m} micro-batches, {mode}{how}); a {cluster.gpu.name} has {size_text(capacity)} usable. "
+        f"{held_text(held)} "
         f"Fix: {smaller}more GPUs (more stages), GPUs with more memory, an optimizer with fewer states, or "
         "recomputation.",
-        [int(math.ceil(need))] * cluster.size,
+        [int(math.ceil(need))] * cluster.size, held=held,
     )

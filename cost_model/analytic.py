@@ -51,6 +51,17 @@ from cost_model.cluster import DeviceSet
 from cost_model.comm import default_link, p2p_time, ring_allreduce_time, slowest
 from cost_model.devices import DeviceError, DeviceSpec, device_present, measure_device, tf32_enabled
 from cost_model.float8_casts import FLOAT8_RECIPES, cast_seconds
+from cost_model.gpu_rates import (
+    DEFAULT_BANDWIDTH_EFFICIENCY,
+    DEFAULT_GPU_EFFICIENCY,
+    GPU_EFFICIENCY_RANGE,
+    REFERENCE_MATMUL,
+    STATED,
+    TABLE,
+    GpuRates,
+    bandwidth_efficiency,
+    table_efficiency,
+)
 from cost_model.gpu_table import GpuTable, GpuType, precision_of
 from cost_model.interface import BACKWARD_FACTOR, CostModel
 from cost_model.ops import OpCost, classify, gemm_dims, gemm_efficiency, op_costs
@@ -74,68 +85,21 @@ log = logging.getLogger(__name__)
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # Side of the square product `measure_device` times, by device type (efficiency is relative to it).
 _REFERENCE_MATMUL = {"cpu": 1024.0}
-_REFERENCE_MATMUL_DEFAULT = 4096.0
+_REFERENCE_MATMUL_DEFAULT = REFERENCE_MATMUL
 # Tensor cores: half-precision matrix products run this much faster than the fp32 rate.
 _HALF_SPEEDUP = {"float16": 8.0, "bfloat16": 8.0}
 
-# Fraction of a table GPU's dense peak that a 4096-cube matrix product reaches, for GPUs that
-# are not here to measure: large bf16 GEMMs reach about 0.7-0.8 of peak on A100 and H100 (cuBLAS).
-DEFAULT_GPU_EFFICIENCY = 0.7
-# A measured efficiency is clipped to this range: below it the measurement was disturbed
-# (a busy GPU, clocks still ramping), above it the table or the measurement is wrong.
-GPU_EFFICIENCY_RANGE = (0.3, 1.0)
-# Fraction of the table's peak memory bandwidth a large device copy reaches, for a type whose table entry has
-# no measured `memory_efficiency` (gpus.json: A100 0.87, H100 SXM 0.90; see `bandwidth_efficiency`).
-DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
 # One eager kernel launch, for a GPU that is not here to measure: the CUDA driver's launch from C measured at
 # 4.90 us (https://github.com/JuliaGPU/CUDAdrv.jl/pull/15, its launch_overhead perftest), above PyTorch's own
 # eager dispatch of an op that launches nothing (torch.split on CUDA: 3.3-3.4 us a call in PyTorch's operator
 # micro-benchmark, https://github.com/pytorch/pytorch/pull/32194). The launches of a step overlap the GPU's
 # work except where kernels are shorter than this (ops.py counts launches per class).
 _GPU_OP_OVERHEAD_S = 5e-6
-# s(M, N, K) of the 4096 cube relative to an infinitely large product (ops.gemm_efficiency's shape rule).
-_CUBE = 1.0 / gemm_efficiency(1e18, 1e18, 1e18, "cuda", _REFERENCE_MATMUL_DEFAULT)
 _ATTENTION = "scaled_dot_product_attention"
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-# DeviceSpec.matmul_precision values for a described GPU: flops_per_s is a stated fraction of the fp32 peak
-# for every precision (STATED), or stands for nothing: the table's efficiency by precision (TABLE).
-STATED, TABLE = "stated", "table"
 FLASH_BACKWARD = 2.5  # a flash kernel's backward FLOPs over its forward's (Dao 2023, FlashAttention-2, section 3)
 
 Specs = Mapping[Any, DeviceSpec] | DeviceSet | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _GpuRates:
-    """A table GPU as priced here: its type, E of the precision measured (None: the table's for each), its
-    bandwidth, and how its measured E compares with the table's (1 where nothing was measured)."""
-
-    gpu: GpuType
-    efficiency: float | None
-    bytes_per_s: float
-    reference: str = "fp32"
-    scale: float = 1.0
-
-    def at(self, precision: str) -> float:
-        """E(precision): the fraction of its peak a 4096-cube product reaches (see the Note)."""
-        own = table_efficiency(self.gpu, precision)
-        if self.efficiency is None:
-            return own
-        if precision == self.reference or self.reference == STATED:
-            return self.efficiency
-        return min(own * self.scale, GPU_EFFICIENCY_RANGE[1])  # never above the peak
-
-
-def bandwidth_efficiency(gpu: GpuType) -> float:
-    """The fraction of a table GPU's peak memory bandwidth its memory-bound kernels reach: the table's measured
-    `memory_efficiency` (gpus.json, with its source), else DEFAULT_BANDWIDTH_EFFICIENCY."""
-    return gpu.memory_efficiency if gpu.memory_efficiency is not None else DEFAULT_BANDWIDTH_EFFICIENCY
-
-
-def table_efficiency(gpu: GpuType, precision: str) -> float:
-    """E(precision) of a GPU not measured here: its table fraction scaled to the 4096 cube, else the default."""
-    measured = gpu.gemm_efficiency(precision)
-    return measured * _CUBE if measured is not None else DEFAULT_GPU_EFFICIENCY
 
 
 def _memory_bytes(node: Mapping[str, Any], cost: OpCost, out_bytes: float) -> tuple[float, float]:
@@ -211,7 +175,7 @@ class AnalyticCostModel:
         self._matmul = matmul or None
         self._float8 = float8
         self._keep = tuple(keep)
-        self._rates: dict[str, _GpuRates | None] = {}
+        self._rates: dict[str, GpuRates | None] = {}
         self._stated: set[str] = set()  # devices whose matmul rate is the stated default, not measured
         self._causal: set[str] = set()  # fused attention nodes called with is_causal=True
 
@@ -299,12 +263,12 @@ class AnalyticCostModel:
         rates = self._rates_for(str(torch.device(device)))
         return (rates.gpu, rates.at(precision_of(precision)), rates.bytes_per_s) if rates is not None else None
 
-    def _rates_for(self, key: str) -> _GpuRates | None:
+    def _rates_for(self, key: str) -> GpuRates | None:
         if key not in self._rates:
             self._rates[key] = self._calibrate(key, self.spec(key))
         return self._rates[key]
 
-    def _calibrate(self, key: str, spec: DeviceSpec) -> _GpuRates | None:
+    def _calibrate(self, key: str, spec: DeviceSpec) -> GpuRates | None:
         gpu = self._gpu(key, spec)
         if gpu is None:
             return None
@@ -317,7 +281,7 @@ class AnalyticCostModel:
             log.debug("%s (%s) priced as %s: not here to measure, the table's efficiency by precision (bf16 %.2f, "
                       "fp32 %.2f at the 4096 cube); memory %.0f GB/s", key, spec.name, gpu.name,
                       table_efficiency(gpu, "bf16"), table_efficiency(gpu, "fp32"), bandwidth / 1e9)
-            return _GpuRates(gpu, None, bandwidth)
+            return GpuRates(gpu, None, bandwidth)
         raw = spec.flops_per_s / gpu.peak("fp32" if reference == STATED else reference)
         efficiency = _clip(raw)
         clipped = "" if math.isclose(raw, efficiency) else f", clipped to {GPU_EFFICIENCY_RANGE}"
@@ -325,7 +289,7 @@ class AnalyticCostModel:
                   "precisions by the table's ratios; memory %.0f GB/s", key, spec.name, gpu.name,
                   spec.flops_per_s / 1e12, reference, raw, gpu.peak(reference) / 1e12, clipped, bandwidth / 1e9)
         scale = 1.0 if reference == STATED else efficiency / table_efficiency(gpu, reference)
-        return _GpuRates(gpu, efficiency, bandwidth, reference, scale)
+        return GpuRates(gpu, efficiency, bandwidth, reference, scale)
 
     def _kind(self, device: torch.device, spec: DeviceSpec) -> str:
         return spec.kind or torch.device(device).type
@@ -389,7 +353,7 @@ class AnalyticCostModel:
         backward = cost.bwd_overhead * overhead + memory_bwd if node.get("shapes") else 0.0
         return forward, backward
 
-    def _attention(self, node: Mapping[str, Any], name: str, flops: float, rates: _GpuRates, precision: str,
+    def _attention(self, node: Mapping[str, Any], name: str, flops: float, rates: GpuRates, precision: str,
                    cost: Any, overhead: float) -> tuple[float, float]:
         """(forward, backward) seconds of a fused attention node on a table GPU (see the Note)."""
         work = flops * (0.5 if name in self._causal else 1.0)

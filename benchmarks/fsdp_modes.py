@@ -9,16 +9,21 @@ fixed.py) under three sharding modes of its replicas and both kernel sets (rules
     zero3-full-shard   gathered per micro-batch (twice), gradients reduce-scattered after each micro-batch
                        (FSDP's FULL_SHARD as trainers run it: gradient_sync "every")
 
-and prints, per configuration, memory per GPU by kind (the states of one rank by cost_model.training_memory at the
-row's parameters / (t p), one layer an FSDP unit; "activations" is the rest of the search's peak: saved activations,
-messages, buffers), the predicted MFU (the source's FLOP count over the predicted step) and its ratio to the
-measured MFU, or "does not fit" with the memory per GPU it needs. Rows: llm-foundry's 7B at sequence 8192 on 8
-A100-40GB, its 30B with activation checkpointing on 32 A100-40GB (the smallest 30B run of the table), SC'21's
-1.7B on 32 A100, and Llama 3 405B at 8K and 16K GPUs. The measured configuration (its sharding mode, its kernel
-set) is marked "*". Last line: `measured FSDP configurations that fit: k of n` (the rows that ran sharded: each
-as-run mode and kernel set, with the forced FULL_SHARD configuration where the run used FULL_SHARD).
+(and, for Llama 3 405B, `zero2-every`: the paper's "we shard optimizer states and gradients, but for model shards
+we do not reshard after forward computation" read literally, FSDP's SHARD_GRAD_OP: gathered per micro-batch and kept
+to its backward, gradients reduce-scattered after each; the rows' `zero1` reads the FP32 gradients as accumulated
+whole and reduced once, which is what their measured step time allows) and prints, per configuration, memory per
+GPU by kind (the states of one rank by cost_model.training_memory at the row's parameters / (t p), one layer an
+FSDP unit; "activations" is the rest of the search's peak: saved activations, messages, buffers), the predicted MFU
+(the source's FLOP count over the predicted step) and its ratio to the measured MFU, or "does not fit" with the
+memory per GPU it needs and its fullest GPU's states and activations (micro-batches, or interleaved chunks, in
+flight). Rows: llm-foundry's 7B at sequence 8192 on 8 A100-40GB, its 30B with activation checkpointing on 32
+A100-40GB (the smallest 30B run of the table), SC'21's 1.7B on 32 A100, and Llama 3 405B at 8K and 16K GPUs. The
+measured configuration (its sharding mode, its kernel set) is marked "*". Last line: `measured FSDP configurations
+that fit: k of n` (the rows that ran sharded: each as-run mode and kernel set, with the forced FULL_SHARD
+configuration where the run used FULL_SHARD).
 
-Usage: python benchmarks/fsdp_modes.py [--rows KEY,KEY] [--fast]   (--fast: the 405B rows as run only)
+Usage: python benchmarks/fsdp_modes.py [--rows KEY,KEY] [--fast]   (--fast: the 405B rows as run and read literally)
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ ROWS = ["foundry-a100-40gb-7b-8192-8", "foundry-a100-40gb-30b-2048-32", "sc21-1.
         "llama3-405B-16k"]
 MODES = {"zero1": ("zero1", "last"), "zero3-accumulate": ("zero3", "last"), "zero3-full-shard": ("zero3", "every")}
 GIB = float(1 << 30)
+HEADROOM = 0.9  # price_fixed's default: the share of a GPU's memory a plan may fill
 
 
 def measured_mfu(run: Run) -> float:
@@ -107,6 +113,8 @@ def row(key: str, fast: bool) -> list[tuple[str, bool]]:
     found: list[tuple[str, bool]] = []
     modes = {mode_run: MODES.get(mode_run, (mode_run, "last"))} if fast and key.startswith("llama3") else \
         {**MODES, **({mode_run: (mode_run, "last")} if mode_run not in MODES else {})}
+    if key.startswith("llama3"):  # section 3.3.2's sentence read literally: FSDP's SHARD_GRAD_OP (module docstring)
+        modes["zero2-every"] = ("zero2", "every")
     for name, (mode, sync) in modes.items():
         for kernels in ("eager", "fused"):
             fixed = Fixed(**{**base, "sharding": mode, "gradient_sync": sync if mode != "none" else None,
@@ -118,7 +126,8 @@ def row(key: str, fast: bool) -> list[tuple[str, bool]]:
             except InfeasibleError as exc:
                 need = max(exc.needed_bytes) if exc.needed_bytes else float("nan")
                 print(f"  {mark}{name:<17} {kernels:<5}  does not fit: needs {need / GIB:.1f} GiB per GPU of "
-                      f"{cluster.gpu.memory_bytes / GIB:.0f}" + (f" ({over_text(exc)})" if exc.held else ""),
+                      f"{HEADROOM * cluster.gpu.memory_bytes / GIB:.0f} usable ({cluster.gpu.memory_bytes / GIB:.0f})"
+                      + (f" ({over_text(exc)})" if exc.held else ""),
                       flush=True)
                 if mark == "*":
                     found.append((f"{key} {name} {kernels}", False))

@@ -235,6 +235,15 @@ def test_infeasible_error_names_the_memory_each_device_needs() -> None:
         assert f"device {d}: needs " in text and f"(has {pr.capacity[d]:.0f} B)" in text
     best_ratio = min(c[1] for c in configs(pr, [1, 2, 4], ("1f1b",)))
     assert max(x / c for x, c in zip(needed, pr.capacity)) == pytest.approx(best_ratio, rel=1e-6)
+    # why: each stage's states and in-flight activations add up to what its devices need, and 1F1B's stage s of
+    # p holds min(p - s, m / replicas) micro-batches (the message names the fullest device)
+    held = info.value.held
+    assert held and all(math.ceil(h.total) in needed for h in held)
+    assert max(h.total for h in held) == pytest.approx(max(needed), abs=1.0)
+    assert all(h.states >= 0 and h.activations >= 0 and h.in_flight >= 1 for h in held)
+    assert held[-1].in_flight == 1 and [h.in_flight for h in held] == sorted((h.in_flight for h in held), reverse=True)
+    fullest = max(held, key=lambda h: h.total)
+    assert f"Its fullest device (stage {fullest.stage})" in text
     pr.capacity = np.array(needed, dtype=float)  # exactly that much memory: now it plans
     check_solution(pr, solve_devices(pr, [1, 2, 4]), [1, 2, 4])
 

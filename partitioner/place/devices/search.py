@@ -58,7 +58,7 @@ from partitioner.place.devices.windows import Classes, Windows, all_windows, rec
 from partitioner.place.search.compare import SCHEDULES, kept_schedule, priced_schedule
 from partitioner.place.search.counts import PER_DEVICE, micro_batch_counts
 from partitioner.place.search.degrees import Degrees
-from partitioner.place.search.infeasible import InfeasibleError, size_text
+from partitioner.place.search.infeasible import Held, InfeasibleError, held_text, size_text
 from partitioner.place.search.problem import SearchProblem
 from partitioner.place.search.stage_costs import Grid, cut_candidates, replica_in_flight, schedule_fill, stage_parts
 from rules.schedules import searched_names
@@ -177,13 +177,37 @@ def evaluate(
 ) -> tuple[float, list[float], list[float]]:
     """Predicted step seconds, W per stage and bytes per replica of a given configuration (`tensors`: each
     stage's degree, priced by `space`; None: every stage whole)."""
+    parts = _stages(problem, bounds, replicas, m, tensors, space)
+    work = [wk for wk, _, _ in parts]
+    memory = [static + replica_in_flight(schedule, len(parts) - s, m, r) * flight
+              for s, ((_, static, flight), r) in enumerate(zip(parts, replicas))]
+    return schedule_fill(schedule)(m, len(parts)) * max(work), work, memory
+
+
+def held(
+    problem: SearchProblem, bounds: Sequence[int], replicas: Sequence[int], m: int, schedule: str,
+    tensors: Sequence[int] | None = None, space: Degrees | None = None,
+) -> list[Held]:
+    """What each stage's devices hold of `evaluate`'s memory: states and buffers, and the micro-batches in flight."""
+    out = []
+    for s, ((_, static, flight), r) in enumerate(zip(_stages(problem, bounds, replicas, m, tensors, space), replicas)):
+        count = replica_in_flight(schedule, len(replicas) - s, m, r)
+        out.append(Held(s, static, count * flight, count))
+    return out
+
+
+def _stages(
+    problem: SearchProblem, bounds: Sequence[int], replicas: Sequence[int], m: int,
+    tensors: Sequence[int] | None, space: Degrees | None,
+) -> list[tuple[float, float, float]]:
+    """(W, static bytes, bytes per micro-batch in flight) of each stage of a given configuration."""
     cuts = np.asarray(bounds, dtype=np.int64)
     grid, p, w = Grid(problem, cuts), len(replicas), 0
     degrees = list(tensors) if tensors is not None else [1] * p
     if any(t > 1 for t in degrees) and space is None:
         raise PartitionError(f"tensor degrees {degrees} need the Degrees that price them (devices/split.py)")
     pricer = TensorPricer(space, cuts) if space is not None and any(t > 1 for t in degrees) else None
-    work, memory = [], []
+    out = []
     for s, (r, t) in enumerate(zip(replicas, degrees)):
         rows, cols = slice(s, s + 1), slice(s + 1, s + 2)
         window = stage_window(problem, w, r * t, replicas[s - 1] * degrees[s - 1] if s else 0)
@@ -192,10 +216,9 @@ def evaluate(
             wk, static, flight = pricer.parts(t, index, window, m, rows, cols)
         else:
             wk, static, flight = stage_parts(problem, grid, window, m, rows, cols)
-        work.append(float(wk[0, 0]))
-        memory.append(float(static[0, 0] + replica_in_flight(schedule, p - s, m, r) * flight[0, 0]))
+        out.append((float(wk[0, 0]), float(static[0, 0]), float(flight[0, 0])))
         w += r * t
-    return schedule_fill(schedule)(m, p) * max(work), work, memory
+    return out
 
 
 def _infeasible(
@@ -220,6 +243,7 @@ def _infeasible(
     _, m, bounds, reps, tensors = best
     space = tensor.space if tensor is not None else None
     memory = evaluate(problem, bounds, reps, m, mode, tensors if space is not None else None, space)[2]
+    kinds = held(problem, bounds, reps, m, mode, tensors if space is not None else None, space)
     needed = [int(math.ceil(x)) for x, r, t in zip(memory, reps, tensors) for _ in range(r * t)]
     names = problem.names or [f"device {d}" for d in range(D)]
     lines = [f"  {name}: needs {size_text(x)} (has {size_text(c)})"
@@ -228,9 +252,10 @@ def _infeasible(
         "the model fits on no split of these devices: every choice of stages, replicas and micro-batches "
         "puts some stage over its device's memory. The smallest memory each device would need "
         f"({len(reps)} stages, replicas {reps}{_degrees(tensors)}, {m} micro-batches, {mode}):\n" + "\n".join(lines)
+        + f"\n{held_text(kinds, 'device')}"
         + "\nFix: use devices with at least that much memory, add devices, or use an optimizer with fewer states "
         "(sgd).",
-        needed,
+        needed, held=kinds,
     )
 
 

@@ -45,14 +45,14 @@ class InfeasibleError(PartitionError):
         self.held = list(held)  # per stage of that split, where known: what its GPUs hold (Held)
 
 
-def held_text(held: Sequence[Held]) -> str:
-    """The fullest stage's memory by kind, as the errors print it ("" without any)."""
+def held_text(held: Sequence[Held], device: str = "GPU") -> str:
+    """The fullest stage's memory by kind, as the errors print it ("" without any); `device`: what a stage runs on."""
     if not held:
         return ""
     h = max(held, key=lambda x: x.total)
     what = f"chunk micro-batches (1/{h.chunks} of the stage each, interleaved)" if h.chunks > 1 else "micro-batches"
     each = h.activations / h.in_flight if h.in_flight else 0.0
-    return (f"Its fullest GPU (stage {h.stage}) holds {size_text(h.states)} of weights, gradients, optimizer states "
+    return (f"Its fullest {device} (stage {h.stage}) holds {size_text(h.states)} of weights, gradients, optimizer states "
             f"and buffers and {size_text(h.activations)} of activations: {h.in_flight} {what} in flight, "
             f"{size_text(each)} each.")
 

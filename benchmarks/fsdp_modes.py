@@ -54,7 +54,7 @@ ROWS = ["foundry-a100-40gb-7b-8192-8", "foundry-a100-40gb-30b-2048-32", "sc21-1.
         "llama3-405B-16k"]
 MODES = {"zero1": ("zero1", "last"), "zero3-accumulate": ("zero3", "last"), "zero3-full-shard": ("zero3", "every")}
 GIB = float(1 << 30)
-HEADROOM = 0.9  # price_fixed's default: the share of a GPU's memory a plan may fill
+HEADROOM = 0.9  # the share of a GPU's memory a plan may fill (price_fixed's default, passed to it)
 
 
 def measured_mfu(run: Run) -> float:
@@ -122,7 +122,8 @@ def row(key: str, fast: bool) -> list[tuple[str, bool]]:
             mark = "*" if (name, kernels) == (mode_run, args.kernels) else " "
             start = time.perf_counter()
             try:
-                solution = price_fixed(graph, order, cluster, cost, fixed, precision=precision, shardable=shardable)
+                solution = price_fixed(graph, order, cluster, cost, fixed, precision=precision, shardable=shardable,
+                                       headroom=HEADROOM)
             except InfeasibleError as exc:
                 need = max(exc.needed_bytes) if exc.needed_bytes else float("nan")
                 print(f"  {mark}{name:<17} {kernels:<5}  does not fit: needs {need / GIB:.1f} GiB per GPU of "

@@ -12,7 +12,7 @@ cluster/fixed.py call. The step is fill(m, p, d) * max W (`fill`: cluster/search
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class Pricer:
             count = self._in_flight(s, p, window, m, schedule, virtual)
             if (window, count) not in made:
                 work, static, flight = self.parts(window, m, sharding)
-                used = static + self._activations(flight, count, m, virtual)
+                used = static + self._activations(flight, self._io(m), count, virtual)
                 if memory:
                     made[window, count] = np.where(np.isfinite(work), used, np.inf)
                 else:
@@ -119,8 +119,8 @@ class Pricer:
             count = self._in_flight(s, len(wins), window, m, schedule, virtual)
             _, static, flight = self.parts(window, m, sharding)
             i, j = idx[s], idx[s + 1]
-            out.append(Held(s, float(static[i, j]), float(self._activations(flight, count, m, virtual)[i, j]),
-                            count, virtual))
+            out.append(Held(s, float(static[i, j]), float(self._activations(flight[i, j], self._io(m)[i, j], count,
+                                                                            virtual)), count, virtual))
         return out
 
     @staticmethod
@@ -130,13 +130,17 @@ class Pricer:
             return interleaved_chunks(p - s, p, m // window[0], virtual)
         return replica_in_flight(schedule, p - s, m, window[0])
 
-    def _activations(self, flight: np.ndarray, count: int, m: int, virtual: int) -> np.ndarray:
-        """Bytes `count` micro-batches in flight hold; interleaved, a chunk saves 1/v of the stage's activations
-        and its own boundary values."""
+    def _io(self, m: int) -> np.ndarray:
+        """Boundary bytes (received and sent) one micro-batch of m holds, per stage [cuts[i], cuts[j])."""
+        out: np.ndarray = (self.grid.recv + self.grid.send) / m
+        return out
+
+    @staticmethod
+    def _activations(flight: Any, io: Any, count: int, virtual: int) -> Any:
+        """Bytes `count` micro-batches in flight hold (`flight` each, `io` of it boundary values; arrays or numbers);
+        interleaved, a chunk saves 1/v of the stage's activations and its own boundary values."""
         if virtual > 1:
-            io = (self.grid.recv + self.grid.send) / m
-            out: np.ndarray = count / virtual * (flight - io) + count * io
-            return out
+            return count / virtual * (flight - io) + count * io
         return count * flight
 
 

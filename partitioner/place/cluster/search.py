@@ -44,7 +44,7 @@ from partitioner.place.cluster.space import (
     layout,
 )
 from partitioner.place.search.compare import SCHEDULES, priced_schedule
-from partitioner.place.search.infeasible import Held, InfeasibleError, held_text, size_text
+from partitioner.place.search.infeasible import InfeasibleError, held_text, size_text
 from partitioner.place.search.problem import SearchProblem, Window
 from partitioner.place.search.progress import report as _report
 from partitioner.place.search.split_costs import lower_static_bytes
@@ -190,7 +190,7 @@ def _infeasible(
 ) -> InfeasibleError:
     """The error naming the memory per GPU the least demanding configuration would need."""
     least: tuple[float, int, int, int, int, str] | None = None
-    held: list[Held] = []
+    fullest: tuple[list[Window], list[int]] = ([], [])  # the least one's windows and cuts
     D = cluster.size
     for split in space.degrees:
         t = split.tensor
@@ -203,8 +203,7 @@ def _infeasible(
                     wins = scaled_windows(windows(cluster, layout(p, d, "replicas-together", t), capacity), virtual)
                     need, idx = dp(pricers[t].values(wins, m, mode, memory=True, sharding=sharding, virtual=virtual))
                     if np.isfinite(need) and (least is None or need < least[0]):
-                        least = (need, p, d, m, t, sharding)
-                        held = pricers[t].held(wins, m, mode, idx, sharding=sharding, virtual=virtual)
+                        least, fullest = (need, p, d, m, t, sharding), (wins, idx)
     problem = space.degrees.degrees[0].problem
     if least is None:
         return InfeasibleError(
@@ -212,6 +211,7 @@ def _infeasible(
             f"{cluster.size}, with at most {problem.n} stages and replicas dividing the micro-batches "
             f"{list(micro_batches)[:12]}; allow other micro-batch counts or use another cluster size", [])
     need, p, d, m, t, sharding = least
+    held = pricers[t].held(fullest[0], m, mode, fullest[1], sharding=sharding, virtual=virtual)
     how = (f", tensor {t}" if t > 1 else "") + (f", {sharding}" if sharding != "none" else "") + (
         f", {virtual} chunks a rank, interleaved" if virtual > 1 else "")
     batch = problem.batch or 0

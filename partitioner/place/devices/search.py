@@ -242,8 +242,8 @@ def _infeasible(
         )
     _, m, bounds, reps, tensors = best
     space = tensor.space if tensor is not None else None
-    memory = evaluate(problem, bounds, reps, m, mode, tensors if space is not None else None, space)[2]
     kinds = held(problem, bounds, reps, m, mode, tensors if space is not None else None, space)
+    memory = [h.total for h in kinds]  # evaluate's memory, priced once
     needed = [int(math.ceil(x)) for x, r, t in zip(memory, reps, tensors) for _ in range(r * t)]
     names = problem.names or [f"device {d}" for d in range(D)]
     lines = [f"  {name}: needs {size_text(x)} (has {size_text(c)})"

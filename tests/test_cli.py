@@ -387,6 +387,8 @@ def test_cluster_errors_name_what_does_not_fit(argv: list[str], reason: str, tmp
     code, _, err = run(["plan", target, *CLUSTER, *argv], capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and reason in err, err
+    if reason == "the model does not fit in memory per GPU":  # and why: the fullest GPU's states and activations
+        assert "Its fullest GPU (stage " in err and " of activations: " in err, err
 
 
 def test_mfu_divides_by_the_peak_of_the_precision_products_run_in(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,7 @@ from partitioner.cli.inputs import Example, UsageError, load_example
 from partitioner.cli.throughput import Throughput, throughput
 from partitioner.errors import PartitionError
 from partitioner.place.planning import device_capacity
+from partitioner.place.search.infeasible import held_text
 from partitioner.place.search.progress import reporting
 from partitioner.predict.memory_kinds import KINDS, memory_kinds
 from partitioner.predict.replica_fold import rank_span
@@ -255,13 +256,15 @@ def plan_cluster(args: argparse.Namespace, err: Console, step: Step) -> ClusterP
 
 
 def _one_line(exc: Exception) -> UsageError:
-    """A planner error as one line; a memory error (InfeasibleError) says how much the GPUs would need."""
+    """A planner error as one line; a memory error (InfeasibleError) says how much the GPUs would need, and why
+    (its fullest GPU's states and activations, where the search gave them)."""
     needed = getattr(exc, "needed_bytes", None)
     if needed:
-        note = getattr(exc, "note", "")
+        note, why = getattr(exc, "note", ""), held_text(getattr(exc, "held", ()))
         return UsageError(f"the model does not fit in memory per GPU: it needs at least {human_bytes(max(needed))} "
-                          "on some GPU under every split; use a larger cluster or GPUs with more memory, --recompute "
-                          "auto, or a smaller --global-batch" + (f". {note}" if note else ""))
+                          "on some GPU under every split" + (f". {why[:-1]}" if why else "") + "; use a larger "
+                          "cluster or GPUs with more memory, --recompute auto, or a smaller --global-batch"
+                          + (f". {note}" if note else ""))
     return UsageError(" ".join(str(exc).split()))
 
 

@@ -50,7 +50,8 @@ def held_text(held: Sequence[Held], device: str = "GPU") -> str:
     if not held:
         return ""
     h = max(held, key=lambda x: x.total)
-    what = f"chunk micro-batches (1/{h.chunks} of the stage each, interleaved)" if h.chunks > 1 else "micro-batches"
+    noun = "micro-batch" if h.in_flight == 1 else "micro-batches"
+    what = f"chunk {noun} (1/{h.chunks} of the stage each, interleaved)" if h.chunks > 1 else noun
     each = h.activations / h.in_flight if h.in_flight else 0.0
     return (f"Its fullest {device} (stage {h.stage}) holds {size_text(h.states)} of weights, gradients, optimizer "
             f"states and buffers and {size_text(h.activations)} of activations: {h.in_flight} {what} in flight, "

@@ -99,11 +99,12 @@ class Pricer:
         `virtual` > 1: v chunks per rank, interleaved (search/virtual_stages.py; `wins` already scaled)."""
         p, out = len(wins), []
         made: dict[tuple[Window, int], np.ndarray] = {}  # stages alike in window and micro-batches held
+        io = self._io(m) if virtual > 1 else 0.0
         for s, window in enumerate(wins):
             count = self._in_flight(s, p, window, m, schedule, virtual)
             if (window, count) not in made:
                 work, static, flight = self.parts(window, m, sharding)
-                used = static + self._activations(flight, self._io(m), count, virtual)
+                used = static + self._activations(flight, io, count, virtual)
                 if memory:
                     made[window, count] = np.where(np.isfinite(work), used, np.inf)
                 else:
@@ -114,13 +115,13 @@ class Pricer:
     def held(self, wins: Sequence[Window], m: int, schedule: str, idx: Sequence[int], sharding: str = "none",
              virtual: int = 1) -> list[Held]:
         """What each stage [cuts[idx[s]], cuts[idx[s + 1]]) holds per GPU, by kind (the parts `values` adds)."""
-        out = []
+        out, io = [], self._io(m)
         for s, window in enumerate(wins):
             count = self._in_flight(s, len(wins), window, m, schedule, virtual)
             _, static, flight = self.parts(window, m, sharding)
             i, j = idx[s], idx[s + 1]
-            out.append(Held(s, float(static[i, j]), float(self._activations(flight[i, j], self._io(m)[i, j], count,
-                                                                            virtual)), count, virtual))
+            activations = self._activations(flight[i, j], io[i, j], count, virtual)
+            out.append(Held(s, float(static[i, j]), float(activations), count, virtual))
         return out
 
     @staticmethod
